@@ -1,0 +1,27 @@
+"""``single_turn_agent``: one prompt, one model answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentloop.agent_loop.base import AgentLoopBase
+from agentloop.protocol import AgentLoopOutput
+from agentloop.registry import register
+
+
+@register("single_turn_agent")
+class SingleTurnAgentLoop(AgentLoopBase):
+    """Render the row's chat prompt, generate once, return the exact sampled tokens."""
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        prompt_ids = self.encode_prompt(row["prompt"])
+        output = await self.server_manager.generate(row["request_id"], prompt_ids, sampling_params)
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids,
+            response_ids=output.token_ids,
+            response_mask=[1] * len(output.token_ids),
+            response_logprobs=output.log_probs,
+            num_turns=2,
+            metrics={"cached_tokens": float(output.cached_tokens)},
+            extra_fields={"finish_reason": output.finish_reason},
+        )

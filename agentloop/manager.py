@@ -1,0 +1,178 @@
+"""``AgentLoopManager``: starts the rollout servers and agent-loop workers, and turns rows into a batch."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from omegaconf import DictConfig, OmegaConf
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from agentloop.batch import RolloutBatch, object_array
+from agentloop.registry import check_agent_names, resolve_agent_loops
+from agentloop.server.rollout_server import RolloutServer
+from agentloop.worker import AgentLoopWorker
+
+ROW_FIELDS = ("prompt", "agent_name", "data_source", "reward_model", "extra_info")
+
+
+class AgentLoopManager:
+    """Data-parallel rollout servers plus ``agent.num_workers`` workers on the current Ray cluster.
+
+    Starts a local Ray instance when none is connected; to use a cluster, call
+    ``ray.init(address=...)`` first.
+    """
+
+    def __init__(self, config: DictConfig) -> None:
+        config = config.copy()
+        OmegaConf.resolve(config)  # builds the default tiny model here, once, before any actor needs it
+        self.config = config
+        self.rollout = config.actor_rollout_ref.rollout
+        if not ray.is_initialized():
+            ray.init()
+        timeout = float(self.rollout.server_startup_timeout_s)
+        self.agent_loops = resolve_agent_loops(self.rollout.agent.agent_loop_config_path)
+        check_agent_names({self.rollout.agent.default_agent_loop}, self.agent_loops)
+
+        self.servers, self.placement_group = self._start_servers(timeout)
+        self.workers = [
+            AgentLoopWorker.options(num_cpus=0).remote(config, self.servers, self.agent_loops)
+            for _ in range(int(self.rollout.agent.num_workers))
+        ]
+        _wait([worker.__ray_ready__.remote() for worker in self.workers], timeout, "agent loop workers to start")
+
+    def _start_servers(self, timeout: float) -> tuple[list[ray.actor.ActorHandle], Any]:
+        size = int(self.rollout.data_parallel_size)
+        bundle = {key: float(value) for key, value in self.rollout.resources_per_server.items() if value}
+        group = placement_group([dict(bundle) for _ in range(size)], strategy=self.rollout.placement_strategy)
+        _wait(
+            [group.ready()],
+            timeout,
+            f"resources for {size} rollout server(s) of {bundle} each "
+            f"(cluster has {ray.cluster_resources()}; lower actor_rollout_ref.rollout.resources_per_server "
+            "or data_parallel_size)",
+        )
+        servers = [
+            RolloutServer.options(
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+            ).remote(self.config, rank)
+            for rank in range(size)
+        ]
+        _wait([server.__ray_ready__.remote() for server in servers], timeout, "rollout servers to load their engines")
+        return servers, group
+
+    # ------------------------------------------------------------------ rollout
+
+    def generate_sequences(self, rows: list[dict[str, Any]], validate: bool = False) -> RolloutBatch:
+        """Roll out every row (``rollout.n`` times each, ``val_kwargs.n`` when validating) into one padded batch.
+
+        Rows are verl dataset rows: ``prompt`` (chat messages) and optionally ``agent_name``,
+        ``data_source``, ``reward_model``, ``extra_info`` and any other fields, which ride along in
+        ``non_tensor_batch``. Samples of one row share a ``uid`` (the GRPO group).
+        """
+        if not rows:
+            raise ValueError("generate_sequences needs at least one row")
+        samples = self._expand(rows, validate)
+        check_agent_names({sample["agent_name"] for sample in samples}, self.agent_loops)
+        sampling_params = self._sampling_params(validate)
+
+        start = time.perf_counter()
+        chunks = np.array_split(np.arange(len(samples)), min(len(self.workers), len(samples)))
+        refs = [
+            worker.generate_sequences.remote([samples[i] for i in chunk], sampling_params)
+            for worker, chunk in zip(self.workers, chunks)
+        ]
+        # Each trajectory's turns are individually bounded by request_timeout_s; the batch as a whole
+        # is bounded by generate_timeout_s.
+        parts: list[RolloutBatch] = _wait(
+            refs, float(self.rollout.generate_timeout_s), f"{len(samples)} trajectories to finish"
+        )
+        elapsed = time.perf_counter() - start
+        batch = RolloutBatch.concat(parts)
+        batch.meta_info = self._meta_info(parts, batch, elapsed)
+        return batch
+
+    def _expand(self, rows: list[dict[str, Any]], validate: bool) -> list[dict[str, Any]]:
+        repeats = int(self.rollout.val_kwargs.n if validate else self.rollout.n)
+        keys = list(dict.fromkeys([*ROW_FIELDS, *(key for row in rows for key in row)]))
+        samples = []
+        for index, row in enumerate(rows):
+            if not isinstance(row.get("prompt"), list) or not row["prompt"]:
+                raise ValueError(f"row {index}: 'prompt' must be a non-empty list of chat messages, got {row.get('prompt')!r}")
+            uid = str(uuid.uuid4())
+            for _ in range(repeats):
+                sample = {key: row.get(key) for key in keys}
+                sample["agent_name"] = sample["agent_name"] or self.rollout.agent.default_agent_loop
+                sample.update(index=index, uid=uid, request_id=str(uuid.uuid4()))
+                samples.append(sample)
+        return samples
+
+    def _sampling_params(self, validate: bool) -> dict[str, Any]:
+        source = self.rollout.val_kwargs if validate else self.rollout
+        return {
+            "max_new_tokens": int(self.rollout.response_length),
+            "temperature": float(source.temperature),
+            "top_p": float(source.top_p),
+            "top_k": int(source.top_k),
+        }
+
+    def _meta_info(self, parts: list[RolloutBatch], batch: RolloutBatch, elapsed: float) -> dict[str, Any]:
+        times = batch.non_tensor_batch["generate_time_s"].astype(float)
+        per_server = np.sum([part.meta_info["requests_per_server"] for part in parts], axis=0).tolist()
+        prompt_tokens = sum(part.meta_info["prompt_tokens"] for part in parts)
+        cached = sum(part.meta_info["cached_tokens"] for part in parts)
+        imbalance = [sample for part in parts for sample in part.meta_info["imbalance_samples"]]
+        return {
+            "timing/generate_sequences_s": elapsed,
+            "timing/trajectory_min_s": float(times.min()),
+            "timing/trajectory_mean_s": float(times.mean()),
+            "timing/trajectory_max_s": float(times.max()),
+            "rollout/requests_per_server": per_server,
+            "rollout/cached_token_share": cached / prompt_tokens if prompt_tokens else 0.0,
+            "rollout/in_flight_imbalance": float(np.mean(imbalance)) if imbalance else 1.0,
+            "rollout/response_tokens": int(batch.batch["response_mask"].sum()),
+        }
+
+    # ------------------------------------------------------------------ servers
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Push new weights to every server (in place; prefix caches flushed)."""
+        ref = ray.put({name: tensor.detach().cpu() for name, tensor in state_dict.items()})
+        _wait([server.update_weights.remote(ref) for server in self.servers], self._control_timeout, "weight update")
+
+    def sleep(self) -> None:
+        """Free every server's KV cache."""
+        _wait([server.sleep.remote() for server in self.servers], self._control_timeout, "servers to sleep")
+
+    def wake_up(self) -> None:
+        """Re-allocate every server's KV cache."""
+        _wait([server.wake_up.remote() for server in self.servers], self._control_timeout, "servers to wake up")
+
+    def server_info(self) -> list[dict[str, Any]]:
+        """Where each server runs (node id, host, pid)."""
+        return _wait([server.node_info.remote() for server in self.servers], self._control_timeout, "server info")
+
+    @property
+    def _control_timeout(self) -> float:
+        return float(self.rollout.server_startup_timeout_s)
+
+    def shutdown(self) -> None:
+        """Stop workers and servers and release their resources."""
+        for actor in [*self.workers, *self.servers]:
+            ray.kill(actor)
+        remove_placement_group(self.placement_group)
+
+
+def _wait(refs: list[Any], timeout: float, what: str) -> list[Any]:
+    """``ray.get`` with a timeout whose error says what was being waited for."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}") from None

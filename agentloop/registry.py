@@ -1,0 +1,81 @@
+"""Agent-loop registry: ``@register("name")`` on a class, or a YAML file of ``{name, _target_, ...}``.
+
+The driver resolves the registry once into plain specs and ships them to the workers, so loops defined
+in a user's script (not importable by the workers) still work: their class travels by value.
+Loops are built per sample with ``hydra.utils.instantiate``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+from hydra.utils import get_class, instantiate
+
+# name -> {"_target_": class or dotted path, **extra constructor kwargs}
+_REGISTRY: dict[str, dict[str, Any]] = {}
+
+
+def register(name: str) -> Callable[[type], type]:
+    """Class decorator: make an agent loop selectable by rows whose ``agent_name`` is ``name``."""
+
+    def decorator(cls: type) -> type:
+        _REGISTRY[name] = {"_target_": cls}
+        return cls
+
+    return decorator
+
+
+def load_agent_loop_file(path: str) -> dict[str, dict[str, Any]]:
+    """Read a YAML list of ``{name, _target_, ...kwargs}``; every error names the file and the field."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"agent loop config {path!r} does not exist "
+            "(actor_rollout_ref.rollout.agent.agent_loop_config_path)"
+        )
+    entries = yaml.safe_load(file.read_text()) or []
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a YAML list of {{name, _target_}} entries, got {type(entries).__name__}")
+    specs: dict[str, dict[str, Any]] = {}
+    for position, entry in enumerate(entries):
+        where = f"{path}: entry {position}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: expected a mapping with 'name' and '_target_', got {entry!r}")
+        for key in ("name", "_target_"):
+            if not entry.get(key):
+                raise ValueError(f"{where}: missing field {key!r}")
+        try:
+            get_class(entry["_target_"])
+        except Exception as error:
+            raise ValueError(f"{where}: field '_target_' = {entry['_target_']!r} cannot be imported: {error}") from error
+        spec = dict(entry)
+        specs[spec.pop("name")] = spec
+    return specs
+
+
+def resolve_agent_loops(agent_loop_config_path: str | None = None) -> dict[str, dict[str, Any]]:
+    """All registered loops: decorator registrations (built-ins included), then the YAML file's entries."""
+    import agentloop.agent_loop  # noqa: F401  (registers the built-in loops)
+
+    specs = dict(_REGISTRY)
+    if agent_loop_config_path:
+        specs.update(load_agent_loop_file(agent_loop_config_path))
+    return specs
+
+
+def check_agent_names(names: set[str], specs: dict[str, dict[str, Any]]) -> None:
+    """Fail before any generation if a row names a loop that is not registered."""
+    unknown = sorted(names - set(specs))
+    if unknown:
+        raise KeyError(
+            f"unknown agent_name {unknown}; registered agent loops: {sorted(specs)}. Register one with "
+            "@agentloop.register(name) or list it in actor_rollout_ref.rollout.agent.agent_loop_config_path"
+        )
+
+
+def build_agent_loop(spec: dict[str, Any], **dependencies: Any) -> Any:
+    """Instantiate one agent loop from its spec, handing it the worker's router, tokenizer and config."""
+    # _partial_ because hydra's own first parameter is named `config`, like the dependency we pass.
+    return instantiate(spec, _partial_=True)(**dependencies)

@@ -1,0 +1,110 @@
+"""The router: the only way agent loops reach the engines (verl's ``AsyncLLMServerManager``).
+
+A new session goes to the live server with the fewest requests in flight (counted up on dispatch and
+down on completion, so the balance tracks real load); a session then stays on its server, kept in an
+LRU cache keyed by the trajectory's request id, so its growing prompt hits that server's prefix
+cache. A server that dies is skipped from then on and its sessions are re-homed on the next call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from cachetools import LRUCache
+from ray.exceptions import RayActorError
+
+from agentloop.protocol import TokenOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterStats:
+    """Counters since the last reset: per-server dispatches and the in-flight balance seen at dispatch."""
+
+    requests_per_server: list[int]
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    # max/mean of in-flight counts sampled at every dispatch made while all live servers were busy
+    imbalance_samples: list[float] = field(default_factory=list)
+
+
+class Router:
+    """Least-in-flight dispatch with sticky sessions over a list of ``RolloutServer`` handles."""
+
+    def __init__(
+        self,
+        servers: list[ray.actor.ActorHandle],
+        *,
+        request_timeout_s: float = 600.0,
+        max_sessions: int = 100_000,
+    ) -> None:
+        if not servers:
+            raise ValueError("Router needs at least one rollout server")
+        self.servers = list(servers)
+        self.request_timeout_s = request_timeout_s
+        self.in_flight = [0] * len(servers)
+        self.alive = [True] * len(servers)
+        self.sessions: LRUCache[str, int] = LRUCache(maxsize=max_sessions)
+        self.stats = RouterStats([0] * len(servers))
+
+    def server_for(self, request_id: str) -> int:
+        """The server index a session is (or will be) pinned to."""
+        index = self.sessions.get(request_id)
+        if index is None or not self.alive[index]:
+            live = [i for i, ok in enumerate(self.alive) if ok]
+            if not live:
+                raise RuntimeError("every rollout server has died; no request can be served")
+            index = min(live, key=lambda i: self.in_flight[i])
+            self.sessions[request_id] = index
+        return index
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]
+    ) -> TokenOutput:
+        """Token-in/token-out generation for one turn of the session ``request_id``."""
+        while True:
+            index = self.server_for(request_id)
+            self._dispatched(index)
+            try:
+                output = await asyncio.wait_for(
+                    self.servers[index].generate.remote(prompt_ids, sampling_params, request_id),
+                    timeout=self.request_timeout_s,
+                )
+            except RayActorError as error:
+                self.alive[index] = False
+                logger.warning("rollout server %d died (%s); re-homing session %s", index, error, request_id)
+                continue
+            except asyncio.TimeoutError:
+                self.servers[index].abort.remote(request_id)
+                raise TimeoutError(
+                    f"request {request_id} got no answer from rollout server {index} within "
+                    f"{self.request_timeout_s}s (actor_rollout_ref.rollout.request_timeout_s); it was aborted"
+                ) from None
+            finally:
+                self.in_flight[index] -= 1
+            self.stats.prompt_tokens += len(prompt_ids)
+            self.stats.cached_tokens += output.cached_tokens
+            return output
+
+    def _dispatched(self, index: int) -> None:
+        self.in_flight[index] += 1
+        self.stats.requests_per_server[index] += 1
+        live = [self.in_flight[i] for i, ok in enumerate(self.alive) if ok]
+        if min(live) > 0:
+            self.stats.imbalance_samples.append(max(live) * len(live) / sum(live))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a session's in-flight generation on its server."""
+        index = self.sessions.get(request_id)
+        if index is not None and self.alive[index]:
+            await self.servers[index].abort.remote(request_id)
+
+    def take_stats(self) -> RouterStats:
+        """Return the counters gathered since the last call and start new ones."""
+        stats, self.stats = self.stats, RouterStats([0] * len(self.servers))
+        return stats

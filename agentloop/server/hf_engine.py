@@ -1,0 +1,262 @@
+"""Engine ``hf``: transformers' continuous-batching manager as an async token-in/token-out engine.
+
+The manager runs its own background thread (paged KV cache, prefix block sharing, per-request
+temperature/top-k/top-p, per-token logprobs); this class turns its result callbacks into awaitables
+on the caller's event loop and adds what RL needs on top: exact ids and logprobs, finish reasons,
+cached-token counts, abort, in-place weight updates and sleep/wake of the KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+from agentloop.protocol import TokenOutput, validate_sampling_params
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` means the visible CUDA device when there is one, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class HFEngine:
+    """Async token-in/token-out engine over ``model.init_continuous_batching``.
+
+    Must be used from one asyncio event loop (the Ray actor's): results are delivered to it from the
+    manager's thread with ``call_soon_threadsafe``.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "auto",
+        dtype: str = "float32",
+        page_size: int = 16,
+        num_blocks: int = 512,
+        max_batch_tokens: int = 1024,
+        seed: int = 0,
+    ) -> None:
+        self.device = resolve_device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+        ).to(self.device)
+        self.vocab_size = self.model.config.vocab_size
+        self.eos_token_ids = _as_list(self.model.generation_config.eos_token_id or self.model.config.eos_token_id)
+        self._cb_config = dict(
+            page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, seed=seed
+        )
+        self._request_counter = itertools.count()
+        self._pending: dict[str, asyncio.Future[TokenOutput]] = {}
+        self._by_session: dict[str, set[str]] = defaultdict(set)
+        self._cached_tokens: dict[str, int] = {}
+        self._manager = None
+        self._start_manager()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _start_manager(self) -> None:
+        # Per-request temperature/top-k/top-p processors exist only when the generation config sets
+        # non-neutral defaults at creation; every request then passes its own values explicitly.
+        generation_config = GenerationConfig(
+            do_sample=True,
+            temperature=0.5,
+            top_k=self.vocab_size,
+            top_p=0.99,
+            eos_token_id=self.eos_token_ids or -1,
+            pad_token_id=self.model.config.pad_token_id,
+        )
+        cb_config = ContinuousBatchingConfig(
+            **self._cb_config,
+            return_logprobs=True,
+            per_request_processors=True,
+            auto_switch_to_flash=False,
+        )
+        manager = self.model.init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=cb_config
+        )
+        self._observe_prefix_hits(manager)
+        manager.start()
+        self._manager = manager
+
+    def _observe_prefix_hits(self, manager: Any) -> None:
+        """Record how many prompt tokens each request took from the prefix cache.
+
+        transformers does not report it, so the cache's prefix search is wrapped on this manager's
+        own batch processor (created in the manager's thread at start).
+        """
+        create_processor = manager._create_batch_processor
+
+        def create_and_observe():
+            processor = create_processor()
+            search = processor.cache.search_prefix_match
+
+            def observed_search(request_id: str, prompt_ids: list[int]) -> int:
+                matched = search(request_id, prompt_ids)
+                self._cached_tokens[request_id] = matched
+                return matched
+
+            processor.cache.search_prefix_match = observed_search
+            return processor
+
+        manager._create_batch_processor = create_and_observe
+
+    def _stop_manager(self) -> None:
+        if self._manager is None:
+            return
+        for engine_id in list(self._pending):
+            self._finish_aborted(engine_id)
+        self._manager.stop(block=True, timeout=30, keep_for_next_session=False)
+        self._manager = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str
+    ) -> TokenOutput:
+        """Generate from exact prompt ids; return the sampled ids, their logprobs and why it stopped."""
+        if self._manager is None:
+            raise RuntimeError("engine is asleep: call wake_up() before generate()")
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        params = validate_sampling_params(sampling_params)
+        stop_ids = list(params["stop_token_ids"] or [])
+        if not params["ignore_eos"]:
+            stop_ids += self.eos_token_ids
+        greedy = params["temperature"] == 0
+        top_k = self.vocab_size if params["top_k"] == -1 else min(int(params["top_k"]), self.vocab_size)
+        max_new_tokens = int(params["max_new_tokens"])
+
+        engine_id = f"{request_id}#{next(self._request_counter)}"
+        future: asyncio.Future[TokenOutput] = asyncio.get_running_loop().create_future()
+        self._pending[engine_id] = future
+        self._by_session[request_id].add(engine_id)
+
+        def on_result(output: GenerationOutput) -> None:
+            if future.done():
+                return
+            try:
+                future.set_result(self._to_token_output(output, stop_ids, max_new_tokens))
+            except RuntimeError as error:
+                future.set_exception(error)
+
+        try:
+            self._manager.register_result_handler(engine_id, on_result)
+            accepted = self._manager.add_request(
+                input_ids=list(prompt_ids),
+                request_id=engine_id,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=stop_ids or -1,
+                # Greedy is top-1 sampling, so one manager serves greedy and sampled requests alike.
+                temperature=1.0 if greedy else float(params["temperature"]),
+                top_k=1 if greedy else top_k,
+                top_p=1.0 if greedy else float(params["top_p"]),
+            )
+            if accepted is None:
+                raise RuntimeError("the continuous-batching manager refused the request (it is stopping)")
+            return await future
+        finally:
+            self._pending.pop(engine_id, None)
+            self._by_session[request_id].discard(engine_id)
+            if not self._by_session[request_id]:
+                del self._by_session[request_id]
+
+    def _to_token_output(self, output: GenerationOutput, stop_ids: list[int], max_new_tokens: int) -> TokenOutput:
+        cached = self._cached_tokens.pop(output.request_id, 0)
+        if output.status == RequestStatus.FAILED:
+            raise RuntimeError(f"generation failed in the engine: {output.error}")
+        tokens = list(output.generated_tokens)
+        if tokens and tokens[-1] in stop_ids:
+            reason = "stop"
+        elif len(tokens) >= max_new_tokens:
+            reason = "length"
+        else:
+            reason = "abort"
+        return TokenOutput(tokens, [float(x) for x in output.logprobs], reason, cached)
+
+    def abort(self, request_id: str) -> int:
+        """Abort every in-flight generation of a session; each returns with ``finish_reason='abort'``."""
+        engine_ids = list(self._by_session.get(request_id, ()))
+        for engine_id in engine_ids:
+            self._manager.cancel_request(engine_id)
+            self._finish_aborted(engine_id)
+        return len(engine_ids)
+
+    def _finish_aborted(self, engine_id: str) -> None:
+        # A cancelled request produces no output from the manager, so it is answered here.
+        with self._manager.output_router._lock:
+            self._manager.output_router.result_handlers.pop(engine_id, None)
+        self._cached_tokens.pop(engine_id, None)
+        future = self._pending.get(engine_id)
+        if future is not None and not future.done():
+            future.set_result(TokenOutput([], [], "abort", 0))
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pending)
+
+    # ------------------------------------------------------------------ weights and memory
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> int:
+        """Copy new weights into the model in place and flush the prefix cache (it holds stale KV).
+
+        In-flight requests are aborted: their tokens would mix two policies.
+        """
+        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        was_awake = self._manager is not None
+        self._stop_manager()
+        updated = 0
+        with torch.no_grad():
+            for name, tensor in items:
+                if name not in params:
+                    if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
+                        continue
+                    raise KeyError(f"update_weights: the model has no parameter {name!r}")
+                target = params[name]
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"update_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                    )
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+                updated += 1
+        if was_awake:
+            self._start_manager()
+        return updated
+
+    def sleep(self) -> None:
+        """Free the KV cache (aborting in-flight requests); weights stay loaded."""
+        self._stop_manager()
+
+    def wake_up(self) -> None:
+        """Allocate a fresh KV cache and resume serving."""
+        if self._manager is None:
+            self._start_manager()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._manager is None
+
+    def shutdown(self) -> None:
+        self._stop_manager()
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)

@@ -1,0 +1,86 @@
+"""``RolloutServer``: the Ray actor that hosts one inference engine for one data-parallel rank.
+
+It picks the backend named by ``actor_rollout_ref.rollout.name``, sizes the process's CPU threads,
+and counts what it served so the manager can report load per server.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import ray
+import torch
+from omegaconf import DictConfig
+
+from agentloop.protocol import TokenOutput
+
+
+def build_engine(config: DictConfig, rank: int) -> Any:
+    """Instantiate the engine named by ``rollout.name`` for this rank."""
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.name == "hf":
+        from agentloop.server.hf_engine import HFEngine
+
+        return HFEngine(
+            config.actor_rollout_ref.model.path,
+            device=rollout.hf.device,
+            dtype=rollout.dtype,
+            page_size=rollout.hf.page_size,
+            num_blocks=rollout.hf.num_blocks,
+            max_batch_tokens=rollout.hf.max_batch_tokens,
+            seed=rollout.seed + rank,
+        )
+    raise ValueError(
+        f"actor_rollout_ref.rollout.name={rollout.name!r} is not a known backend; available: ['hf']"
+    )
+
+
+@ray.remote
+class RolloutServer:
+    """One engine behind token-in/token-out ``generate`` plus weight, memory and abort controls."""
+
+    def __init__(self, config: DictConfig, rank: int) -> None:
+        cpus = int(config.actor_rollout_ref.rollout.resources_per_server.get("CPU", 1))
+        torch.set_num_threads(max(1, cpus))
+        self.rank = rank
+        self.engine = build_engine(config, rank)
+        self.requests_served = 0
+        self.tokens_generated = 0
+
+    def node_info(self) -> dict[str, Any]:
+        """Where this server runs: Ray node id, host name and process id."""
+        return {
+            "rank": self.rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+
+    async def generate(
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str
+    ) -> TokenOutput:
+        output = await self.engine.generate(prompt_ids, sampling_params, request_id)
+        self.requests_served += 1
+        self.tokens_generated += len(output.token_ids)
+        return output
+
+    async def abort(self, request_id: str) -> int:
+        return self.engine.abort(request_id)
+
+    async def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
+        return self.engine.update_weights(state_dict)
+
+    async def sleep(self) -> None:
+        self.engine.sleep()
+
+    async def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    async def stats(self) -> dict[str, int]:
+        return {
+            "requests_served": self.requests_served,
+            "tokens_generated": self.tokens_generated,
+            "in_flight": self.engine.num_in_flight,
+        }

@@ -1,0 +1,66 @@
+"""``AgentLoopWorker``: a Ray actor that runs one asyncio task per sample and pads the results."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import ray
+from omegaconf import DictConfig
+from transformers import AutoTokenizer
+
+from agentloop.batch import RolloutBatch, object_array
+from agentloop.postprocess import pad_outputs
+from agentloop.protocol import AgentLoopOutput
+from agentloop.registry import build_agent_loop
+from agentloop.router import Router
+
+
+@ray.remote
+class AgentLoopWorker:
+    """Owns a router over every rollout server and turns a chunk of rows into a padded batch."""
+
+    def __init__(
+        self, config: DictConfig, servers: list[ray.actor.ActorHandle], agent_loops: dict[str, dict[str, Any]]
+    ) -> None:
+        self.config = config
+        self.rollout = config.actor_rollout_ref.rollout
+        self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+        self.router = Router(servers, request_timeout_s=self.rollout.request_timeout_s)
+        self.agent_loops = agent_loops
+
+    async def generate_sequences(self, rows: list[dict[str, Any]], sampling_params: dict[str, Any]) -> RolloutBatch:
+        """Run every row's agent loop concurrently; return the padded batch in row order."""
+        results = await asyncio.gather(*(self._run_one(row, sampling_params) for row in rows))
+        outputs = [output for output, _ in results]
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        batch = pad_outputs(outputs, self.rollout.prompt_length, self.rollout.response_length, pad_id)
+        stats = self.router.take_stats()
+        non_tensor = {key: object_array([row.get(key) for row in rows]) for key in rows[0]}
+        non_tensor["num_turns"] = object_array([output.num_turns for output in outputs])
+        non_tensor["reward_score"] = object_array([output.reward_score for output in outputs])
+        non_tensor["metrics"] = object_array([output.metrics for output in outputs])
+        non_tensor["extra_fields"] = object_array([output.extra_fields for output in outputs])
+        non_tensor["generate_time_s"] = object_array([seconds for _, seconds in results])
+        meta = {
+            "requests_per_server": stats.requests_per_server,
+            "prompt_tokens": stats.prompt_tokens,
+            "cached_tokens": stats.cached_tokens,
+            "imbalance_samples": stats.imbalance_samples,
+        }
+        return RolloutBatch(batch, non_tensor, meta)
+
+    async def _run_one(self, row: dict[str, Any], sampling_params: dict[str, Any]) -> tuple[AgentLoopOutput, float]:
+        start = time.perf_counter()
+        loop = build_agent_loop(
+            self.agent_loops[row["agent_name"]], server_manager=self.router, tokenizer=self.tokenizer, config=self.config
+        )
+        try:
+            output = await loop.run(dict(sampling_params), **row)
+        except Exception as error:
+            raise RuntimeError(
+                f"agent loop {row['agent_name']!r} failed on sample {row['request_id']} "
+                f"(dataset index {row.get('index')}): {type(error).__name__}: {error}"
+            ) from error
+        return output, time.perf_counter() - start
