@@ -77,5 +77,9 @@ def check_agent_names(names: set[str], specs: dict[str, dict[str, Any]]) -> None
 
 def build_agent_loop(spec: dict[str, Any], **dependencies: Any) -> Any:
     """Instantiate one agent loop from its spec, handing it the worker's router, tokenizer and config."""
+    target = spec["_target_"]
+    if not isinstance(target, str):
+        # A decorated class travels by value; hydra would re-import it by name, which a worker may not manage.
+        return target(**dependencies)
     # _partial_ because hydra's own first parameter is named `config`, like the dependency we pass.
     return instantiate(spec, _partial_=True)(**dependencies)

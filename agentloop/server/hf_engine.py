@@ -216,28 +216,30 @@ class HFEngine:
 
         In-flight requests are aborted: their tokens would mix two policies.
         """
-        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
+        tied = self.model.config.tie_word_embeddings
+        updates = []
+        # Check everything before touching anything: a bad push must not leave a half-updated model.
+        for name, tensor in items:
+            if name not in params:
+                if name == "lm_head.weight" and tied:
+                    continue
+                raise KeyError(f"update_weights: the model has no parameter {name!r}")
+            if params[name].shape != tensor.shape:
+                raise ValueError(
+                    f"update_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}"
+                )
+            updates.append((params[name], tensor))
         was_awake = self._manager is not None
         self._stop_manager()
-        updated = 0
         with torch.no_grad():
-            for name, tensor in items:
-                if name not in params:
-                    if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
-                        continue
-                    raise KeyError(f"update_weights: the model has no parameter {name!r}")
-                target = params[name]
-                if target.shape != tensor.shape:
-                    raise ValueError(
-                        f"update_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
-                    )
+            for target, tensor in updates:
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-                updated += 1
         if was_awake:
             self._start_manager()
-        return updated
+        return len(updates)
 
     def sleep(self) -> None:
         """Free the KV cache (aborting in-flight requests); weights stay loaded."""

@@ -1,0 +1,46 @@
+"""Agent loops used by the tests to observe the stack from inside a trajectory."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from agentloop import AgentLoopBase, AgentLoopOutput, register
+
+
+@register("probe_multi_turn")
+class MultiTurnProbe(AgentLoopBase):
+    """Three model turns separated by a fixed observation; records the server and cache hits per turn."""
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        prompt_ids = self.encode_prompt(row["prompt"])
+        observation = self.tokenizer.encode("\n<tool_response>\nok\n</tool_response>\n")
+        params = {**sampling_params, "max_new_tokens": 4, "ignore_eos": True}
+        response, mask, logprobs, servers, cached = [], [], [], [], []
+        for turn in range(3):
+            if turn:
+                response += observation
+                mask += [0] * len(observation)
+                logprobs += [0.0] * len(observation)
+            servers.append(self.server_manager.server_for(row["request_id"]))
+            output = await self.server_manager.generate(row["request_id"], prompt_ids + response, params)
+            response += output.token_ids
+            mask += [1] * len(output.token_ids)
+            logprobs += output.log_probs
+            cached.append(output.cached_tokens)
+        return AgentLoopOutput(
+            prompt_ids, response, mask, logprobs, num_turns=6,
+            extra_fields={"servers": servers, "cached": cached, "observation": observation},
+        )
+
+
+@register("probe_length")
+class LengthProbe(AgentLoopBase):
+    """Starts after ``extra_info.delay_s`` and generates exactly ``extra_info.length`` tokens."""
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        await asyncio.sleep(row["extra_info"].get("delay_s", 0.0))
+        prompt_ids = self.encode_prompt(row["prompt"])
+        params = {**sampling_params, "max_new_tokens": row["extra_info"]["length"], "ignore_eos": True}
+        output = await self.server_manager.generate(row["request_id"], prompt_ids, params)
+        return AgentLoopOutput(prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs)

@@ -1,0 +1,126 @@
+"""Engine ``hf`` on the real tiny model: exact logprobs, sampling controls, abort, weights, sleep/wake."""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from agentloop.server.hf_engine import HFEngine
+
+PROMPT = list(range(3, 40))
+
+# fp32 on both sides; the engine's paged attention and the plain forward differ only in summation
+# order, which moves logprobs by ~1e-6. 1e-4 is far below any policy change the trainer could see.
+LOGPROB_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    engine = HFEngine(model_path, device="cpu", num_blocks=256, seed=0)
+    yield engine
+    engine.shutdown()
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def teacher_forced_logprobs(model, prompt, tokens, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    return log_probs.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_teacher_forced_forward(engine, model_path, temperature):
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    params = {"max_new_tokens": 24, "temperature": temperature, "ignore_eos": True}
+    outputs = run(_gather(engine, [PROMPT, PROMPT[:20], PROMPT[5:]], params))
+    for prompt, output in zip([PROMPT, PROMPT[:20], PROMPT[5:]], outputs):
+        assert len(output.token_ids) == len(output.log_probs) == 24
+        reference = teacher_forced_logprobs(model, prompt, output.token_ids, temperature)
+        assert torch.allclose(torch.tensor(output.log_probs), reference, atol=LOGPROB_TOLERANCE)
+
+
+async def _gather(engine, prompts, params):
+    return await asyncio.gather(*(engine.generate(p, params, f"lp-{i}") for i, p in enumerate(prompts)))
+
+
+def test_finish_reasons_stop_ids_and_greedy(engine):
+    greedy = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    first = run(engine.generate(PROMPT, greedy, "g1"))
+    second = run(engine.generate(PROMPT, greedy, "g2"))
+    assert first.token_ids == second.token_ids and first.finish_reason == "length"
+    # stopping on the third greedy token: it is the last token returned, and the reason is "stop"
+    stop_at = first.token_ids[2]
+    stopped = run(engine.generate(PROMPT, {**greedy, "stop_token_ids": [stop_at]}, "g3"))
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == first.token_ids[: first.token_ids.index(stop_at) + 1]
+
+
+def test_top_k_one_is_greedy(engine):
+    greedy = run(engine.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}, "a"))
+    top1 = run(engine.generate(PROMPT, {"max_new_tokens": 6, "temperature": 1.0, "top_k": 1, "ignore_eos": True}, "b"))
+    assert top1.token_ids == greedy.token_ids
+    assert all(lp == pytest.approx(0.0, abs=1e-6) for lp in top1.log_probs)
+
+
+def test_prefix_cache_reports_cached_tokens(engine):
+    params = {"max_new_tokens": 2, "temperature": 0.0}
+    run(engine.generate(PROMPT, params, "p1"))
+    again = run(engine.generate(PROMPT + [7, 8], params, "p2"))
+    # page_size 16: two full pages of the 37-token prompt are shared
+    assert again.cached_tokens == 32
+
+
+def test_unknown_and_invalid_sampling_params(engine):
+    with pytest.raises(ValueError, match=r"unknown sampling parameter\(s\) \['max_tokens'\].*valid keys"):
+        run(engine.generate(PROMPT, {"max_tokens": 4}, "bad"))
+    with pytest.raises(ValueError, match="top_p"):
+        run(engine.generate(PROMPT, {"top_p": 0.0}, "bad"))
+
+
+def test_abort_returns_partial_with_reason(engine):
+    async def scenario():
+        task = asyncio.create_task(engine.generate(PROMPT, {"max_new_tokens": 4000, "ignore_eos": True}, "long"))
+        while engine.num_in_flight == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        assert engine.abort("long") == 1
+        return await asyncio.wait_for(task, timeout=10)
+
+    output = run(scenario())
+    assert output.finish_reason == "abort"
+    assert engine.num_in_flight == 0
+
+
+def test_update_weights_changes_generation_and_sleep_wake_round_trip(engine, model_path):
+    greedy = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    before = run(engine.generate(PROMPT, greedy, "w0")).token_ids
+    original = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
+    torch.manual_seed(1)
+    perturbed = {name: tensor + 0.5 * torch.randn_like(tensor) for name, tensor in original.items()}
+    assert engine.update_weights(perturbed) > 0
+    changed = run(engine.generate(PROMPT, greedy, "w1")).token_ids
+    assert changed != before
+
+    engine.sleep()
+    assert engine.is_sleeping
+    with pytest.raises(RuntimeError, match="asleep"):
+        run(engine.generate(PROMPT, greedy, "w2"))
+    engine.wake_up()
+    assert run(engine.generate(PROMPT, greedy, "w3")).token_ids == changed
+
+    engine.update_weights(original)
+    assert run(engine.generate(PROMPT, greedy, "w4")).token_ids == before
+
+
+def test_update_weights_rejects_wrong_names_and_shapes(engine):
+    with pytest.raises(KeyError, match="no parameter 'nope'"):
+        engine.update_weights({"nope": torch.zeros(1)})
+    name, tensor = next(iter(engine.model.state_dict().items()))
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights({name: torch.zeros(tensor.numel() + 1)})
+    assert run(engine.generate(PROMPT, {"max_new_tokens": 2}, "alive")).token_ids

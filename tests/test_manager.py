@@ -1,0 +1,181 @@
+"""The full stack on a real local Ray: manager -> workers -> loops -> router -> servers -> hf engine."""
+
+import threading
+
+import pytest
+import ray
+import torch
+from ray import cloudpickle
+
+import probe_loops
+from agentloop import AgentLoopManager
+from conftest import small_config
+
+# The workers cannot import this test package, so its loops travel by value (as a script's would).
+cloudpickle.register_pickle_by_value(probe_loops)
+
+pytestmark = pytest.mark.usefixtures("local_ray")
+
+
+def rows(texts, **fields):
+    return [{"prompt": [{"role": "user", "content": text}], **fields} for text in texts]
+
+
+@pytest.fixture(scope="module")
+def manager(local_ray, tmp_path_factory):
+    loops = tmp_path_factory.mktemp("loops") / "loops.yaml"
+    loops.write_text("- name: yaml_single_turn\n  _target_: agentloop.agent_loop.single_turn.SingleTurnAgentLoop\n")
+    manager = AgentLoopManager(
+        small_config(
+            "actor_rollout_ref.rollout.data_parallel_size=2",
+            "actor_rollout_ref.rollout.n=2",
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
+        )
+    )
+    yield manager
+    manager.shutdown()
+
+
+def test_batch_shapes_groups_and_fields(manager):
+    batch = manager.generate_sequences(
+        rows(["What is 1 + 1?", "Hello there, how are you today?", "x"], data_source="unit", extra_info={"k": 1})
+    )
+    assert len(batch) == 6
+    assert batch.batch["prompts"].shape == (6, 96) and batch.batch["responses"].shape == (6, 24)
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        assert batch.batch[key].shape == (6, 120)
+    nt = batch.non_tensor_batch
+    assert list(nt["index"]) == [0, 0, 1, 1, 2, 2]
+    assert nt["uid"][0] == nt["uid"][1] != nt["uid"][2]
+    assert len(set(nt["request_id"])) == 6
+    assert set(nt["agent_name"]) == {"single_turn_agent"} and set(nt["data_source"]) == {"unit"}
+    assert all(extra == {"k": 1} for extra in nt["extra_info"])
+    # every real response token is a model token with a finite, negative logprob
+    attention = batch.batch["attention_mask"][:, 96:]
+    assert torch.equal(batch.batch["response_mask"], attention)
+    assert (batch.batch["rollout_log_probs"][attention.bool()] < 0).all()
+    meta = batch.meta_info
+    assert sum(meta["rollout/requests_per_server"]) == 6
+    assert meta["timing/trajectory_min_s"] <= meta["timing/trajectory_mean_s"] <= meta["timing/trajectory_max_s"]
+
+
+def test_prompts_render_through_the_chat_template(manager, model_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    batch = manager.generate_sequences(rows(["What is 1 + 1?"]))
+    prompt = batch.batch["prompts"][0][batch.batch["attention_mask"][0, :96].bool()]
+    assert tokenizer.decode(prompt) == "<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_registry_by_decorator_and_yaml_and_unknown_name(manager):
+    batch = manager.generate_sequences(
+        rows(["a"], agent_name="yaml_single_turn") + rows(["b"], agent_name="probe_multi_turn")
+    )
+    assert list(batch.non_tensor_batch["agent_name"]) == ["yaml_single_turn"] * 2 + ["probe_multi_turn"] * 2
+    served = sum(stat["requests_served"] for stat in ray.get([s.stats.remote() for s in manager.servers]))
+    with pytest.raises(KeyError, match=r"unknown agent_name \['nope'\]; registered agent loops: .*'probe_length'"):
+        manager.generate_sequences(rows(["a"]) + rows(["b"], agent_name="nope"))
+    # rejected before any generation
+    assert served == sum(stat["requests_served"] for stat in ray.get([s.stats.remote() for s in manager.servers]))
+
+
+def test_multi_turn_mask_and_sticky_sessions(manager):
+    batch = manager.generate_sequences(rows([f"question {i}: " + "tell me more " * 6 for i in range(4)], agent_name="probe_multi_turn"))
+    for i in range(len(batch)):
+        extra = batch.non_tensor_batch["extra_fields"][i]
+        assert len(set(extra["servers"])) == 1, "a session must stay on its server"
+        assert all(hits > 0 for hits in extra["cached"][1:]), "later turns reuse the session's prefix cache"
+        observation = extra["observation"]
+        mask = batch.batch["response_mask"][i].tolist()
+        assert mask[:4] == [1] * 4 and mask[4 : 4 + len(observation)] == [0] * len(observation)
+        start = 4 + len(observation)
+        assert batch.batch["responses"][i, 4:start].tolist() == observation
+        assert mask[start : start + 4] == [1] * 4
+    assert batch.meta_info["rollout/cached_token_share"] > 0
+
+
+def test_validation_is_greedy_and_weights_and_sleep_reach_every_server(manager):
+    prompts = rows(["same prompt"] * 4)
+    first = manager.generate_sequences(prompts, validate=True)
+    assert len(first) == 4  # val_kwargs.n = 1
+    assert all(torch.equal(first.batch["responses"][0], first.batch["responses"][i]) for i in range(4))
+    assert set(first.meta_info["rollout/requests_per_server"]) != {0}
+
+    model_state = _load_state(manager)
+    torch.manual_seed(3)
+    manager.update_weights({name: t + 0.5 * torch.randn_like(t) for name, t in model_state.items()})
+    changed = manager.generate_sequences(prompts, validate=True)
+    assert not torch.equal(changed.batch["responses"][0], first.batch["responses"][0])
+    assert all(torch.equal(changed.batch["responses"][0], changed.batch["responses"][i]) for i in range(4))
+
+    manager.sleep()
+    manager.wake_up()
+    manager.update_weights(model_state)
+    restored = manager.generate_sequences(prompts, validate=True)
+    assert torch.equal(restored.batch["responses"], first.batch["responses"])
+
+
+def _load_state(manager):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(manager.config.actor_rollout_ref.model.path).state_dict()
+
+
+def test_overlong_prompt_error_and_truncation(manager):
+    long_text = "word " * 200
+    with pytest.raises(ray.exceptions.RayTaskError, match="raise the limit .* or set data.truncation=left"):
+        manager.generate_sequences(rows([long_text]))
+
+
+@pytest.fixture(scope="module")
+def one_router_manager(local_ray):
+    """Two servers behind a single worker (so a single router sees all traffic), n = 1."""
+    manager = AgentLoopManager(
+        small_config(
+            "actor_rollout_ref.rollout.data_parallel_size=2",
+            "actor_rollout_ref.rollout.agent.num_workers=1",
+            "data.max_response_length=300",
+        )
+    )
+    yield manager
+    manager.shutdown()
+
+
+def _server_tokens(manager):
+    return [stat["tokens_generated"] for stat in ray.get([s.stats.remote() for s in manager.servers])]
+
+
+def test_router_balances_mixed_lengths(one_router_manager):
+    # Staggered arrivals, alternating long and short requests: a counter that never went down would
+    # degrade to round-robin and pile every long request on one server. The servers' own token
+    # counts judge the balance, independently of the router's bookkeeping.
+    lengths = [64 if i % 2 == 0 else 2 for i in range(24)]
+    batch_rows = [
+        {"prompt": [{"role": "user", "content": "go"}], "agent_name": "probe_length",
+         "extra_info": {"length": length, "delay_s": 0.02 * i}}
+        for i, length in enumerate(lengths)
+    ]
+    before = _server_tokens(one_router_manager)
+    batch = one_router_manager.generate_sequences(batch_rows)
+    assert batch.batch["response_mask"].sum(1).tolist() == lengths
+    tokens = [after - start for after, start in zip(_server_tokens(one_router_manager), before)]
+    assert sum(tokens) == sum(lengths)
+    assert max(tokens) / (sum(tokens) / len(tokens)) <= 1.5, tokens
+    assert batch.meta_info["rollout/in_flight_imbalance"] <= 1.3
+
+
+def test_dead_server_loses_no_sample(one_router_manager):
+    batch_rows = [
+        {"prompt": [{"role": "user", "content": f"q{i}"}], "agent_name": "probe_length", "extra_info": {"length": 300}}
+        for i in range(16)
+    ]
+    killer = threading.Timer(0.3, ray.kill, args=[one_router_manager.servers[0]])
+    killer.start()
+    batch = one_router_manager.generate_sequences(batch_rows)
+    killer.join()
+    assert len(batch) == 16
+    assert batch.batch["response_mask"].sum(1).tolist() == [300] * 16
+    # the dead server's sessions were re-sent to the live one
+    per_server = batch.meta_info["rollout/requests_per_server"]
+    assert per_server[1] == 16 and per_server[0] + per_server[1] > 16

@@ -1,0 +1,55 @@
+"""The padded layout of DESIGN.md, checked cell by cell on a batch with mixed lengths."""
+
+import pytest
+import torch
+
+from agentloop.postprocess import pad_outputs
+from agentloop.protocol import AgentLoopOutput
+
+PAD = 0
+
+
+def test_padding_layout_cell_by_cell():
+    outputs = [
+        # multi-turn: model tokens 11 12, observation 13 14, model token 15
+        AgentLoopOutput([1, 2, 3], [11, 12, 13, 14, 15], [1, 1, 0, 0, 1], [-0.1, -0.2, 0.0, 0.0, -0.5], reward_score=1.0),
+        AgentLoopOutput([4], [21], [1], [-0.7]),
+        AgentLoopOutput([5, 6, 7, 8], [31, 32, 33], [1, 1, 1], [-1.0, -2.0, -3.0], reward_score=0.5),
+    ]
+    batch = pad_outputs(outputs, prompt_length=4, response_length=6, pad_token_id=PAD)
+    assert batch.batch_size == torch.Size([3])
+    assert batch["prompts"].tolist() == [[0, 1, 2, 3], [0, 0, 0, 4], [5, 6, 7, 8]]
+    assert batch["responses"].tolist() == [[11, 12, 13, 14, 15, 0], [21, 0, 0, 0, 0, 0], [31, 32, 33, 0, 0, 0]]
+    assert batch["response_mask"].tolist() == [[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
+    assert batch["input_ids"].tolist() == [
+        [0, 1, 2, 3, 11, 12, 13, 14, 15, 0],
+        [0, 0, 0, 4, 21, 0, 0, 0, 0, 0],
+        [5, 6, 7, 8, 31, 32, 33, 0, 0, 0],
+    ]
+    assert batch["attention_mask"].tolist() == [
+        [0, 1, 1, 1, 1, 1, 1, 1, 1, 0],
+        [0, 0, 0, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+    ]
+    assert batch["position_ids"].tolist() == [
+        [0, 0, 1, 2, 3, 4, 5, 6, 7, 0],
+        [0, 0, 0, 0, 1, 0, 0, 0, 0, 0],
+        [0, 1, 2, 3, 4, 5, 6, 0, 0, 0],
+    ]
+    expected_logprobs = [[-0.1, -0.2, 0, 0, -0.5, 0], [-0.7, 0, 0, 0, 0, 0], [-1, -2, -3, 0, 0, 0]]
+    assert torch.allclose(batch["rollout_log_probs"], torch.tensor(expected_logprobs))
+    # the score sits on the last response token; rows without one score 0
+    assert batch["rm_scores"].tolist() == [[0, 0, 0, 0, 1.0, 0], [0] * 6, [0, 0, 0.5, 0, 0, 0]]
+
+
+def test_overlong_response_is_cut_and_overlong_prompt_rejected():
+    long = AgentLoopOutput([1], [9] * 8, [1] * 8, [-1.0] * 8)
+    batch = pad_outputs([long], prompt_length=2, response_length=5, pad_token_id=PAD)
+    assert batch["responses"].tolist() == [[9] * 5] and batch["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 1, 1]]
+    with pytest.raises(ValueError, match="prompt has 3 tokens, more than prompt_length=2"):
+        pad_outputs([AgentLoopOutput([1, 2, 3], [], [], [])], prompt_length=2, response_length=5, pad_token_id=PAD)
+
+
+def test_output_lengths_must_agree():
+    with pytest.raises(ValueError, match="same length"):
+        AgentLoopOutput([1], [2, 3], [1], [0.0, 0.0])

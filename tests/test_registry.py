@@ -1,0 +1,64 @@
+"""Registry by decorator and by YAML file, and the errors a user sees for bad names and bad files."""
+
+import pytest
+
+from agentloop import AgentLoopBase, register
+from agentloop.agent_loop.single_turn import SingleTurnAgentLoop
+from agentloop.registry import build_agent_loop, check_agent_names, resolve_agent_loops
+
+
+@register("echo_for_registry_test")
+class EchoLoop(AgentLoopBase):
+    def __init__(self, *, greeting: str = "hi", **kwargs):
+        super().__init__(**kwargs)
+        self.greeting = greeting
+
+
+def _deps():
+    from agentloop.config import compose_config
+
+    return {"server_manager": object(), "tokenizer": object(), "config": compose_config()}
+
+
+def test_decorator_and_builtin_registrations():
+    specs = resolve_agent_loops()
+    assert specs["single_turn_agent"]["_target_"] is SingleTurnAgentLoop
+    loop = build_agent_loop(specs["echo_for_registry_test"], **_deps())
+    assert isinstance(loop, EchoLoop) and loop.greeting == "hi"
+
+
+def test_yaml_file_with_extra_kwargs(tmp_path):
+    file = tmp_path / "loops.yaml"
+    file.write_text(f"- name: polite_echo\n  _target_: {__name__}.EchoLoop\n  greeting: good morning\n")
+    specs = resolve_agent_loops(str(file))
+    loop = build_agent_loop(specs["polite_echo"], **_deps())
+    assert isinstance(loop, EchoLoop) and loop.greeting == "good morning"
+    assert loop.rollout.name == "hf"
+
+
+def test_unknown_name_lists_registered_names():
+    specs = resolve_agent_loops()
+    with pytest.raises(KeyError, match=r"unknown agent_name \['nope'\]; registered agent loops: \[.*'single_turn_agent'"):
+        check_agent_names({"nope", "single_turn_agent"}, specs)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("- _target_: x.Y\n", r"entry 0: missing field 'name'"),
+        ("- name: a\n", r"entry 0: missing field '_target_'"),
+        ("- name: a\n  _target_: no_such_module.Loop\n", r"entry 0: field '_target_' = 'no_such_module.Loop' cannot be imported"),
+        ("name: a\n", r"expected a YAML list"),
+    ],
+)
+def test_bad_yaml_names_file_and_field(tmp_path, content, message):
+    file = tmp_path / "loops.yaml"
+    file.write_text(content)
+    with pytest.raises(ValueError, match=message) as error:
+        resolve_agent_loops(str(file))
+    assert str(file) in str(error.value)
+
+
+def test_missing_yaml_file_names_the_config_key(tmp_path):
+    with pytest.raises(FileNotFoundError, match="agent_loop_config_path"):
+        resolve_agent_loops(str(tmp_path / "missing.yaml"))
