@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from agentloop.batch import RolloutBatch, object_array
+from agentloop.batch import RolloutBatch
 from agentloop.registry import check_agent_names, resolve_agent_loops
 from agentloop.server.rollout_server import RolloutServer
 from agentloop.worker import AgentLoopWorker
@@ -36,12 +36,11 @@ class AgentLoopManager:
         if not ray.is_initialized():
             ray.init()
         timeout = float(self.rollout.server_startup_timeout_s)
-        self.agent_loops = resolve_agent_loops(self.rollout.agent.agent_loop_config_path)
-        check_agent_names({self.rollout.agent.default_agent_loop}, self.agent_loops)
+        check_agent_names({self.rollout.agent.default_agent_loop}, self._agent_loops())
 
         self.servers, self.placement_group = self._start_servers(timeout)
         self.workers = [
-            AgentLoopWorker.options(num_cpus=0).remote(config, self.servers, self.agent_loops)
+            AgentLoopWorker.options(num_cpus=0).remote(config, self.servers)
             for _ in range(int(self.rollout.agent.num_workers))
         ]
         _wait([worker.__ray_ready__.remote() for worker in self.workers], timeout, "agent loop workers to start")
@@ -80,13 +79,17 @@ class AgentLoopManager:
         if not rows:
             raise ValueError("generate_sequences needs at least one row")
         samples = self._expand(rows, validate)
-        check_agent_names({sample["agent_name"] for sample in samples}, self.agent_loops)
+        names = {sample["agent_name"] for sample in samples}
+        registered = self._agent_loops()
+        check_agent_names(names, registered)
+        # Only the loops this batch uses travel: an unrelated registration need not be importable remotely.
+        agent_loops = {name: registered[name] for name in names}
         sampling_params = self._sampling_params(validate)
 
         start = time.perf_counter()
         chunks = np.array_split(np.arange(len(samples)), min(len(self.workers), len(samples)))
         refs = [
-            worker.generate_sequences.remote([samples[i] for i in chunk], sampling_params)
+            worker.generate_sequences.remote([samples[i] for i in chunk], sampling_params, agent_loops)
             for worker, chunk in zip(self.workers, chunks)
         ]
         # Each trajectory's turns are individually bounded by request_timeout_s; the batch as a whole
@@ -98,6 +101,10 @@ class AgentLoopManager:
         batch = RolloutBatch.concat(parts)
         batch.meta_info = self._meta_info(parts, batch, elapsed)
         return batch
+
+    def _agent_loops(self) -> dict[str, dict[str, Any]]:
+        # Resolved per call, so loops registered after the manager started are found too.
+        return resolve_agent_loops(self.rollout.agent.agent_loop_config_path)
 
     def _expand(self, rows: list[dict[str, Any]], validate: bool) -> list[dict[str, Any]]:
         repeats = int(self.rollout.val_kwargs.n if validate else self.rollout.n)
@@ -171,8 +178,10 @@ class AgentLoopManager:
 
 
 def _wait(refs: list[Any], timeout: float, what: str) -> list[Any]:
-    """``ray.get`` with a timeout whose error says what was being waited for."""
+    """``ray.get`` with a timeout whose error says what was being waited for; late work is cancelled."""
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
+        for ref in refs:
+            ray.cancel(ref)
         raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}") from None

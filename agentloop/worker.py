@@ -21,18 +21,17 @@ from agentloop.router import Router
 class AgentLoopWorker:
     """Owns a router over every rollout server and turns a chunk of rows into a padded batch."""
 
-    def __init__(
-        self, config: DictConfig, servers: list[ray.actor.ActorHandle], agent_loops: dict[str, dict[str, Any]]
-    ) -> None:
+    def __init__(self, config: DictConfig, servers: list[ray.actor.ActorHandle]) -> None:
         self.config = config
         self.rollout = config.actor_rollout_ref.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         self.router = Router(servers, request_timeout_s=self.rollout.request_timeout_s)
-        self.agent_loops = agent_loops
 
-    async def generate_sequences(self, rows: list[dict[str, Any]], sampling_params: dict[str, Any]) -> RolloutBatch:
-        """Run every row's agent loop concurrently; return the padded batch in row order."""
-        results = await asyncio.gather(*(self._run_one(row, sampling_params) for row in rows))
+    async def generate_sequences(
+        self, rows: list[dict[str, Any]], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
+    ) -> RolloutBatch:
+        """Run every row's agent loop (specs by name in ``agent_loops``) concurrently; pad in row order."""
+        results = await asyncio.gather(*(self._run_one(row, sampling_params, agent_loops) for row in rows))
         outputs = [output for output, _ in results]
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         batch = pad_outputs(outputs, self.rollout.prompt_length, self.rollout.response_length, pad_id)
@@ -51,10 +50,12 @@ class AgentLoopWorker:
         }
         return RolloutBatch(batch, non_tensor, meta)
 
-    async def _run_one(self, row: dict[str, Any], sampling_params: dict[str, Any]) -> tuple[AgentLoopOutput, float]:
+    async def _run_one(
+        self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
+    ) -> tuple[AgentLoopOutput, float]:
         start = time.perf_counter()
         loop = build_agent_loop(
-            self.agent_loops[row["agent_name"]], server_manager=self.router, tokenizer=self.tokenizer, config=self.config
+            agent_loops[row["agent_name"]], server_manager=self.router, tokenizer=self.tokenizer, config=self.config
         )
         try:
             output = await loop.run(dict(sampling_params), **row)

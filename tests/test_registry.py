@@ -62,3 +62,23 @@ def test_bad_yaml_names_file_and_field(tmp_path, content, message):
 def test_missing_yaml_file_names_the_config_key(tmp_path):
     with pytest.raises(FileNotFoundError, match="agent_loop_config_path"):
         resolve_agent_loops(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize("mode", ["left", "right", "error"])
+def test_prompt_truncation_modes(model_path, mode):
+    from transformers import AutoTokenizer
+
+    from agentloop.config import compose_config
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    config = compose_config([f"data.truncation={mode}", "data.max_prompt_length=8"])
+    loop = SingleTurnAgentLoop(server_manager=None, tokenizer=tokenizer, config=config)
+    messages = [{"role": "user", "content": "a fairly long question about numbers"}]
+    full = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert len(full) > 8
+    if mode == "error":
+        with pytest.raises(ValueError, match=f"prompt has {len(full)} tokens.*data.truncation=left"):
+            loop.encode_prompt(messages)
+    else:
+        expected = full[-8:] if mode == "left" else full[:8]
+        assert loop.encode_prompt(messages) == expected
