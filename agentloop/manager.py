@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from typing import Any
@@ -31,6 +32,7 @@ class AgentLoopManager:
     def __init__(self, config: DictConfig) -> None:
         config = config.copy()
         OmegaConf.resolve(config)  # builds the default tiny model here, once, before any actor needs it
+        _absolute_paths(config)
         self.config = config
         self.rollout = config.actor_rollout_ref.rollout
         if not ray.is_initialized():
@@ -175,6 +177,14 @@ class AgentLoopManager:
         for actor in [*self.workers, *self.servers]:
             ray.kill(actor)
         remove_placement_group(self.placement_group)
+
+
+def _absolute_paths(config: DictConfig) -> None:
+    """Make file paths absolute: actors do not share the driver's working directory."""
+    rollout = config.actor_rollout_ref.rollout
+    for section, key in ((rollout.agent, "agent_loop_config_path"), (rollout.multi_turn, "tool_config_path")):
+        if section[key]:
+            section[key] = os.path.abspath(section[key])
 
 
 def _wait(refs: list[Any], timeout: float, what: str) -> list[Any]:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import ray
 
 from agentloop.config import compose_config
 from agentloop.models.tiny_qwen import tiny_model_path
+
+TESTS_DIR = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +24,9 @@ def local_ray():
     """A fresh local Ray instance for the module (logical CPUs so two servers fit on two cores)."""
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # workers import test-only tools named in YAML files from this folder
+    path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield
     ray.shutdown()
 

@@ -2,5 +2,6 @@
 
 from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.agent_loop.single_turn import SingleTurnAgentLoop
+from agentloop.agent_loop.tool_agent import ToolAgentLoop
 
-__all__ = ["AgentLoopBase", "SingleTurnAgentLoop"]
+__all__ = ["AgentLoopBase", "SingleTurnAgentLoop", "ToolAgentLoop"]

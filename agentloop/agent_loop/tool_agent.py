@@ -1,0 +1,158 @@
+"""``tool_agent``: generate → parse tool calls → run tools → observe → generate again.
+
+One trajectory is one session on one server (the router keeps it there). It ends when the model
+answers without calling a tool (``stop``), at ``multi_turn.max_assistant_turns`` /
+``max_user_turns`` (``max_turns``), when the next turn or observation would not fit in
+``rollout.response_length`` (``length``), when tool errors exceed ``multi_turn.tool_error_budget``
+(``tool_error_budget``), or when the engine aborts the request (``aborted``). It never ends on an
+observation, so the reward sits on a model token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from agentloop.agent_loop.base import AgentLoopBase
+from agentloop.agent_loop.trajectory import Trajectory
+from agentloop.protocol import AgentLoopOutput
+from agentloop.registry import register
+from agentloop.rewards import reward_function_for, score
+from agentloop.tools.parsers import get_parser
+from agentloop.tools.toolset import ToolResult, load_tool_set
+
+
+@register("tool_agent")
+class ToolAgentLoop(AgentLoopBase):
+    """Multi-turn tool calling with exact tokens; observation tokens get loss mask 0."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.multi_turn = self.rollout.multi_turn
+        self.tool_set = load_tool_set(self.multi_turn.tool_config_path)
+        self.parse = get_parser(self.multi_turn.format)
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        request_id = row["request_id"]
+        extra_info = row.get("extra_info") or {}
+        create_kwargs = {
+            name: (spec or {}).get("create_kwargs", {}) for name, spec in (extra_info.get("tools_kwargs") or {}).items()
+        }
+        tools = self.tool_set.schemas or None
+        trajectory = Trajectory(self.tokenizer, row["prompt"], self.encode_prompt(row["prompt"], tools=tools), tools)
+        budget = int(self.rollout.response_length)
+        max_assistant = self.multi_turn.max_assistant_turns
+        max_user = self.multi_turn.max_user_turns
+        error_budget = self.multi_turn.tool_error_budget
+        created: dict[str, bool] = {}
+        turns: list[dict[str, Any]] = []
+        errors_by_kind: dict[str, int] = {}
+        assistant_turns = user_turns = 0
+
+        try:
+            while True:
+                output = await self.server_manager.generate(
+                    request_id, trajectory.ids, {**sampling_params, "max_new_tokens": budget - len(trajectory.response_ids)}
+                )
+                text = trajectory.add_model_turn(output)
+                assistant_turns += 1
+                turn = {"model_tokens": len(output.token_ids), "tool_calls": 0, "tool_errors": 0, "tool_latency_s": 0.0}
+                turns.append(turn)
+                if output.finish_reason == "abort":
+                    reason = "aborted"
+                    break
+                if output.finish_reason == "length":
+                    reason = "length"
+                    break
+                _, calls = self.parse(text)
+                if not calls:
+                    reason = "stop"
+                    break
+                if (max_assistant and assistant_turns >= max_assistant) or (max_user and user_turns >= max_user):
+                    reason = "max_turns"
+                    break
+                calls = calls[: int(self.multi_turn.max_parallel_calls)]
+                results: list[ToolResult] = await asyncio.gather(
+                    *(self.tool_set.call(call, request_id, created, create_kwargs) for call in calls)
+                )
+                turn.update(
+                    tool_calls=len(calls),
+                    tool_errors=sum(result.error is not None for result in results),
+                    tool_latency_s=max(result.latency_s for result in results),
+                    step_reward=sum(result.step_reward for result in results),
+                )
+                for result in results:
+                    if result.error:
+                        errors_by_kind[result.error] = errors_by_kind.get(result.error, 0) + 1
+                if error_budget is not None and sum(errors_by_kind.values()) > int(error_budget):
+                    reason = "tool_error_budget"
+                    break
+                messages = [{"role": "tool", "content": self._truncate(result.text)} for result in results]
+                observation = trajectory.observation(messages)
+                if len(trajectory.response_ids) + len(observation) >= budget:
+                    reason = "length"  # no room left for a model turn after this observation
+                    break
+                trajectory.add_observation(messages, observation)
+                turn["observation_tokens"] = len(observation)
+                user_turns += 1
+        finally:
+            tool_rewards = await self.tool_set.finish(request_id, created)
+
+        mismatches = trajectory.sanity_check(self.multi_turn.tokenization_sanity_check_mode)
+        reward, reward_extras = self._reward(row, trajectory, tool_rewards)
+        return trajectory.to_output(
+            num_turns=1 + assistant_turns + user_turns,  # the prompt counts as a turn, as in verl
+            reward_score=reward,
+            metrics=self._metrics(turns, errors_by_kind, mismatches),
+            extra_fields={
+                "finish_reason": reason,
+                "turns": turns,
+                "tool_rewards": tool_rewards,
+                "reward_extra_info": reward_extras,
+                "tool_errors": errors_by_kind,
+            },
+        )
+
+    def _truncate(self, text: str) -> str:
+        """Cut a tool response to ``max_tool_response_length`` tokens on ``tool_response_truncate_side``."""
+        limit = self.multi_turn.max_tool_response_length
+        if not limit:
+            return text
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) <= limit:
+            return text
+        side = self.multi_turn.tool_response_truncate_side
+        if side == "left":
+            return "...(truncated)" + self.tokenizer.decode(ids[-limit:])
+        if side == "right":
+            return self.tokenizer.decode(ids[:limit]) + "...(truncated)"
+        if side == "middle":
+            head = self.tokenizer.decode(ids[: limit // 2])
+            return head + "...(truncated)..." + self.tokenizer.decode(ids[len(ids) - (limit - limit // 2) :])
+        raise ValueError(f"multi_turn.tool_response_truncate_side={side!r}; choose left, right or middle")
+
+    def _reward(self, row: dict[str, Any], trajectory: Trajectory, tool_rewards: dict[str, float]):
+        """A reward function for the row's data_source wins; otherwise the tools' rewards add up."""
+        function = reward_function_for(self.config, row.get("data_source"))
+        if function is not None:
+            final = next((m["content"] for m in reversed(trajectory.messages) if m["role"] == "assistant"), "")
+            ground_truth = (row.get("reward_model") or {}).get("ground_truth")
+            return score(function, row.get("data_source"), final, ground_truth, row.get("extra_info"))
+        if tool_rewards:
+            return sum(tool_rewards.values()), {}
+        return None, {}
+
+    @staticmethod
+    def _metrics(turns: list[dict[str, Any]], errors: dict[str, int], mismatches: int) -> dict[str, float]:
+        calls = sum(turn["tool_calls"] for turn in turns)
+        latencies = [turn["tool_latency_s"] for turn in turns if turn["tool_calls"]]
+        return {
+            "assistant_turns": float(len(turns)),
+            "tool_calls": float(calls),
+            "tool_errors": float(sum(errors.values())),
+            "tool_latency_s_mean": sum(latencies) / len(latencies) if latencies else 0.0,
+            "tool_latency_s_max": max(latencies, default=0.0),
+            "model_tokens": float(sum(turn["model_tokens"] for turn in turns)),
+            "observation_tokens": float(sum(turn.get("observation_tokens", 0) for turn in turns)),
+            "tokenization_mismatch": float(mismatches),
+        }

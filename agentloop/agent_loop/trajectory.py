@@ -1,0 +1,133 @@
+"""Exact-token record of a multi-turn rollout, shared by the multi-turn agent loops.
+
+Model tokens are appended exactly as the engine returned them, with their logprobs, never decoded
+and re-encoded. Observations (tool results, user turns) are tokenized as a *delta*: a fixed base
+conversation is rendered with and without the new messages and only the suffix is kept, so the
+system/tools preamble is never repeated and templates that rewrite earlier turns (``<think>``
+stripping) cannot shift tokens already in the trajectory.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import logging
+import re
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from agentloop.protocol import AgentLoopOutput, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+_BASE = [{"role": "user", "content": "base"}, {"role": "assistant", "content": "base"}]
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+SANITY_CHECK_MODES = ("strict", "ignore_strippable", "disable")
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], **kwargs: Any) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs))
+
+
+@functools.lru_cache(maxsize=8)
+def _base_prefix(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The base conversation's ids through its last end-of-turn token (the model stops there)."""
+    ids = _render(tokenizer, _BASE)
+    eos = tokenizer.eos_token_id
+    if eos not in ids:
+        raise ValueError("the chat template does not end assistant turns with the tokenizer's eos token")
+    return tuple(ids[: len(ids) - ids[::-1].index(eos)])
+
+
+def observation_delta(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:
+    """Ids that follow a model turn ending in eos when ``messages`` are appended (generation prompt on)."""
+    prefix = _base_prefix(tokenizer)
+    full = _render(tokenizer, _BASE + list(messages), add_generation_prompt=True)
+    if tuple(full[: len(prefix)]) != prefix:
+        raise ValueError("the chat template re-renders earlier turns differently; observation deltas are undefined")
+    return full[len(prefix) :]
+
+
+class Trajectory:
+    """Prompt, exact response tokens with mask and logprobs, and the chat messages they stand for."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, messages: list[dict], prompt_ids: list[int], tools: list[dict] | None
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.messages = [dict(message) for message in messages]
+        self.tools = tools
+        self.prompt_ids = list(prompt_ids)
+        self.response_ids: list[int] = []
+        self.response_mask: list[int] = []
+        self.response_logprobs: list[float] = []
+
+    @property
+    def ids(self) -> list[int]:
+        """What the model conditions on next: prompt and everything appended so far."""
+        return self.prompt_ids + self.response_ids
+
+    def add_model_turn(self, output: TokenOutput) -> str:
+        """Append the engine's tokens exactly; return the turn's text (without the end-of-turn token)."""
+        self.response_ids += output.token_ids
+        self.response_mask += [1] * len(output.token_ids)
+        self.response_logprobs += output.log_probs
+        ids = output.token_ids
+        if ids and ids[-1] == self.tokenizer.eos_token_id:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        self.messages.append({"role": "assistant", "content": text})
+        return text
+
+    def observation(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The delta ids these messages would add (not appended yet: the caller checks the budget)."""
+        return observation_delta(self.tokenizer, messages)
+
+    def add_observation(self, messages: list[dict[str, Any]], ids: list[int]) -> None:
+        """Append observation ids (mask 0, logprob 0.0) and the messages they render."""
+        self.response_ids += ids
+        self.response_mask += [0] * len(ids)
+        self.response_logprobs += [0.0] * len(ids)
+        self.messages += messages
+
+    def sanity_check(self, mode: str) -> int:
+        """Compare the incremental ids with one full re-render; return the number of mismatching spans.
+
+        ``strict`` counts every difference, ``ignore_strippable`` ignores differences that vanish once
+        whitespace and ``<think>`` blocks are removed, ``disable`` skips the check. Never alters ids.
+        """
+        if mode not in SANITY_CHECK_MODES:
+            raise ValueError(f"multi_turn.tokenization_sanity_check_mode={mode!r}; choose one of {SANITY_CHECK_MODES}")
+        if mode == "disable":
+            return 0
+        incremental = self.ids
+        full = _render(self.tokenizer, self.messages, tools=self.tools)[: len(incremental)]
+        spans = [op for op in difflib.SequenceMatcher(a=incremental, b=full, autojunk=False).get_opcodes() if op[0] != "equal"]
+        if not spans:
+            return 0
+        if mode == "ignore_strippable" and _normalized(self.tokenizer.decode(incremental)) == _normalized(
+            self.tokenizer.decode(full)
+        ):
+            return 0
+        tag, a0, a1, b0, b1 = spans[0]
+        logger.warning(
+            "tokenization mismatch (%d span(s)); first: incremental %r vs full render %r",
+            len(spans),
+            self.tokenizer.decode(incremental[a0:a1]),
+            self.tokenizer.decode(full[b0:b1]),
+        )
+        return len(spans)
+
+    def to_output(self, **fields: Any) -> AgentLoopOutput:
+        return AgentLoopOutput(
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            response_mask=self.response_mask,
+            response_logprobs=self.response_logprobs,
+            **fields,
+        )
+
+
+def _normalized(text: str) -> str:
+    return "".join(_THINK.sub("", text).split())

@@ -1,0 +1,1 @@
+"""Datasets built here (no downloads): synthetic tasks in verl's row format."""

@@ -1,0 +1,71 @@
+"""Synthetic arithmetic task in verl's row format, solved with the calculator and submit_answer tools.
+
+    python -m agentloop.data.arithmetic --out data/arithmetic --train 512 --test 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SYSTEM = "Use the calculator tool to compute, then call submit_answer with the result."
+
+
+def make_rows(count: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
+    """``count`` problems ``a op b`` (deterministic for a seed), each a ``tool_agent`` row."""
+    rng = random.Random(f"{seed}-{split}")
+    rows = []
+    for index in range(count):
+        a, b, op = rng.randint(0, 99), rng.randint(0, 99), rng.choice("+-*")
+        answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+        rows.append(
+            {
+                "prompt": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"What is {a} {op} {b}?"},
+                ],
+                "agent_name": "tool_agent",
+                "data_source": "arithmetic",
+                "reward_model": {"style": "rule", "ground_truth": str(answer)},
+                "extra_info": {
+                    "index": index,
+                    "split": split,
+                    "expression": f"{a} {op} {b}",
+                    "tools_kwargs": {"submit_answer": {"create_kwargs": {"ground_truth": answer}}},
+                },
+            }
+        )
+    return rows
+
+
+def write_rows(rows: list[dict[str, Any]], path: str) -> str:
+    """Write rows as parquet (``.parquet``) or JSON lines (anything else)."""
+    file = Path(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    if file.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), file)
+    else:
+        file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(file)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="data/arithmetic")
+    parser.add_argument("--train", type=int, default=512)
+    parser.add_argument("--test", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    args = parser.parse_args()
+    for split, count in (("train", args.train), ("test", args.test)):
+        print(write_rows(make_rows(count, args.seed, split), f"{args.out}/{split}.{args.format}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Short supervised fine-tuning on rendered chat text: the warm start for tiny models on CPU.
+
+Deterministic for a seed (fixed data order, fixed init of the optimizer), minutes at most on CPU.
+Loss is taken on assistant tokens only, so the model learns to answer, not to predict observations.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def assistant_token_mask(ids: list[int], assistant_header: list[int], end_id: int) -> list[int]:
+    """1 on the tokens of assistant turns: after each ``<|im_start|>assistant\n`` through its ``<|im_end|>``."""
+    mask, i, width = [0] * len(ids), 0, len(assistant_header)
+    while i < len(ids):
+        if ids[i : i + width] != assistant_header:
+            i += 1
+            continue
+        i += width
+        while i < len(ids):
+            mask[i] = 1
+            i += 1
+            if ids[i - 1] == end_id:
+                break
+    return mask
+
+
+def finetune(base_path: str, texts: list[str], out_dir: str, *, steps: int = 300, lr: float = 3e-3, seed: int = 0) -> str:
+    """Train ``base_path`` on ``texts`` (full-batch AdamW) and save a new checkpoint to ``out_dir``.
+
+    Returns ``out_dir``. If it already holds a checkpoint, nothing is trained (callers key the
+    directory by what they train on). Safe when several processes build the same directory.
+    """
+    target = Path(out_dir)
+    if (target / "config.json").exists():
+        return str(target)
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(base_path)
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    header = tokenizer.encode("<|im_start|>assistant\n")
+    encoded = [tokenizer.encode(text) for text in texts]
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(encoded), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        mask = assistant_token_mask(ids, header, end_id)
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention[row, : len(ids)] = 1
+        labels[row, : len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(target)

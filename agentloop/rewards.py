@@ -1,0 +1,50 @@
+"""Reward functions chosen by a row's ``data_source`` (``custom_reward_function`` in config).
+
+A reward function is ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``; a dict
+carries its score under ``"score"`` and any other keys as per-sample extras.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Callable
+
+from hydra.utils import get_method
+from omegaconf import DictConfig
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def arithmetic_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
+    """1.0 when the last number in the final answer equals the ground truth, else 0.0."""
+    numbers = _NUMBER.findall(solution_str)
+    try:
+        correct = bool(numbers) and abs(float(numbers[-1]) - float(ground_truth)) < 1e-6
+    except (TypeError, ValueError):
+        correct = False
+    return {"score": float(correct), "answer_found": float(bool(numbers))}
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str) -> Callable[..., Any]:
+    try:
+        return get_method(path)
+    except Exception as error:
+        raise ValueError(f"custom_reward_function: {path!r} cannot be imported: {error}") from error
+
+
+def reward_function_for(config: DictConfig, data_source: str | None) -> Callable[..., Any] | None:
+    """The function named for this data source, else the default one, else None."""
+    section = config.get("custom_reward_function") or {}
+    path = (section.get("by_data_source") or {}).get(data_source) or section.get("default")
+    return _load(path) if path else None
+
+
+def score(function: Callable[..., Any], data_source: str | None, solution: str, ground_truth: Any, extra_info: Any):
+    """Call a reward function; return ``(score, extras)``."""
+    result = function(data_source, solution, ground_truth, extra_info)
+    if isinstance(result, dict):
+        extras = {key: value for key, value in result.items() if key != "score"}
+        return float(result["score"]), extras
+    return float(result), {}

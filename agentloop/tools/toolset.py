@@ -1,0 +1,135 @@
+"""Loading tools from YAML and running calls with timeouts, concurrency limits and argument checks.
+
+Every fault a call can meet (unknown tool, unparsable call, arguments that fail the schema, a tool
+that raises or times out) becomes an error text for the model and an error kind for metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+from hydra.utils import get_class
+from pydantic import ValidationError
+
+from agentloop.tools.base import BaseTool
+from agentloop.tools.schema import OpenAIFunctionToolSchema, ToolCall
+
+
+@dataclass
+class ToolResult:
+    """The outcome of one call, as the agent loop consumes it."""
+
+    text: str
+    step_reward: float = 0.0
+    latency_s: float = 0.0
+    error: str | None = None  # kind: unknown_tool | parse_error | invalid_arguments | exception | timeout
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class ToolSet:
+    """The tools of one worker process; per-trajectory state lives in the tools under the instance id."""
+
+    def __init__(self, tools: list[BaseTool]) -> None:
+        self.tools = {tool.name: tool for tool in tools}
+        self._semaphores: dict[str, asyncio.Semaphore] = {}
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        """OpenAI function schemas, as chat templates take them in ``tools=``."""
+        return [tool.tool_schema.model_dump(exclude_none=True) for tool in self.tools.values()]
+
+    async def call(self, call: ToolCall, instance_id: str, created: dict[str, bool], create_kwargs: dict) -> ToolResult:
+        """Run one parsed call; never raises for faults of the call or the tool."""
+        if call.error is not None:
+            return ToolResult(f"Error: could not parse the tool call: {call.error}", error="parse_error")
+        tool = self.tools.get(call.name or "")
+        if tool is None:
+            return ToolResult(
+                f"Error: unknown tool {call.name!r}; available tools: {sorted(self.tools)}", error="unknown_tool"
+            )
+        try:
+            jsonschema.validate(call.arguments, tool.tool_schema.function.parameters.model_dump(exclude_none=True))
+        except jsonschema.ValidationError as error:
+            return ToolResult(f"Error: invalid arguments for {tool.name}: {error.message}", error="invalid_arguments")
+
+        timeout = float(tool.config.get("timeout_s", 30))
+        semaphore = self._semaphores.setdefault(tool.name, asyncio.Semaphore(int(tool.config.get("max_concurrency", 64))))
+        start = time.perf_counter()
+        try:
+            async with semaphore:
+                if not created.get(tool.name):
+                    await asyncio.wait_for(tool.create(instance_id, **create_kwargs.get(tool.name, {})), timeout)
+                    created[tool.name] = True
+                response, step_reward, metrics = await asyncio.wait_for(
+                    tool.execute(instance_id, call.arguments), timeout
+                )
+        except asyncio.TimeoutError:
+            return ToolResult(
+                f"Error: tool {tool.name} timed out after {timeout:g}s", latency_s=time.perf_counter() - start, error="timeout"
+            )
+        except Exception as error:  # a tool's bug is an observation for the model, not a crashed rollout
+            return ToolResult(
+                f"Error: tool {tool.name} failed: {type(error).__name__}: {error}",
+                latency_s=time.perf_counter() - start,
+                error="exception",
+            )
+        return ToolResult(response.text or "", float(step_reward), time.perf_counter() - start, None, dict(metrics or {}))
+
+    async def finish(self, instance_id: str, created: dict[str, bool]) -> dict[str, float]:
+        """Collect ``calc_reward`` from every tool this trajectory created, then release them."""
+        rewards = {}
+        for name in [name for name, ok in created.items() if ok]:
+            tool = self.tools[name]
+            timeout = float(tool.config.get("timeout_s", 30))
+            try:
+                rewards[name] = float(await asyncio.wait_for(tool.calc_reward(instance_id), timeout))
+            finally:
+                await asyncio.wait_for(tool.release(instance_id), timeout)
+        return rewards
+
+
+@functools.lru_cache(maxsize=None)
+def load_tool_set(path: str | None) -> ToolSet:
+    """Build the tools listed in a YAML file (``tools: [{class_name, config, tool_schema}]``), once per process."""
+    if not path:
+        return ToolSet([])
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"tool config {path!r} does not exist (actor_rollout_ref.rollout.multi_turn.tool_config_path)")
+    document = yaml.safe_load(file.read_text()) or {}
+    entries = document.get("tools") if isinstance(document, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a mapping with a 'tools' list of {{class_name, config, tool_schema}}")
+    tools = []
+    for position, entry in enumerate(entries):
+        where = f"{path}: tools[{position}]"
+        if not isinstance(entry, dict) or not entry.get("class_name"):
+            raise ValueError(f"{where}: missing field 'class_name'")
+        try:
+            cls = get_class(entry["class_name"])
+        except Exception as error:
+            raise ValueError(f"{where}.class_name = {entry['class_name']!r} cannot be imported: {error}") from error
+        if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
+            raise ValueError(f"{where}.class_name = {entry['class_name']!r} is not a subclass of agentloop.tools.BaseTool")
+        config = entry.get("config") or {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{where}.config: expected a mapping, got {config!r}")
+        try:
+            schema = OpenAIFunctionToolSchema.model_validate(entry.get("tool_schema"))
+        except ValidationError as error:
+            first = error.errors()[0]
+            location = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"{where}.tool_schema.{location}: {first['msg']}") from error
+        tools.append(cls(config=config, tool_schema=schema))
+    names = [tool.name for tool in tools]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"{path}: tool names must be unique, repeated: {duplicates}")
+    return ToolSet(tools)

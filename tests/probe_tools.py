@@ -1,0 +1,24 @@
+"""Tools that misbehave on purpose, for the tool-agent tests."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from agentloop.tools import BaseTool, ToolResponse
+
+
+class ExplodingTool(BaseTool):
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
+        raise RuntimeError("boom")
+
+
+class SleepyTool(BaseTool):
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
+        await asyncio.sleep(float(self.config["sleep_s"]))
+        return ToolResponse(text="woke up"), 0.0, {}
+
+
+class EchoTool(BaseTool):
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
+        return ToolResponse(text=parameters["text"] * int(parameters.get("times", 1))), 0.0, {}
