@@ -1,0 +1,159 @@
+"""Parsers, observation deltas, the tokenization sanity check, tool config errors, built-in tools and data."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from agentloop.agent_loop.trajectory import Trajectory, observation_delta
+from agentloop.data.arithmetic import make_rows, write_rows
+from agentloop.protocol import TokenOutput
+from agentloop.tools.calculator import evaluate
+from agentloop.tools.parsers import get_parser, parse_hermes, parse_qwen3_coder
+from agentloop.tools.schema import ToolCall
+from agentloop.tools.toolset import load_tool_set
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate arithmetic.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def test_hermes_round_trip_through_the_chat_template(tokenizer):
+    calls = [{"name": "calculator", "arguments": {"expression": "2 + 3"}}, {"name": "calculator", "arguments": {"expression": "7"}}]
+    message = {"role": "assistant", "content": "Let me compute.", "tool_calls": [{"type": "function", "function": c} for c in calls]}
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, message], tokenize=False)
+    turn = rendered.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    content, parsed = parse_hermes(turn)
+    assert content == "Let me compute."
+    assert [(c.name, c.arguments) for c in parsed] == [(c["name"], c["arguments"]) for c in calls]
+
+
+def test_calls_inside_think_are_ignored():
+    text = '<think>\nmaybe <tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n</think>\n\nno call'
+    assert parse_hermes(text) == ("no call", [])
+    # an unclosed <think> hides everything after it
+    assert parse_hermes('<think>\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>')[1] == []
+    qwen = "<think><tool_call>\n<function=a>\n</function>\n</tool_call></think>"
+    assert parse_qwen3_coder(qwen)[1] == []
+
+
+def test_hermes_faults_are_reported_not_raised():
+    assert parse_hermes("<tool_call>\n{bad json\n</tool_call>")[1][0].error.startswith("malformed JSON")
+    assert "expected" in parse_hermes('<tool_call>\n["x"]\n</tool_call>')[1][0].error
+    assert parse_hermes('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')[1][0].arguments == {"x": 1}
+    # a call cut off by the token budget still shows up, as an unparsable call
+    assert parse_hermes('<tool_call>\n{"name": "f", "argum')[1][0].error is not None
+
+
+def test_qwen3_coder_round_trip():
+    text = (
+        "Sure.\n<tool_call>\n<function=calculator>\n<parameter=expression>\n2 + 3\n</parameter>\n"
+        "<parameter=precision>\n4\n</parameter>\n</function>\n</tool_call>"
+    )
+    content, calls = parse_qwen3_coder(text)
+    assert content == "Sure." and calls == [ToolCall(name="calculator", arguments={"expression": "2 + 3", "precision": 4})]
+    assert get_parser("qwen3_coder") is parse_qwen3_coder
+    with pytest.raises(KeyError, match=r"unknown multi_turn.format 'nope'; registered tool-call parsers: \['hermes'"):
+        get_parser("nope")
+
+
+def _model_turn(tokenizer, text: str) -> TokenOutput:
+    ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
+    return TokenOutput(ids, [-0.5] * len(ids), "stop")
+
+
+def test_delta_tokens_equal_the_full_render_and_sanity_check_modes(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    trajectory = Trajectory(tokenizer, messages, prompt, TOOLS)
+    call = '<think>\nadd\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+    trajectory.add_model_turn(_model_turn(tokenizer, call))
+    tool = [{"role": "tool", "content": "5"}]
+    trajectory.add_observation(tool, trajectory.observation(tool))
+    trajectory.add_model_turn(_model_turn(tokenizer, "<think>\nok\n</think>\n\nIt is 5."))
+    # no system/tools preamble in the delta, and the incremental ids equal one full render
+    assert "<tools>" not in tokenizer.decode(observation_delta(tokenizer, tool))
+    full = tokenizer.apply_chat_template(trajectory.messages, tools=TOOLS, tokenize=True, return_dict=False)
+    assert trajectory.ids == full[: len(trajectory.ids)] and full[len(trajectory.ids) :] == tokenizer.encode("\n")
+    assert trajectory.sanity_check("strict") == 0
+
+    # A new user turn makes the template strip <think> from the earlier turns: the full render no
+    # longer matches the tokens the model actually saw. strict reports it, ignore_strippable does not.
+    user = [{"role": "user", "content": "And 3 + 4?"}]
+    trajectory.add_observation(user, trajectory.observation(user))
+    trajectory.add_model_turn(_model_turn(tokenizer, "7"))
+    before = list(trajectory.ids)
+    assert trajectory.sanity_check("strict") >= 1
+    assert trajectory.sanity_check("ignore_strippable") == 0
+    assert trajectory.sanity_check("disable") == 0
+    assert trajectory.ids == before
+    with pytest.raises(ValueError, match="tokenization_sanity_check_mode='loose'"):
+        trajectory.sanity_check("loose")
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("tools:\n  - config: {}\n", r"tools\[0\]: missing field 'class_name'"),
+        ("tools:\n  - class_name: no.such.Tool\n", r"tools\[0\].class_name = 'no.such.Tool' cannot be imported"),
+        ("tools:\n  - class_name: agentloop.protocol.TokenOutput\n", r"is not a subclass of agentloop.tools.BaseTool"),
+        (
+            "tools:\n  - class_name: agentloop.tools.calculator.CalculatorTool\n    tool_schema: {type: function, function: {description: x}}\n",
+            r"tools\[0\].tool_schema.function.name: Field required",
+        ),
+        ("- a\n", r"expected a mapping with a 'tools' list"),
+    ],
+)
+def test_bad_tool_config_names_file_and_field(tmp_path, content, message):
+    path = tmp_path / "tools.yaml"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message) as error:
+        load_tool_set(str(path))
+    assert str(path) in str(error.value)
+
+
+def test_calculator_and_answer_tools(tmp_path):
+    assert evaluate("12 * (3 + 4) - 5 / 5") == 83
+    with pytest.raises(ValueError):
+        evaluate("__import__('os')")
+    tool_set = load_tool_set("config/tools/arithmetic.yaml")
+    assert [s["function"]["name"] for s in tool_set.schemas] == ["calculator", "submit_answer"]
+
+    async def scenario():
+        created: dict[str, bool] = {}
+        kwargs = {"submit_answer": {"ground_truth": 12}}
+        calc = await tool_set.call(ToolCall(name="calculator", arguments={"expression": "3 * 4"}), "t1", created, kwargs)
+        answer = await tool_set.call(ToolCall(name="submit_answer", arguments={"answer": 12}), "t1", created, kwargs)
+        return calc, answer, await tool_set.finish("t1", created)
+
+    calc, answer, rewards = asyncio.run(scenario())
+    assert calc.text == "12" and answer.text == "correct" and rewards == {"calculator": 0.0, "submit_answer": 1.0}
+
+
+def test_arithmetic_dataset_rows(tmp_path):
+    rows = make_rows(16, seed=3)
+    assert rows == make_rows(16, seed=3) and rows != make_rows(16, seed=4)
+    row = rows[0]
+    assert row["agent_name"] == "tool_agent" and row["data_source"] == "arithmetic"
+    a, op, b = row["extra_info"]["expression"].split()
+    assert str(evaluate(f"{a} {op} {b}")) == row["reward_model"]["ground_truth"]
+    assert row["extra_info"]["tools_kwargs"]["submit_answer"]["create_kwargs"]["ground_truth"] == int(row["reward_model"]["ground_truth"])
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(write_rows(rows, str(tmp_path / "train.parquet"))).to_pylist() == rows
+    assert [json.loads(line) for line in open(write_rows(rows, str(tmp_path / "t.jsonl")))] == rows
