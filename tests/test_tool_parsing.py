@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -157,3 +158,34 @@ def test_arithmetic_dataset_rows(tmp_path):
 
     assert pq.read_table(write_rows(rows, str(tmp_path / "train.parquet"))).to_pylist() == rows
     assert [json.loads(line) for line in open(write_rows(rows, str(tmp_path / "t.jsonl")))] == rows
+
+
+QWEN3_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "qwen3" / "tokenizer_config.json"
+
+
+@pytest.mark.skipif(not QWEN3_CONFIG.exists(), reason="../shared/fixtures/qwen3 is not present")
+def test_delta_tokens_with_qwen3s_own_template(model_path):
+    # Qwen3's template on our tokenizer (same ChatML special tokens): its hazards are in the template.
+    # This variant opens "<think>\n" in the generation prompt, so model turns start inside reasoning.
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.chat_template = json.loads(QWEN3_CONFIG.read_text())["chat_template"]
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    trajectory = Trajectory(tokenizer, messages, prompt, TOOLS)
+    call = 'add\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+    trajectory.add_model_turn(_model_turn(tokenizer, call))
+    tool = [{"role": "tool", "content": "5"}]
+    delta = trajectory.observation(tool)
+    expected = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n"
+    assert tokenizer.decode(delta) == expected
+    trajectory.add_observation(tool, delta)
+    trajectory.add_model_turn(_model_turn(tokenizer, "ok\n</think>\n\nIt is 5."))
+    full = tokenizer.apply_chat_template(trajectory.messages, tools=TOOLS, tokenize=True, return_dict=False)
+    assert trajectory.ids == full[: len(trajectory.ids)]
+    assert trajectory.sanity_check("strict") == 0
+    # a new user query makes Qwen3 drop the reasoning of every earlier turn from its re-render
+    user = [{"role": "user", "content": "And 3 + 4?"}]
+    trajectory.add_observation(user, trajectory.observation(user))
+    trajectory.add_model_turn(_model_turn(tokenizer, "\n</think>\n\n7"))
+    assert trajectory.sanity_check("strict") >= 1
+    assert trajectory.sanity_check("ignore_strippable") == 0

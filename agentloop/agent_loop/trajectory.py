@@ -31,22 +31,24 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], **kwargs: 
 
 
 @functools.lru_cache(maxsize=8)
-def _base_prefix(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The base conversation's ids through its last end-of-turn token (the model stops there)."""
-    ids = _render(tokenizer, _BASE)
-    eos = tokenizer.eos_token_id
-    if eos not in ids:
-        raise ValueError("the chat template does not end assistant turns with the tokenizer's eos token")
-    return tuple(ids[: len(ids) - ids[::-1].index(eos)])
+def _eos_before_base_reply(tokenizer: PreTrainedTokenizerBase) -> int:
+    """How many end-of-turn tokens the base conversation has before its assistant reply."""
+    return _render(tokenizer, _BASE[:1]).count(tokenizer.eos_token_id)
 
 
 def observation_delta(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:
-    """Ids that follow a model turn ending in eos when ``messages`` are appended (generation prompt on)."""
-    prefix = _base_prefix(tokenizer)
+    """Ids that follow a model turn ending in eos when ``messages`` are appended (generation prompt on).
+
+    The delta starts right after the base reply's eos *inside the same render*, so templates that
+    render a reply differently when it is the last message (Qwen3 adds an empty think block) still
+    give the suffix the full conversation has.
+    """
     full = _render(tokenizer, _BASE + list(messages), add_generation_prompt=True)
-    if tuple(full[: len(prefix)]) != prefix:
-        raise ValueError("the chat template re-renders earlier turns differently; observation deltas are undefined")
-    return full[len(prefix) :]
+    ends = [i for i, token in enumerate(full) if token == tokenizer.eos_token_id]
+    reply = _eos_before_base_reply(tokenizer)
+    if len(ends) <= reply:
+        raise ValueError("the chat template does not end assistant turns with the tokenizer's eos token")
+    return full[ends[reply] + 1 :]
 
 
 class Trajectory:
