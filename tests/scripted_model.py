@@ -16,7 +16,8 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from agentloop.models.sft import finetune
-from agentloop.models.tiny_qwen import cache_root, tiny_model_path
+from agentloop.models.cache import cache_root
+from agentloop.models.tiny_qwen import tiny_model_path
 from agentloop.tools.parsers import parse_hermes
 from agentloop.tools.toolset import load_tool_set
 

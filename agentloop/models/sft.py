@@ -6,13 +6,12 @@ Loss is taken on assistant tokens only, so the model learns to answer, not to pr
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from agentloop.models.cache import build_once
 
 
 def assistant_token_mask(ids: list[int], assistant_header: list[int], end_id: int) -> list[int]:
@@ -37,9 +36,10 @@ def finetune(base_path: str, texts: list[str], out_dir: str, *, steps: int = 300
     Returns ``out_dir``. If it already holds a checkpoint, nothing is trained (callers key the
     directory by what they train on). Safe when several processes build the same directory.
     """
-    target = Path(out_dir)
-    if (target / "config.json").exists():
-        return str(target)
+    return build_once(Path(out_dir), lambda directory: _train(base_path, texts, directory, steps, lr, seed))
+
+
+def _train(base_path: str, texts: list[str], directory: Path, steps: int, lr: float, seed: int) -> None:
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
@@ -65,16 +65,5 @@ def finetune(base_path: str, texts: list[str], out_dir: str, *, steps: int = 300
         optimizer.step()
     model.eval()
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return str(target)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)

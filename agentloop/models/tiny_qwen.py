@@ -8,15 +8,14 @@ it loads with ``AutoTokenizer`` / ``AutoModelForCausalLM`` exactly like a real c
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from agentloop.models.cache import build_once, cache_root
 
 # Bump when anything below changes what gets built: the cache directory is keyed by it.
 BUILD_VERSION = "1"
@@ -37,28 +36,9 @@ VOCAB_SIZE = 1024
 CHAT_TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 
 
-def cache_root() -> Path:
-    """Where built artifacts live: ``$AGENTLOOP_CACHE`` or ``~/.cache/agentloop``."""
-    return Path(os.environ.get("AGENTLOOP_CACHE", Path.home() / ".cache" / "agentloop"))
-
-
 def tiny_model_path() -> str:
     """Return the local directory of the tiny model, building it on first use (safe across processes)."""
-    target = cache_root() / "models" / MODEL_NAME
-    if (target / "config.json").exists():
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=target.parent))
-    try:
-        build_tiny_model(staging)
-        try:
-            os.rename(staging, target)  # atomic: concurrent builders race, one wins, the rest discard
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return str(target)
+    return build_once(cache_root() / "models" / MODEL_NAME, build_tiny_model)
 
 
 def _training_corpus(rng: random.Random) -> list[str]:
