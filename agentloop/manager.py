@@ -15,6 +15,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from agentloop.batch import RolloutBatch
+from agentloop.metrics import turn_metrics
 from agentloop.registry import check_agent_names, resolve_agent_loops
 from agentloop.server.rollout_server import RolloutServer
 from agentloop.worker import AgentLoopWorker
@@ -147,6 +148,7 @@ class AgentLoopManager:
             "rollout/cached_token_share": cached / prompt_tokens if prompt_tokens else 0.0,
             "rollout/in_flight_imbalance": float(np.mean(imbalance)) if imbalance else 1.0,
             "rollout/response_tokens": int(batch.batch["response_mask"].sum()),
+            **turn_metrics(batch.non_tensor_batch["num_turns"], batch.non_tensor_batch["extra_fields"]),
         }
 
     # ------------------------------------------------------------------ servers

@@ -48,3 +48,12 @@ def score(function: Callable[..., Any], data_source: str | None, solution: str, 
         extras = {key: value for key, value in result.items() if key != "score"}
         return float(result["score"]), extras
     return float(result), {}
+
+
+def reward_for_row(config: DictConfig, row: dict[str, Any], final_text: str) -> tuple[float, dict[str, Any]] | None:
+    """Score the final answer with the function configured for the row's data source, if any."""
+    function = reward_function_for(config, row.get("data_source"))
+    if function is None:
+        return None
+    ground_truth = (row.get("reward_model") or {}).get("ground_truth")
+    return score(function, row.get("data_source"), final_text, ground_truth, row.get("extra_info"))

@@ -1,7 +1,9 @@
 """``tool_agent``: generate → parse tool calls → run tools → observe → generate again.
 
+When the model makes no tool call and the row names an interaction (``extra_info.interaction_kwargs
+.name``), the interaction (a simulated user) answers as a user turn instead, until it terminates.
 One trajectory is one session on one server (the router keeps it there). It ends when the model
-answers without calling a tool (``stop``), at ``multi_turn.max_assistant_turns`` /
+answers without calling a tool and no interaction continues the conversation (``stop``), at ``multi_turn.max_assistant_turns`` /
 ``max_user_turns`` (``max_turns``), when the next turn or observation would not fit in
 ``rollout.response_length`` (``length``), when tool errors exceed ``multi_turn.tool_error_budget``
 (``tool_error_budget``), or when the engine aborts the request (``aborted``). It never ends on an
@@ -15,9 +17,10 @@ from typing import Any
 
 from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.agent_loop.trajectory import Trajectory
+from agentloop.interactions import BaseInteraction, load_interactions
 from agentloop.protocol import AgentLoopOutput
 from agentloop.registry import register
-from agentloop.rewards import reward_function_for, score
+from agentloop.rewards import reward_for_row
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.toolset import ToolResult, load_tool_set
 
@@ -32,6 +35,17 @@ class ToolAgentLoop(AgentLoopBase):
         self.tool_set = load_tool_set(self.multi_turn.tool_config_path)
         self.parse = get_parser(self.multi_turn.format)
 
+    def _interaction(self, kwargs: dict[str, Any]) -> BaseInteraction | None:
+        if not kwargs:
+            return None
+        available = load_interactions(self.multi_turn.interaction_config_path)
+        if kwargs.get("name") not in available:
+            raise KeyError(
+                f"extra_info.interaction_kwargs.name={kwargs.get('name')!r} is not among the interactions of "
+                f"multi_turn.interaction_config_path: {sorted(available)}"
+            )
+        return available[kwargs["name"]]
+
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         request_id = row["request_id"]
         extra_info = row.get("extra_info") or {}
@@ -44,6 +58,12 @@ class ToolAgentLoop(AgentLoopBase):
         max_assistant = self.multi_turn.max_assistant_turns
         max_user = self.multi_turn.max_user_turns
         error_budget = self.multi_turn.tool_error_budget
+        interaction_kwargs = dict(extra_info.get("interaction_kwargs") or {})
+        interaction = self._interaction(interaction_kwargs)
+        if interaction is not None:
+            await interaction.start_interaction(request_id, **interaction_kwargs)
+        interaction_score = None
+        turn_scores: list[float] = []
         created: dict[str, bool] = {}
         turns: list[dict[str, Any]] = []
         errors_by_kind: dict[str, int] = {}
@@ -65,12 +85,30 @@ class ToolAgentLoop(AgentLoopBase):
                     reason = "length"
                     break
                 _, calls = self.parse(text)
-                if not calls:
+                if not calls and interaction is None:
                     reason = "stop"
                     break
                 if (max_assistant and assistant_turns >= max_assistant) or (max_user and user_turns >= max_user):
                     reason = "max_turns"
                     break
+                if not calls:
+                    done, reply, turn_score, _ = await interaction.generate_response(
+                        request_id, trajectory.messages, **interaction_kwargs
+                    )
+                    turn_scores.append(float(turn_score))
+                    turn["interaction_score"] = float(turn_score)
+                    if done:
+                        reason = "stop"
+                        break
+                    messages = [{"role": "user", "content": reply}]
+                    observation = trajectory.observation(messages)
+                    if len(trajectory.response_ids) + len(observation) >= budget:
+                        reason = "length"
+                        break
+                    trajectory.add_observation(messages, observation)
+                    turn["observation_tokens"] = len(observation)
+                    user_turns += 1
+                    continue
                 calls = calls[: int(self.multi_turn.max_parallel_calls)]
                 results: list[ToolResult] = await asyncio.gather(
                     *(self.tool_set.call(call, request_id, created, create_kwargs) for call in calls)
@@ -97,9 +135,12 @@ class ToolAgentLoop(AgentLoopBase):
                 user_turns += 1
         finally:
             tool_rewards = await self.tool_set.finish(request_id, created)
+            if interaction is not None:
+                interaction_score = float(await interaction.calculate_score(request_id, **interaction_kwargs))
+                await interaction.finalize_interaction(request_id, **interaction_kwargs)
 
         mismatches = trajectory.sanity_check(self.multi_turn.tokenization_sanity_check_mode)
-        reward, reward_extras = self._reward(row, trajectory, tool_rewards)
+        reward, reward_extras = self._reward(row, trajectory, tool_rewards, interaction_score)
         return trajectory.to_output(
             num_turns=1 + assistant_turns + user_turns,  # the prompt counts as a turn, as in verl
             reward_score=reward,
@@ -110,6 +151,8 @@ class ToolAgentLoop(AgentLoopBase):
                 "tool_rewards": tool_rewards,
                 "reward_extra_info": reward_extras,
                 "tool_errors": errors_by_kind,
+                "turn_scores": turn_scores,
+                "interaction_score": interaction_score,
             },
         )
 
@@ -131,15 +174,15 @@ class ToolAgentLoop(AgentLoopBase):
             return head + "...(truncated)..." + self.tokenizer.decode(ids[len(ids) - (limit - limit // 2) :])
         raise ValueError(f"multi_turn.tool_response_truncate_side={side!r}; choose left, right or middle")
 
-    def _reward(self, row: dict[str, Any], trajectory: Trajectory, tool_rewards: dict[str, float]):
-        """A reward function for the row's data_source wins; otherwise the tools' rewards add up."""
-        function = reward_function_for(self.config, row.get("data_source"))
-        if function is not None:
-            final = next((m["content"] for m in reversed(trajectory.messages) if m["role"] == "assistant"), "")
-            ground_truth = (row.get("reward_model") or {}).get("ground_truth")
-            return score(function, row.get("data_source"), final, ground_truth, row.get("extra_info"))
-        if tool_rewards:
-            return sum(tool_rewards.values()), {}
+    def _reward(
+        self, row: dict[str, Any], trajectory: Trajectory, tool_rewards: dict[str, float], interaction_score: float | None
+    ):
+        """A reward function for the row's data_source wins; otherwise tool rewards and the interaction's score add up."""
+        scored = reward_for_row(self.config, row, trajectory.final_reply)
+        if scored is not None:
+            return scored
+        if tool_rewards or interaction_score is not None:
+            return sum(tool_rewards.values()) + (interaction_score or 0.0), {}
         return None, {}
 
     @staticmethod

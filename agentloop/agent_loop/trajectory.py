@@ -70,6 +70,11 @@ class Trajectory:
         """What the model conditions on next: prompt and everything appended so far."""
         return self.prompt_ids + self.response_ids
 
+    @property
+    def final_reply(self) -> str:
+        """The text of the model's last turn."""
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+
     def add_model_turn(self, output: TokenOutput) -> str:
         """Append the engine's tokens exactly; return the turn's text (without the end-of-turn token)."""
         self.response_ids += output.token_ids

@@ -121,6 +121,13 @@ def load_tool_set(path: str | None) -> ToolSet:
         config = entry.get("config") or {}
         if not isinstance(config, dict):
             raise ValueError(f"{where}.config: expected a mapping, got {config!r}")
+        if config.get("type") == "mcp":
+            from agentloop.tools.mcp import MCPTool, discover_mcp_tools
+
+            if not issubclass(cls, MCPTool):
+                raise ValueError(f"{where}.class_name: a tool with config.type mcp must subclass agentloop.tools.mcp.MCPTool")
+            tools += discover_mcp_tools(cls, config, where)
+            continue
         try:
             schema = OpenAIFunctionToolSchema.model_validate(entry.get("tool_schema"))
         except ValidationError as error:

@@ -1,0 +1,125 @@
+"""``env_agent``: generate (mask 1) → ``env.step`` → stop if done → observation delta (mask 0) → repeat.
+
+The environment class is named per row (``extra_info.env_kwargs.class_name``) or in config
+(``rollout.env.class_name``) and built per sample with the row's ``env_kwargs``. A trajectory ends
+with ``done`` (the env says so), ``max_turns`` (``rollout.env.max_turns`` model turns),
+``truncated`` (the next turn or observation would not fit in ``rollout.response_length``: it never
+overflows), ``env_error`` (a step kept failing after ``max_env_retries_per_turn`` retries) or
+``aborted``. A failed step is retried after the env's ``recover()`` hook, or after ``reset()`` and a
+replay of the actions so far; a turn counts only once its step succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any
+
+from hydra.utils import get_class
+
+from agentloop.agent_loop.base import AgentLoopBase
+from agentloop.agent_loop.trajectory import Trajectory
+from agentloop.envs import BaseEnv
+from agentloop.protocol import AgentLoopOutput
+from agentloop.registry import register
+from agentloop.rewards import reward_for_row
+
+
+async def _call(function: Any, *args: Any) -> Any:
+    """Await async env methods, run sync ones in a thread so a slow env never blocks the loop."""
+    if inspect.iscoroutinefunction(function):
+        return await function(*args)
+    return await asyncio.to_thread(function, *args)
+
+
+@register("env_agent")
+class EnvAgentLoop(AgentLoopBase):
+    """Multi-turn rollouts against a stepped environment, with exact tokens and env retries."""
+
+    def _build_env(self, row: dict[str, Any]) -> BaseEnv:
+        settings = self.rollout.env
+        kwargs = dict((row.get("extra_info") or {}).get("env_kwargs") or {})
+        class_name = kwargs.pop("class_name", None) or settings.class_name
+        if not class_name:
+            raise ValueError("env_agent needs an environment: set rollout.env.class_name or extra_info.env_kwargs.class_name")
+        try:
+            cls = get_class(class_name)
+        except Exception as error:
+            raise ValueError(f"environment class {class_name!r} cannot be imported: {error}") from error
+        return cls(**{**(settings.config or {}), **kwargs})
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        settings = self.rollout.env
+        env = self._build_env(row)
+        await _call(env.reset)
+        trajectory = Trajectory(self.tokenizer, row["prompt"], self.encode_prompt(row["prompt"]), None)
+        budget = int(self.rollout.response_length)
+        actions: list[str] = []
+        retries: dict[str, int] = {}
+        env_reward = 0.0
+        while True:
+            output = await self.server_manager.generate(
+                row["request_id"], trajectory.ids, {**sampling_params, "max_new_tokens": budget - len(trajectory.response_ids)}
+            )
+            text = trajectory.add_model_turn(output)
+            if output.finish_reason == "abort":
+                reason = "aborted"
+                break
+            if output.finish_reason == "length":
+                reason = "truncated"
+                break
+            stepped = await self._step_with_retries(env, text, actions, retries)
+            if stepped is None:
+                reason = "env_error"
+                break
+            observation, done, info = stepped
+            actions.append(text)
+            env_reward += float((info or {}).get("reward", 0.0))
+            if done:
+                reason = "done"
+                break
+            if len(actions) >= int(settings.max_turns):
+                reason = "max_turns"
+                break
+            message = env.format_observation(observation)
+            delta = trajectory.observation([message])
+            if len(trajectory.response_ids) + len(delta) >= budget:
+                reason = "truncated"
+                break
+            trajectory.add_observation([message], delta)
+
+        scored = reward_for_row(self.config, row, trajectory.final_reply)
+        reward, extras = scored if scored is not None else (env_reward, {})
+        return trajectory.to_output(
+            num_turns=1 + len(trajectory.messages) - len(row["prompt"]),  # prompt + model turns + observations
+            reward_score=reward,
+            metrics={
+                "env_steps": float(len(actions)),
+                "env_retries": float(sum(retries.values())),
+                "model_tokens": float(sum(trajectory.response_mask)),
+                "observation_tokens": float(len(trajectory.response_mask) - sum(trajectory.response_mask)),
+            },
+            extra_fields={"finish_reason": reason, "env_retries": retries, "reward_extra_info": extras},
+        )
+
+    async def _step_with_retries(
+        self, env: BaseEnv, text: str, actions: list[str], retries: dict[str, int]
+    ) -> tuple[Any, bool, dict[str, Any]] | None:
+        """Step the env; on failure recover (hook, or reset and replay) and retry. None: budget spent."""
+        timeout = float(self.rollout.env.step_timeout_s)
+        for attempt in range(int(self.rollout.env.max_env_retries_per_turn) + 1):
+            try:
+                if attempt:
+                    if hasattr(env, "recover"):
+                        await asyncio.wait_for(_call(env.recover), timeout)
+                    else:
+                        await asyncio.wait_for(_call(env.reset), timeout)
+                        for action in actions:
+                            await asyncio.wait_for(_call(env.step, action), timeout)
+                return await asyncio.wait_for(_call(env.step, text), timeout)
+            except asyncio.TimeoutError:
+                kind = "timeout"
+            except Exception as error:  # an env's failure is retried, then ends the trajectory cleanly
+                kind = type(error).__name__
+            retries[kind] = retries.get(kind, 0) + 1
+        return None

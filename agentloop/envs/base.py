@@ -1,0 +1,28 @@
+"""``BaseEnv``: what ``env_agent`` drives, one instance per sample. Methods may be sync or async."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class BaseEnv:
+    """An environment stepped on each model turn.
+
+    Subclasses implement ``step``; ``reset`` starts (or restarts) an episode. When a step raises or
+    times out, the loop calls ``recover()`` if the env defines one, else ``reset()`` and replays the
+    actions taken so far, then retries the step (``env.max_env_retries_per_turn`` times at most).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+    def reset(self) -> None:
+        """Start the episode."""
+
+    def step(self, response_text: str) -> tuple[Any, bool, dict[str, Any]]:
+        """Apply the model's turn: ``(observation, done, info)``; ``info["reward"]`` adds to the score."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step()")
+
+    def format_observation(self, observation: Any) -> dict[str, Any]:
+        """The chat message that shows the observation to the model (a user turn by default)."""
+        return {"role": "user", "content": str(observation)}
