@@ -101,3 +101,22 @@ def write_tools_yaml(directory: Path) -> str:
     path = directory / "tools.yaml"
     path.write_text(TOOLS_YAML)
     return str(path)
+
+
+def build_ok_model() -> str:
+    """A model that answers every turn with "ok": short, eos-terminated turns for env and user loops."""
+    import random
+
+    base = tiny_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    rng = random.Random(0)
+    words = "keep going observation step try again history lots of text late reset start move left right".split()
+    texts = []
+    for i in range(40):
+        messages = []
+        for turn in range(rng.randint(1, 4)):
+            content = " ".join(rng.choice(words) for _ in range(rng.randint(1, 12))) + f" {rng.randint(0, 50)}"
+            messages += [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]
+        texts.append(tokenizer.apply_chat_template(messages, tokenize=False))
+    key = hashlib.sha256(json.dumps([base, texts]).encode()).hexdigest()[:16]
+    return finetune(base, texts, str(cache_root() / "models" / f"ok-{key}"), steps=150)

@@ -34,19 +34,28 @@ async def _call(function: Any, *args: Any) -> Any:
 
 @register("env_agent")
 class EnvAgentLoop(AgentLoopBase):
-    """Multi-turn rollouts against a stepped environment, with exact tokens and env retries."""
+    """Multi-turn rollouts against a stepped environment, with exact tokens and env retries.
+
+    ``env_class`` / ``env_config`` let an agent-loop YAML entry bind an environment to a loop name;
+    a row's ``env_kwargs.class_name`` still wins, and ``rollout.env`` is the fallback.
+    """
+
+    def __init__(self, *, env_class: str | None = None, env_config: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.env_class = env_class
+        self.env_config = dict(env_config or {})
 
     def _build_env(self, row: dict[str, Any]) -> BaseEnv:
         settings = self.rollout.env
         kwargs = dict((row.get("extra_info") or {}).get("env_kwargs") or {})
-        class_name = kwargs.pop("class_name", None) or settings.class_name
+        class_name = kwargs.pop("class_name", None) or self.env_class or settings.class_name
         if not class_name:
             raise ValueError("env_agent needs an environment: set rollout.env.class_name or extra_info.env_kwargs.class_name")
         try:
             cls = get_class(class_name)
         except Exception as error:
             raise ValueError(f"environment class {class_name!r} cannot be imported: {error}") from error
-        return cls(**{**(settings.config or {}), **kwargs})
+        return cls(**{**(settings.config or {}), **self.env_config, **kwargs})
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         settings = self.rollout.env

@@ -1,0 +1,1 @@
+"""A text game environment and a user-simulator interaction, plugged in by name."""
