@@ -112,7 +112,7 @@ def test_delta_tokens_equal_the_full_render_and_sanity_check_modes(tokenizer):
     [
         ("tools:\n  - config: {}\n", r"tools\[0\]: missing field 'class_name'"),
         ("tools:\n  - class_name: no.such.Tool\n", r"tools\[0\].class_name = 'no.such.Tool' cannot be imported"),
-        ("tools:\n  - class_name: agentloop.protocol.TokenOutput\n", r"is not a subclass of agentloop.tools.BaseTool"),
+        ("tools:\n  - class_name: agentloop.protocol.TokenOutput\n", r"is not a subclass of agentloop.tools.base.BaseTool"),
         (
             "tools:\n  - class_name: agentloop.tools.calculator.CalculatorTool\n    tool_schema: {type: function, function: {description: x}}\n",
             r"tools\[0\].tool_schema.function.name: Field required",

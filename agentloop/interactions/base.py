@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
-import yaml
-from hydra.utils import get_class
+from agentloop.yaml_entries import entry_class, read_entries
 
 
 class BaseInteraction:
@@ -40,26 +38,9 @@ def load_interactions(path: str | None) -> dict[str, BaseInteraction]:
     """Build the interactions listed in a YAML file (``interaction: [{name, class_name, config}]``)."""
     if not path:
         return {}
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"interaction config {path!r} does not exist (actor_rollout_ref.rollout.multi_turn.interaction_config_path)"
-        )
-    document = yaml.safe_load(file.read_text()) or {}
-    entries = document.get("interaction") if isinstance(document, dict) else None
-    if not isinstance(entries, list):
-        raise ValueError(f"{path}: expected a mapping with an 'interaction' list of {{name, class_name, config}}")
     interactions: dict[str, BaseInteraction] = {}
-    for position, entry in enumerate(entries):
-        where = f"{path}: interaction[{position}]"
-        if not isinstance(entry, dict) or not entry.get("class_name"):
-            raise ValueError(f"{where}: missing field 'class_name'")
-        try:
-            cls = get_class(entry["class_name"])
-        except Exception as error:
-            raise ValueError(f"{where}.class_name = {entry['class_name']!r} cannot be imported: {error}") from error
-        if not issubclass(cls, BaseInteraction):
-            raise ValueError(f"{where}.class_name = {entry['class_name']!r} is not a subclass of BaseInteraction")
+    for where, entry in read_entries(path, "interaction", "multi_turn.interaction_config_path"):
+        cls = entry_class(entry, where, BaseInteraction)
         name = entry.get("name") or cls.__name__
         interactions[name] = cls({**(entry.get("config") or {}), "name": name})
     return interactions

@@ -10,16 +10,14 @@ import asyncio
 import functools
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import jsonschema
-import yaml
-from hydra.utils import get_class
 from pydantic import ValidationError
 
 from agentloop.tools.base import BaseTool
 from agentloop.tools.schema import OpenAIFunctionToolSchema, ToolCall
+from agentloop.yaml_entries import entry_class, read_entries
 
 
 @dataclass
@@ -100,27 +98,10 @@ def load_tool_set(path: str | None) -> ToolSet:
     """Build the tools listed in a YAML file (``tools: [{class_name, config, tool_schema}]``), once per process."""
     if not path:
         return ToolSet([])
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"tool config {path!r} does not exist (actor_rollout_ref.rollout.multi_turn.tool_config_path)")
-    document = yaml.safe_load(file.read_text()) or {}
-    entries = document.get("tools") if isinstance(document, dict) else None
-    if not isinstance(entries, list):
-        raise ValueError(f"{path}: expected a mapping with a 'tools' list of {{class_name, config, tool_schema}}")
     tools = []
-    for position, entry in enumerate(entries):
-        where = f"{path}: tools[{position}]"
-        if not isinstance(entry, dict) or not entry.get("class_name"):
-            raise ValueError(f"{where}: missing field 'class_name'")
-        try:
-            cls = get_class(entry["class_name"])
-        except Exception as error:
-            raise ValueError(f"{where}.class_name = {entry['class_name']!r} cannot be imported: {error}") from error
-        if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
-            raise ValueError(f"{where}.class_name = {entry['class_name']!r} is not a subclass of agentloop.tools.BaseTool")
+    for where, entry in read_entries(path, "tools", "multi_turn.tool_config_path"):
+        cls = entry_class(entry, where, BaseTool)
         config = entry.get("config") or {}
-        if not isinstance(config, dict):
-            raise ValueError(f"{where}.config: expected a mapping, got {config!r}")
         if config.get("type") == "mcp":
             from agentloop.tools.mcp import MCPTool, discover_mcp_tools
 
