@@ -68,6 +68,10 @@ class AgentLoopManager:
             for rank in range(size)
         ]
         _wait([server.__ray_ready__.remote() for server in servers], timeout, "rollout servers to load their engines")
+        if self.rollout.http.enable:
+            self.server_addresses = _wait([s.start_http.remote() for s in servers], timeout, "HTTP servers to start")
+        else:
+            self.server_addresses = []
         return servers, group
 
     # ------------------------------------------------------------------ rollout

@@ -45,6 +45,7 @@ class RolloutServer:
         cpus = int(config.actor_rollout_ref.rollout.resources_per_server.get("CPU", 1))
         torch.set_num_threads(max(1, cpus))
         self.rank = rank
+        self.config = config
         self.engine = build_engine(config, rank)
         self.requests_served = 0
         self.tokens_generated = 0
@@ -65,6 +66,26 @@ class RolloutServer:
         self.requests_served += 1
         self.tokens_generated += len(output.token_ids)
         return output
+
+    async def start_http(self) -> str:
+        """Serve ``/generate``, ``/v1/chat/completions`` and ``/health``; return the base URL."""
+        from transformers import AutoTokenizer
+
+        from agentloop.server.http import build_app, serve
+
+        http = self.config.actor_rollout_ref.rollout.http
+        tokenizer = AutoTokenizer.from_pretrained(self.config.actor_rollout_ref.model.path)
+        app = build_app(
+            self,
+            tokenizer,
+            model_name=str(self.config.actor_rollout_ref.model.path),
+            tool_format=self.config.actor_rollout_ref.rollout.multi_turn.format,
+            api_key=http.api_key,
+        )
+        self.http_server, port = await serve(app, http.host, int(http.port) + self.rank if http.port else 0)
+        # a wildcard bind is reached through this node's address
+        host = ray.util.get_node_ip_address() if http.host in ("0.0.0.0", "::") else http.host
+        return f"http://{host}:{port}"
 
     async def abort(self, request_id: str) -> int:
         return self.engine.abort(request_id)

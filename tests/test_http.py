@@ -1,0 +1,129 @@
+"""HTTP on every rollout server: SGLang's /generate contract, OpenAI chat completions, API keys, abort."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from agentloop import AgentLoopManager
+from agentloop.tools.toolset import load_tool_set
+from conftest import small_config
+from scripted_model import build_scripted_model, write_tools_yaml
+from sglang_contract import load_api_types
+
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+api_types = load_api_types()
+needs_sglang = pytest.mark.skipif(api_types is None, reason="sglang (installed with --no-deps) and msgspec are needed")
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    tools_path = write_tools_yaml(tmp_path_factory.mktemp("tools"))
+    model_path, _ = build_scripted_model(tools_path)
+    return tools_path, model_path
+
+
+@pytest.fixture(scope="module")
+def manager(local_ray, scripted):
+    manager = AgentLoopManager(
+        small_config(
+            f"actor_rollout_ref.model.path={scripted[1]}",
+            f"actor_rollout_ref.rollout.http.api_key={API_KEY}",
+            "data.max_prompt_length=768",
+        )
+    )
+    yield manager
+    manager.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(manager):
+    [address] = manager.server_addresses
+    assert address.startswith("http://127.0.0.1:")
+    return address
+
+
+def post(url, path, body, headers=AUTH):
+    return requests.post(url + path, json=body, headers=headers, timeout=60)
+
+
+def generate_request(**overrides):
+    body = {
+        "input_ids": [1, 294, 207, 664, 2, 207, 1, 299, 207],
+        "sampling_params": {"max_new_tokens": 5, "temperature": 1.0, "top_p": 1.0, "top_k": 1073741824, "ignore_eos": True,
+                            "skip_special_tokens": False, "no_stop_trim": True},
+        "return_logprob": True,
+        "rid": "contract-1",
+    }
+    body.update(overrides)
+    return body
+
+
+def test_health_and_api_key(url):
+    assert requests.get(url + "/health", timeout=10).json() == {"status": "ok"}
+    assert requests.get(url + "/health_generate", headers=AUTH, timeout=30).status_code == 200
+    assert post(url, "/generate", generate_request(), headers={}).status_code == 401
+    assert post(url, "/generate", generate_request(), headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+@needs_sglang
+def test_generate_request_and_response_follow_sglangs_contract(url):
+    request = generate_request()
+    api_types.GenerateRequest.from_json_value(request)  # what we send is valid for SGLang
+    response = post(url, "/generate", request)
+    assert response.status_code == 200, response.text
+    decoded = api_types.GenerateResponse.from_json_value(response.json())
+    assert list(decoded.output_ids) == response.json()["output_ids"] and len(decoded.output_ids) == 5
+    body = response.json()
+    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    logprobs = body["meta_info"]["output_token_logprobs"]
+    assert [entry[1] for entry in logprobs] == body["output_ids"] and all(entry[0] < 0 for entry in logprobs)
+    assert body["meta_info"]["prompt_tokens"] == 9 and body["meta_info"]["completion_tokens"] == 5
+
+
+def test_generate_stops_on_eos_and_rejects_unknown_keys(url):
+    params = {"max_new_tokens": 64, "temperature": 0.0}
+    body = post(url, "/generate", generate_request(sampling_params=params)).json()
+    eos = body["output_ids"][-1]
+    assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    bad = post(url, "/generate", generate_request(sampling_params={"max_new_tokens": 4, "frequency_penalty": 0.5}))
+    assert bad.status_code == 400 and "unsupported sampling_params ['frequency_penalty']" in bad.json()["error"]["message"]
+
+
+def test_abort_request(url):
+    request = generate_request(rid="to-abort", sampling_params={"max_new_tokens": 20000, "ignore_eos": True})
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(post(url, "/generate", request).json()))
+    thread.start()
+    time.sleep(0.5)
+    assert post(url, "/abort_request", {"rid": "to-abort"}).json() == {"aborted": 1}
+    thread.join(timeout=30)
+    assert result["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_openai_client_with_tool_calls(url, scripted):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, timeout=60)
+    tools = load_tool_set(scripted[0]).schemas
+    messages = [{"role": "user", "content": "script multi"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, tools=tools, temperature=0.0, max_tokens=64)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "2 + 3"}
+    # exact tokens ride along for training
+    extra = first.model_extra
+    assert len(extra["prompt_token_ids"]) == first.usage.prompt_tokens
+    assert len(choice.model_extra["token_ids"]) == first.usage.completion_tokens == len(choice.logprobs.content)
+
+    messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, tools=tools, temperature=0.0, max_tokens=64)
+    [answer] = second.choices[0].message.tool_calls
+    assert answer.function.name == "submit_answer" and json.loads(answer.function.arguments) == {"answer": 5}
+    plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert plain.choices[0].message.tool_calls is None and plain.usage.completion_tokens <= 4
