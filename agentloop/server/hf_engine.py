@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -240,6 +241,24 @@ class HFEngine:
         if was_awake:
             self._start_manager()
         return len(updates)
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix (in-flight requests are aborted)."""
+        if self._manager is not None:
+            self._stop_manager()
+            self._start_manager()
+
+    def update_weights_from_disk(self, model_path: str) -> int:
+        """Load the ``*.safetensors`` of a checkpoint directory in place (prefix cache flushed)."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"update_weights_from_disk: no *.safetensors in {model_path!r}")
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            state.update(load_file(file))
+        return self.update_weights(state)
 
     def sleep(self) -> None:
         """Free the KV cache (aborting in-flight requests); weights stay loaded."""

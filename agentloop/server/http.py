@@ -126,6 +126,34 @@ def build_app(server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: st
     async def abort_request(body: dict[str, Any]) -> dict[str, Any]:
         return {"aborted": await server.abort(str(body.get("rid", "")))}
 
+    # Weight and memory control in SGLang's shapes, so the sglang backend's client can drive this server.
+    @app.post("/begin_weight_update", dependencies=[Depends(authorize)])
+    @app.post("/end_weight_update", dependencies=[Depends(authorize)])
+    async def weight_update_session() -> dict[str, Any]:
+        return {"success": True, "message": "weight updates here are atomic; no session to open or close"}
+
+    @app.post("/update_weights_from_disk", dependencies=[Depends(authorize)])
+    async def update_weights_from_disk(body: dict[str, Any]) -> dict[str, Any]:
+        if not body.get("model_path"):
+            raise ValueError("update_weights_from_disk needs model_path")
+        await server.update_weights_from_disk(body["model_path"])
+        return {"success": True, "message": f"loaded {body['model_path']}", "num_paused_requests": 0}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=[Depends(authorize)])
+    async def flush_cache() -> dict[str, Any]:
+        engine.flush_cache()
+        return {"success": True}
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"], dependencies=[Depends(authorize)])
+    async def release_memory_occupation() -> dict[str, Any]:
+        await server.sleep()
+        return {"success": True}
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"], dependencies=[Depends(authorize)])
+    async def resume_memory_occupation() -> dict[str, Any]:
+        await server.wake_up()
+        return {"success": True}
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatBody) -> dict[str, Any]:
         if body.stream or body.n != 1:

@@ -6,6 +6,7 @@ and counts what it served so the manager can report load per server.
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 from typing import Any
@@ -32,9 +33,40 @@ def build_engine(config: DictConfig, rank: int) -> Any:
             max_batch_tokens=rollout.hf.max_batch_tokens,
             seed=rollout.seed + rank,
         )
+    if rollout.name == "sglang":
+        from agentloop.server.sglang_engine import SGLangEngine
+
+        settings = rollout.sglang
+        launch_args = [
+            "--mem-fraction-static", str(settings.mem_fraction_static),
+            "--tp-size", str(settings.tensor_parallel_size),
+            "--dtype", rollout.dtype,
+            "--random-seed", str(rollout.seed + rank),
+            *(["--enable-memory-saver"] if settings.enable_memory_saver else []),
+            *settings.extra_args,
+        ]
+        urls = list(settings.urls or [])
+        if urls and len(urls) < rollout.data_parallel_size:
+            raise ValueError(
+                f"rollout.sglang.urls lists {len(urls)} server(s) for data_parallel_size={rollout.data_parallel_size}"
+            )
+        return SGLangEngine(
+            config.actor_rollout_ref.model.path,
+            url=urls[rank] if urls else None,
+            api_key=settings.api_key,
+            launch_args=launch_args,
+            startup_timeout_s=rollout.server_startup_timeout_s,
+            request_timeout_s=rollout.request_timeout_s,
+            port=int(settings.port) + rank,
+        )
     raise ValueError(
-        f"actor_rollout_ref.rollout.name={rollout.name!r} is not a known backend; available: ['hf']"
+        f"actor_rollout_ref.rollout.name={rollout.name!r} is not a known backend; available: ['hf', 'sglang']"
     )
+
+
+async def _maybe_await(value: Any) -> Any:
+    """Engines answer control calls synchronously (hf) or as coroutines (sglang's HTTP client)."""
+    return await value if inspect.isawaitable(value) else value
 
 
 @ray.remote
@@ -73,6 +105,8 @@ class RolloutServer:
 
         from agentloop.server.http import build_app, serve
 
+        if hasattr(self.engine, "url"):  # an SGLang server already speaks HTTP
+            return self.engine.url
         http = self.config.actor_rollout_ref.rollout.http
         tokenizer = AutoTokenizer.from_pretrained(self.config.actor_rollout_ref.model.path)
         app = build_app(
@@ -88,16 +122,20 @@ class RolloutServer:
         return f"http://{host}:{port}"
 
     async def abort(self, request_id: str) -> int:
-        return self.engine.abort(request_id)
+        return await _maybe_await(self.engine.abort(request_id))
 
     async def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
-        return self.engine.update_weights(state_dict)
+        return await _maybe_await(self.engine.update_weights(state_dict))
+
+    async def update_weights_from_disk(self, model_path: str) -> None:
+        """Load new weights from a checkpoint directory (safetensors), flushing the prefix cache."""
+        await _maybe_await(self.engine.update_weights_from_disk(model_path))
 
     async def sleep(self) -> None:
-        self.engine.sleep()
+        await _maybe_await(self.engine.sleep())
 
     async def wake_up(self) -> None:
-        self.engine.wake_up()
+        await _maybe_await(self.engine.wake_up())
 
     async def stats(self) -> dict[str, int]:
         return {

@@ -1,0 +1,215 @@
+"""Engine ``sglang``: SGLang through its native HTTP API, token ids only (``--skip-tokenizer-init``).
+
+Why a ``python -m sglang.launch_server`` process the server actor starts, rather than the in-process
+``sglang.Engine``: SGLang owns its CUDA context, NCCL groups and scheduler subprocesses, and a crash
+or OOM there must not take the Ray actor (and the trainer's view of it) down with it; the HTTP
+contract is also exactly what the attach mode speaks, so one client serves both. Attach mode
+(``rollout.sglang.urls``) drives already-running SGLang servers of a disaggregated fleet.
+
+Tested SGLang: 0.5.21–0.5.23 (request shapes validated against the wheel's ``api/v1/api_types.py``).
+Unknown sampling keys are rejected by SGLang >= 0.5.22, so only valid ones are sent.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterable
+
+import aiohttp
+import torch
+
+from agentloop.protocol import TokenOutput, validate_sampling_params
+
+# Sent on every request: ids in and out, stop tokens kept, so the trajectory holds exactly what was sampled.
+FIXED_SAMPLING = {"skip_special_tokens": False, "no_stop_trim": True}
+
+
+def build_generate_request(prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> dict[str, Any]:
+    """SGLang ``/generate`` body for one token-in/token-out turn."""
+    params = validate_sampling_params(sampling_params)
+    sampling = {
+        "max_new_tokens": int(params["max_new_tokens"]),
+        "temperature": float(params["temperature"]),
+        "top_p": float(params["top_p"]),
+        "top_k": int(params["top_k"]),
+        "ignore_eos": bool(params["ignore_eos"]),
+        **FIXED_SAMPLING,
+    }
+    if params["stop_token_ids"]:
+        sampling["stop_token_ids"] = [int(token) for token in params["stop_token_ids"]]
+    return {"input_ids": list(prompt_ids), "sampling_params": sampling, "return_logprob": True, "rid": request_id, "stream": False}
+
+
+def parse_generate_response(body: dict[str, Any]) -> TokenOutput:
+    """``output_ids``, ``meta_info.output_token_logprobs``, finish reason and cached tokens."""
+    meta = body.get("meta_info") or {}
+    ids = list(body.get("output_ids") or [])
+    logprobs = [float(entry[0]) if entry[0] is not None else 0.0 for entry in meta.get("output_token_logprobs") or []]
+    if len(logprobs) != len(ids):
+        raise ValueError(f"SGLang returned {len(ids)} output ids but {len(logprobs)} logprobs")
+    reason = (meta.get("finish_reason") or {}).get("type", "abort")
+    return TokenOutput(ids, logprobs, reason if reason in ("stop", "length") else "abort", int(meta.get("cached_tokens", 0)))
+
+
+class SGLangEngine:
+    """Async client of one SGLang server (launched here, or attached by URL)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        url: str | None = None,
+        api_key: str | None = None,
+        launch_args: Iterable[str] = (),
+        startup_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+        port: int = 30000,
+    ) -> None:
+        self.model_path = model_path
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self.process: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self._in_flight = 0
+        self._sleeping = False
+        if url:
+            self.url = url.rstrip("/")
+        else:
+            self.url = f"http://127.0.0.1:{port}"
+            self._launch(port, list(launch_args))
+        self._wait_until_healthy(startup_timeout_s)
+
+    # ------------------------------------------------------------------ process
+
+    def _launch(self, port: int, launch_args: list[str]) -> None:
+        self.log_path = Path(tempfile.mkstemp(prefix="sglang-", suffix=".log")[1])
+        command = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path,
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--skip-tokenizer-init",
+            *launch_args,
+        ]
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return "(no log: attached to an external server)"
+        with open(self.log_path, errors="replace") as log:
+            return "".join(deque(log, maxlen=lines))
+
+    def _wait_until_healthy(self, timeout_s: float) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        request = urllib.request.Request(self.url + "/health_generate", headers=self.headers)
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"SGLang server exited with code {self.process.returncode} during start-up; log tail:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise TimeoutError(
+                    f"SGLang server at {self.url} not healthy after {timeout_s:.0f}s "
+                    f"(actor_rollout_ref.rollout.server_startup_timeout_s); log tail:\n{self.log_tail()}"
+                )
+            time.sleep(1.0)
+
+    def shutdown(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    # ------------------------------------------------------------------ calls
+
+    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+        async with aiohttp.ClientSession(timeout=self.timeout, headers=self.headers) as session:
+            async with session.post(self.url + path, json=body) as response:
+                text = await response.text()
+                if response.status != 200:
+                    raise RuntimeError(f"SGLang {path} answered {response.status}: {text[:500]}")
+                return await response.json(content_type=None) if text else None
+
+    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> TokenOutput:
+        if self._sleeping:
+            raise RuntimeError("engine is asleep: call wake_up() before generate()")
+        self._in_flight += 1
+        try:
+            return parse_generate_response(await self._post("/generate", build_generate_request(prompt_ids, sampling_params, request_id)))
+        finally:
+            self._in_flight -= 1
+
+    async def abort(self, request_id: str) -> int:
+        await self._post("/abort_request", {"rid": request_id})
+        return 1
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    # ------------------------------------------------------------------ weights and memory
+
+    async def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
+        """In-place update between ``begin_weight_update`` and ``end_weight_update``, then flush the cache.
+
+        Tensors travel with SGLang's own serializer (CUDA IPC handles on a shared GPU host), so this
+        needs the full ``sglang`` install; elsewhere use ``update_weights_from_disk``.
+        """
+        try:
+            from sglang.srt.utils import MultiprocessingSerializer
+        except ImportError as error:
+            raise RuntimeError(
+                "update_weights_from_tensor needs the full sglang package on this host; "
+                "use update_weights_from_disk(path) otherwise"
+            ) from error
+        serialized = MultiprocessingSerializer.serialize(list(named_tensors.items()))
+        payload = base64.b64encode(serialized).decode()  # HTTP carries the serializer's bytes as base64
+        await self._post("/begin_weight_update", {})
+        try:
+            await self._post("/update_weights_from_tensor", {"serialized_named_tensors": [payload], "flush_cache": False})
+        finally:
+            await self._post("/end_weight_update", {})
+        await self._post("/flush_cache", {})
+        return len(named_tensors)
+
+    async def update_weights_from_disk(self, model_path: str) -> None:
+        """Load a checkpoint directory the server can read, between begin/end, then flush the cache."""
+        await self._post("/begin_weight_update", {})
+        try:
+            await self._post("/update_weights_from_disk", {"model_path": model_path})
+        finally:
+            await self._post("/end_weight_update", {})
+        await self._post("/flush_cache", {})
+
+    async def sleep(self, tags: list[str] | None = None) -> None:
+        """Release GPU memory (``kv_cache`` by default; add ``weights`` to drop those too)."""
+        await self._post("/release_memory_occupation", {"tags": tags or ["kv_cache"]})
+        self._sleeping = True
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._post("/resume_memory_occupation", {"tags": tags or ["kv_cache"]})
+        self._sleeping = False
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleeping

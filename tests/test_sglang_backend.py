@@ -1,0 +1,110 @@
+"""The sglang backend's client against a real server speaking SGLang's HTTP contract: our own hf server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from agentloop import AgentLoopManager
+from agentloop.server.sglang_engine import SGLangEngine, build_generate_request
+from conftest import small_config
+from sglang_contract import load_api_types
+
+PROMPT = [1, 294, 207, 664, 2, 207, 1, 299, 207]
+api_types = load_api_types()
+
+
+@pytest.fixture(scope="module")
+def hf_manager(local_ray):
+    manager = AgentLoopManager(small_config("actor_rollout_ref.rollout.http.api_key=k"))
+    yield manager
+    manager.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(hf_manager):
+    return SGLangEngine(hf_manager.config.actor_rollout_ref.model.path, url=hf_manager.server_addresses[0], api_key="k", startup_timeout_s=60)
+
+
+@pytest.mark.skipif(api_types is None, reason="sglang (installed with --no-deps) and msgspec are needed")
+def test_requests_validate_against_sglangs_schema():
+    for params in ({}, {"temperature": 0.0, "stop_token_ids": [2]}, {"top_k": 5, "top_p": 0.9, "max_new_tokens": 3, "ignore_eos": True}):
+        request = build_generate_request(PROMPT, params, "rid-1")
+        api_types.GenerateRequest.from_json_value(request)
+        api_types.SamplingParams.from_json_value(request["sampling_params"])  # unknown keys would raise here
+    with pytest.raises(api_types.JsonContractError):
+        api_types.SamplingParams.from_json_value({"max_new_tokens": 4, "not_a_key": 1})
+
+
+def test_generate_logprobs_and_finish_reasons(client, hf_manager):
+    async def scenario():
+        sampled = await client.generate(PROMPT, {"max_new_tokens": 6, "ignore_eos": True}, "c1")
+        greedy = await client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}, "c2")
+        stopped = await client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0.0, "stop_token_ids": [greedy.token_ids[1]]}, "c3")
+        return sampled, greedy, stopped
+
+    sampled, greedy, stopped = asyncio.run(scenario())
+    assert sampled.finish_reason == "length" and len(sampled.token_ids) == len(sampled.log_probs) == 6
+    model = AutoModelForCausalLM.from_pretrained(hf_manager.config.actor_rollout_ref.model.path)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + sampled.token_ids])).logits[0]
+    reference = torch.log_softmax(logits, -1)[len(PROMPT) - 1 : -1].gather(-1, torch.tensor(sampled.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(sampled.log_probs), reference, atol=1e-4)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(greedy.token_ids[1]) + 1]
+
+
+def test_abort(client):
+    async def scenario():
+        task = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 20000, "ignore_eos": True}, "long"))
+        await asyncio.sleep(0.5)
+        await client.abort("long")
+        return await asyncio.wait_for(task, 30)
+
+    assert asyncio.run(scenario()).finish_reason == "abort"
+
+
+def test_weight_update_from_disk_and_memory_release(client, hf_manager, tmp_path):
+    path = hf_manager.config.actor_rollout_ref.model.path
+    greedy = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    before = asyncio.run(client.generate(PROMPT, greedy, "w0")).token_ids
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.5 * torch.randn_like(parameter))
+    model.save_pretrained(tmp_path / "perturbed")
+    asyncio.run(client.update_weights_from_disk(str(tmp_path / "perturbed")))
+    assert asyncio.run(client.generate(PROMPT, greedy, "w1")).token_ids != before
+
+    asyncio.run(client.sleep())
+    with pytest.raises(RuntimeError, match="asleep"):
+        asyncio.run(client.generate(PROMPT, greedy, "w2"))
+    asyncio.run(client.wake_up())
+    asyncio.run(client.update_weights_from_disk(path))
+    assert asyncio.run(client.generate(PROMPT, greedy, "w3")).token_ids == before
+
+
+def test_rollouts_through_the_sglang_backend_in_attach_mode(hf_manager):
+    manager = AgentLoopManager(
+        small_config(
+            "actor_rollout_ref.rollout.name=sglang",
+            f"actor_rollout_ref.rollout.sglang.urls=[{hf_manager.server_addresses[0]}]",
+            "actor_rollout_ref.rollout.sglang.api_key=k",
+            "actor_rollout_ref.rollout.n=2",
+        )
+    )
+    try:
+        assert manager.server_addresses == hf_manager.server_addresses
+        batch = manager.generate_sequences([{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(3)])
+        assert len(batch) == 6 and (batch.batch["rollout_log_probs"][batch.batch["response_mask"].bool()] < 0).all()
+    finally:
+        manager.shutdown()
+
+
+def test_launch_failure_reports_the_log_tail(tmp_path):
+    # The sglang wheel here has no GPU dependencies, so its server dies at start-up: the error says so.
+    with pytest.raises((RuntimeError, TimeoutError), match="log tail"):
+        SGLangEngine(str(tmp_path), port=30555, startup_timeout_s=60)
