@@ -27,7 +27,8 @@ class AgentLoopManager:
     """Data-parallel rollout servers plus ``agent.num_workers`` workers on the current Ray cluster.
 
     Starts a local Ray instance when none is connected; to use a cluster, call
-    ``ray.init(address=...)`` first.
+    ``ray.init(address=...)`` first. ``server_addresses`` lists each server's HTTP base URL
+    (``rollout.http``).
     """
 
     def __init__(self, config: DictConfig) -> None:
@@ -42,6 +43,11 @@ class AgentLoopManager:
         check_agent_names({self.rollout.agent.default_agent_loop}, self._agent_loops())
 
         self.servers, self.placement_group = self._start_servers(timeout)
+        self.server_addresses: list[str] = (
+            _wait([server.start_http.remote() for server in self.servers], timeout, "HTTP servers to start")
+            if self.rollout.http.enable
+            else []
+        )
         self.workers = [
             AgentLoopWorker.options(num_cpus=0).remote(config, self.servers)
             for _ in range(int(self.rollout.agent.num_workers))
@@ -68,10 +74,6 @@ class AgentLoopManager:
             for rank in range(size)
         ]
         _wait([server.__ray_ready__.remote() for server in servers], timeout, "rollout servers to load their engines")
-        if self.rollout.http.enable:
-            self.server_addresses = _wait([s.start_http.remote() for s in servers], timeout, "HTTP servers to start")
-        else:
-            self.server_addresses = []
         return servers, group
 
     # ------------------------------------------------------------------ rollout

@@ -58,6 +58,7 @@ def build_engine(config: DictConfig, rank: int) -> Any:
             startup_timeout_s=rollout.server_startup_timeout_s,
             request_timeout_s=rollout.request_timeout_s,
             port=int(settings.port) + rank,
+            tensor_parallel_size=int(settings.tensor_parallel_size),
         )
     raise ValueError(
         f"actor_rollout_ref.rollout.name={rollout.name!r} is not a known backend; available: ['hf', 'sglang']"

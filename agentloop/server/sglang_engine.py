@@ -12,7 +12,6 @@ Unknown sampling keys are rejected by SGLang >= 0.5.22, so only valid ones are s
 
 from __future__ import annotations
 
-import base64
 import os
 import subprocess
 import sys
@@ -71,8 +70,10 @@ class SGLangEngine:
         startup_timeout_s: float = 600.0,
         request_timeout_s: float = 600.0,
         port: int = 30000,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.model_path = model_path
+        self.tensor_parallel_size = tensor_parallel_size
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self.process: subprocess.Popen | None = None
@@ -172,8 +173,9 @@ class SGLangEngine:
     async def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
         """In-place update between ``begin_weight_update`` and ``end_weight_update``, then flush the cache.
 
-        Tensors travel with SGLang's own serializer (CUDA IPC handles on a shared GPU host), so this
-        needs the full ``sglang`` install; elsewhere use ``update_weights_from_disk``.
+        Tensors travel with SGLang's own serializer as CUDA IPC handles: they are copied to this
+        actor's GPU (the one its SGLang server uses) first, and each tensor-parallel rank gets the same
+        handles. Needs the full ``sglang`` install and a GPU; elsewhere use ``update_weights_from_disk``.
         """
         try:
             from sglang.srt.utils import MultiprocessingSerializer
@@ -182,11 +184,15 @@ class SGLangEngine:
                 "update_weights_from_tensor needs the full sglang package on this host; "
                 "use update_weights_from_disk(path) otherwise"
             ) from error
-        serialized = MultiprocessingSerializer.serialize(list(named_tensors.items()))
-        payload = base64.b64encode(serialized).decode()  # HTTP carries the serializer's bytes as base64
+        if not torch.cuda.is_available():
+            raise RuntimeError("update_weights_from_tensor shares CUDA memory; this actor sees no GPU")
+        on_gpu = [(name, tensor.detach().to("cuda", non_blocking=True)) for name, tensor in named_tensors.items()]
+        torch.cuda.synchronize()
+        payload = MultiprocessingSerializer.serialize(on_gpu, output_str=True)
+        body = {"serialized_named_tensors": [payload] * self.tensor_parallel_size, "flush_cache": False}
         await self._post("/begin_weight_update", {})
         try:
-            await self._post("/update_weights_from_tensor", {"serialized_named_tensors": [payload], "flush_cache": False})
+            await self._post("/update_weights_from_tensor", body)
         finally:
             await self._post("/end_weight_update", {})
         await self._post("/flush_cache", {})
