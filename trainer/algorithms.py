@@ -1,0 +1,199 @@
+"""PPO/GRPO math on padded response tensors: pure functions, no state.
+
+Shapes: ``[B, R]`` for per-token quantities (B trajectories, R response positions). ``response_mask``
+is 1 on model tokens and 0 on observation and padding tokens; every loss and statistic here is masked
+by it, so observation tokens carry no gradient.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_ESTIMATORS = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean over the positions where ``mask`` is 1 (0 when there are none)."""
+    total = (values * mask).sum() if dim is None else (values * mask).sum(dim)
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return total / count.clamp(min=1)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise to zero mean and unit variance over the masked positions (unbiased variance)."""
+    mean = masked_mean(values, mask)
+    count = mask.sum().clamp(min=2)
+    variance = (((values - mean) ** 2) * mask).sum() / (count - 1)
+    return (values - mean) * torch.rsqrt(variance + eps) * mask
+
+
+def grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: Sequence[str],
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: each trajectory's total reward, normalised within its group (same prompt, same ``uid``).
+
+    advantage = (score - group mean) / (group std + epsilon), or score - group mean without std
+    normalisation (Dr. GRPO). A group of one has mean 0 and std 1. Returns (advantages, returns),
+    both broadcast over the response's model tokens.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    members: dict[str, list[int]] = defaultdict(list)
+    for row, group in enumerate(group_ids):
+        members[group].append(row)
+    mean = torch.zeros_like(scores)
+    std = torch.ones_like(scores)
+    for rows in members.values():
+        if len(rows) > 1:
+            group_scores = scores[rows]
+            mean[rows] = group_scores.mean()
+            std[rows] = group_scores.std()
+    centred = scores - mean
+    normalised = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
+    advantages = normalised.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+def gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over model tokens only.
+
+    Observation tokens are skipped: the TD step goes from one model token to the next model token,
+    so a tool result between them neither adds a value estimate nor decays the return. Returns
+    (whitened advantages, returns = raw advantages + values), zero outside the mask.
+    """
+    batch, length = token_level_rewards.shape
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros(batch, dtype=values.dtype, device=values.device)
+    last_gae = torch.zeros_like(next_value)
+    # rewards sitting on observation tokens are carried to the preceding model token
+    pending_reward = torch.zeros_like(next_value)
+    for t in reversed(range(length)):
+        model = response_mask[:, t].to(values.dtype)
+        reward = token_level_rewards[:, t] + pending_reward
+        delta = reward + gamma * next_value - values[:, t]
+        gae = delta + gamma * lam * last_gae
+        advantages[:, t] = gae * model
+        last_gae = gae * model + last_gae * (1 - model)
+        next_value = values[:, t] * model + next_value * (1 - model)
+        pending_reward = reward * (1 - model)
+    returns = (advantages + values) * response_mask
+    return masked_whiten(advantages, response_mask), returns
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str = "low_var_kl") -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate from sampled tokens' log-probs.
+
+    ``k1``: log p - log q; ``abs``: |k1|; ``k2``/``mse``: (k1)^2 / 2; ``k3``/``low_var_kl``:
+    q/p - log(q/p) - 1 (non-negative, low variance; clamped to [-10, 10] as is customary).
+    """
+    diff = log_prob - ref_log_prob
+    if estimator == "k1":
+        return diff
+    if estimator == "abs":
+        return diff.abs()
+    if estimator in ("k2", "mse"):
+        return 0.5 * diff.square()
+    if estimator in ("k3", "low_var_kl"):
+        log_ratio = (ref_log_prob - log_prob).clamp(-20, 20)
+        return (log_ratio.exp() - log_ratio - 1).clamp(-10, 10)
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
+
+
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """Reduce a per-token loss: over all tokens, or per sequence (sum or mean) then over sequences."""
+    if mode == "token-mean":
+        return masked_mean(loss, mask)
+    if mode == "seq-mean-token-sum":
+        return (loss * mask).sum(dim=-1).mean()
+    if mode == "seq-mean-token-mean":
+        return masked_mean(loss, mask, dim=-1).mean()
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {LOSS_AGG_MODES}")
+
+
+def ppo_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    importance_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate, optionally dual-clipped (``clip_ratio_c`` > 1 bounds negative advantages).
+
+    ``importance_weights`` (detached, e.g. truncated rollout/train ratios) multiply the per-token loss.
+    Returns the loss and metrics: clip fraction, lower-clip fraction, approximate KL to the old policy.
+    """
+    log_ratio = (log_prob - old_log_prob).clamp(-20, 20)
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    loss = torch.maximum(unclipped, clipped)
+    metrics = {
+        "clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
+        "approx_kl": masked_mean(-log_ratio, response_mask),
+    }
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
+        lower = -advantages * clip_ratio_c
+        dual = torch.minimum(loss, lower)
+        metrics["lower_clipfrac"] = masked_mean(((loss > lower) & (advantages < 0)).float(), response_mask)
+        loss = torch.where(advantages < 0, dual, loss)
+    if importance_weights is not None:
+        loss = loss * importance_weights.detach()
+    return aggregate_loss(loss, response_mask, loss_agg_mode), metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float = 0.5,
+    loss_agg_mode: str = "token-mean",
+) -> torch.Tensor:
+    """The critic's clipped squared error: 0.5 * max((v - R)^2, (clip(v, v_old ± c) - R)^2)."""
+    clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    loss = 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
+    return aggregate_loss(loss, response_mask, loss_agg_mode)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy of the softmax distribution (computed in at least fp32)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    return -(log_probs.exp() * log_probs).sum(dim=-1)
+
+
+def rollout_importance_weights(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, threshold: float = 2.0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance sampling for the rollout/train mismatch: min(π_train / π_rollout, threshold).
+
+    Also returns the mismatch metrics: mean |Δ log p|, a k3 KL estimate, and the share of truncated tokens.
+    """
+    ratio = (old_log_prob - rollout_log_prob).clamp(-20, 20).exp()
+    weights = ratio.clamp(max=threshold).detach() * response_mask
+    metrics = {
+        "mismatch/abs_log_prob_diff": masked_mean((old_log_prob - rollout_log_prob).abs(), response_mask),
+        "mismatch/kl_k3": masked_mean(kl_penalty(rollout_log_prob, old_log_prob, "k3"), response_mask),
+        "mismatch/truncated_share": masked_mean((ratio > threshold).float(), response_mask),
+    }
+    return weights, metrics
