@@ -1,0 +1,67 @@
+"""Training data: parquet and jsonl rows, fast failures naming file and row, filtering, resumable order."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from agentloop.data.arithmetic import make_rows, write_rows
+from trainer.data import BatchSampler, load_dataset, read_rows
+
+
+def test_parquet_and_jsonl_round_trip(tmp_path):
+    rows = make_rows(10)
+    assert read_rows(write_rows(rows, str(tmp_path / "a.parquet"))) == rows
+    assert load_dataset([write_rows(rows[:4], str(tmp_path / "b.jsonl")), str(tmp_path / "a.parquet")]) == rows[:4] + rows
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", r"no rows"),
+        ('{"prompt": []}\n', r"row 0: 'prompt' must be a non-empty list"),
+        ('{"prompt": [{"role": "user", "content": "a"}]}\n{"prompt": [{"text": "b"}]}\n', r"row 1: prompt\[0\] must be a \{role, content\}"),
+        ('{"prompt": [{"role": "user", "content": "a"}]}\n{oops\n', r"line 2 is not valid JSON"),
+        ("[1, 2]\n", r"row 0: expected a mapping"),
+    ],
+)
+def test_bad_data_names_file_and_row(tmp_path, content, message):
+    path = tmp_path / "train.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message) as error:
+        read_rows(str(path))
+    assert str(path) in str(error.value)
+
+
+def test_missing_file_and_unknown_format(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_rows(str(tmp_path / "nope.parquet"))
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="use .parquet or .jsonl"):
+        read_rows(str(tmp_path / "x.csv"))
+
+
+def test_filter_overlong_prompts(tmp_path):
+    rows = make_rows(12)
+    path = write_rows(rows, str(tmp_path / "t.jsonl"))
+    length = lambda row: len(row["prompt"][1]["content"])  # noqa: E731
+    limit = min(map(length, rows))
+    kept = load_dataset(path, prompt_length=length, max_prompt_length=limit, filter_overlong_prompts=True)
+    assert kept == [row for row in rows if length(row) <= limit] and 0 < len(kept) < 12
+    with pytest.raises(ValueError, match="every row .* longer than data.max_prompt_length=1"):
+        load_dataset(path, prompt_length=length, max_prompt_length=1, filter_overlong_prompts=True)
+
+
+def test_batch_sampler_is_seeded_and_resumes_in_the_same_order():
+    sampler = BatchSampler(10, 3, seed=7)
+    first = list(itertools.islice(iter(sampler), 7))  # crosses into the third epoch
+    assert all(len(batch) == 3 for batch in first)
+    assert sorted(sum(first[:3], [])) == sorted(set(sum(first[:3], [])))  # no repeats within an epoch
+    assert first[:3] != first[3:6]  # a new shuffle each epoch
+    resumed = BatchSampler(10, 3, seed=7, start=4)
+    assert list(itertools.islice(iter(resumed), 3)) == first[4:7]
+    assert BatchSampler(10, 3, seed=8)._order(0) != BatchSampler(10, 3, seed=7)._order(0)
+    with pytest.raises(ValueError, match="train_batch_size=11 is larger than the dataset"):
+        BatchSampler(10, 11)

@@ -1,0 +1,104 @@
+"""Training data in verl's row format (parquet or jsonl): loading, checks, filtering and a resumable order.
+
+A row has ``prompt`` (chat messages) and optionally ``agent_name``, ``data_source``, ``reward_model``
+and ``extra_info``. Empty or malformed data fails fast, naming the file and the row.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pyarrow.parquet as pq
+
+OPTIONAL_FIELDS = ("agent_name", "data_source", "reward_model", "extra_info")
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """All rows of one ``.parquet`` or ``.jsonl``/``.json`` file, each checked."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    if file.suffix == ".parquet":
+        rows = pq.read_table(file).to_pylist()
+    elif file.suffix in (".jsonl", ".json"):
+        rows = []
+        for number, line in enumerate(file.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}: line {number} is not valid JSON ({error.msg})") from error
+    else:
+        raise ValueError(f"{path}: unsupported data format {file.suffix!r}; use .parquet or .jsonl")
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    for index, row in enumerate(rows):
+        check_row(row, f"{path}: row {index}")
+    return rows
+
+
+def check_row(row: Any, where: str) -> None:
+    """A row must be a mapping whose ``prompt`` is a non-empty list of ``{role, content}`` messages."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(row).__name__}")
+    prompt = row.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"{where}: 'prompt' must be a non-empty list of chat messages, got {prompt!r:.200}")
+    for position, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            raise ValueError(f"{where}: prompt[{position}] must be a {{role, content}} message, got {message!r:.200}")
+
+
+def load_dataset(
+    files: str | list[str],
+    *,
+    prompt_length: Callable[[dict[str, Any]], int] | None = None,
+    max_prompt_length: int | None = None,
+    filter_overlong_prompts: bool = False,
+) -> list[dict[str, Any]]:
+    """Rows of every file, in order; rows whose prompt exceeds ``max_prompt_length`` tokens are dropped
+    when ``filter_overlong_prompts`` (``prompt_length`` measures a row, e.g. with the chat template)."""
+    rows = [row for path in ([files] if isinstance(files, str) else list(files)) for row in read_rows(path)]
+    if filter_overlong_prompts:
+        if prompt_length is None or max_prompt_length is None:
+            raise ValueError("filter_overlong_prompts needs prompt_length and max_prompt_length")
+        rows = [row for row in rows if prompt_length(row) <= max_prompt_length]
+        if not rows:
+            raise ValueError(f"every row of {files} is longer than data.max_prompt_length={max_prompt_length}")
+    return rows
+
+
+class BatchSampler:
+    """Batches of ``batch_size`` rows in a seeded, per-epoch shuffled order, resumable from a position.
+
+    ``state()`` / ``BatchSampler(..., start=state)`` continue at the same batch with the same order,
+    which is what checkpoint-resume needs. A last partial batch of an epoch is dropped.
+    """
+
+    def __init__(self, num_rows: int, batch_size: int, *, shuffle: bool = True, seed: int = 0, start: int = 0) -> None:
+        if batch_size > num_rows:
+            raise ValueError(f"data.train_batch_size={batch_size} is larger than the dataset ({num_rows} rows)")
+        self.num_rows, self.batch_size, self.shuffle, self.seed = num_rows, batch_size, shuffle, seed
+        self.position = start
+        self.batches_per_epoch = num_rows // batch_size
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(self.num_rows))
+        if self.shuffle:
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            epoch, batch = divmod(self.position, self.batches_per_epoch)
+            order = self._order(epoch)
+            self.position += 1
+            yield order[batch * self.batch_size : (batch + 1) * self.batch_size]
+
+    def state(self) -> int:
+        """Batches handed out so far (the position to resume from)."""
+        return self.position
