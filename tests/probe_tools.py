@@ -22,3 +22,17 @@ class SleepyTool(BaseTool):
 class EchoTool(BaseTool):
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
         return ToolResponse(text=parameters["text"] * int(parameters.get("times", 1))), 0.0, {}
+
+
+class SlowCreateTool(BaseTool):
+    """Counts its creations; creating takes a while, so parallel first calls overlap."""
+
+    creates = 0
+
+    async def create(self, instance_id: str, **kwargs: Any) -> str:
+        await asyncio.sleep(0.05)
+        type(self).creates += 1
+        return instance_id
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
+        return ToolResponse(text="ok"), 0.0, {}

@@ -75,7 +75,7 @@ def script_row(name: str, **fields: Any) -> dict[str, Any]:
 async def _conversation(name: str, tools_path: str) -> list[dict[str, Any]]:
     tool_set = load_tool_set(tools_path)
     messages = list(script_row(name)["prompt"])
-    created: dict[str, bool] = {}
+    created: dict[str, asyncio.Future] = {}
     for turn in SCRIPTS[name]:
         messages.append({"role": "assistant", "content": turn})
         _, calls = parse_hermes(turn)

@@ -64,7 +64,7 @@ def test_discovery_and_calls(mcp_tools_yaml):
     assert schemas["add"]["parameters"]["required"] == ["a", "b"]
 
     async def calls():
-        created: dict[str, bool] = {}
+        created: dict[str, asyncio.Future] = {}
         return await asyncio.gather(
             tool_set.call(ToolCall(name="add", arguments={"a": 2, "b": 3}), "t", created, {}),
             tool_set.call(ToolCall(name="shout", arguments={"text": "hi"}), "t", created, {}),

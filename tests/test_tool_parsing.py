@@ -136,7 +136,7 @@ def test_calculator_and_answer_tools(tmp_path):
     assert [s["function"]["name"] for s in tool_set.schemas] == ["calculator", "submit_answer"]
 
     async def scenario():
-        created: dict[str, bool] = {}
+        created: dict[str, asyncio.Future] = {}
         kwargs = {"submit_answer": {"ground_truth": 12}}
         calc = await tool_set.call(ToolCall(name="calculator", arguments={"expression": "3 * 4"}), "t1", created, kwargs)
         answer = await tool_set.call(ToolCall(name="submit_answer", arguments={"answer": 12}), "t1", created, kwargs)
@@ -189,3 +189,22 @@ def test_delta_tokens_with_qwen3s_own_template(model_path):
     trajectory.add_model_turn(_model_turn(tokenizer, "\n</think>\n\n7"))
     assert trajectory.sanity_check("strict") >= 1
     assert trajectory.sanity_check("ignore_strippable") == 0
+
+
+def test_parallel_calls_of_one_tool_share_one_creation(tmp_path):
+    import probe_tools
+
+    path = tmp_path / "tools.yaml"
+    path.write_text(
+        "tools:\n  - class_name: probe_tools.SlowCreateTool\n"
+        "    tool_schema: {type: function, function: {name: slow}}\n"
+    )
+    tool_set = load_tool_set(str(path))
+
+    async def scenario():
+        created: dict[str, asyncio.Future] = {}
+        results = await asyncio.gather(*(tool_set.call(ToolCall(name="slow", arguments={}), "i", created, {}) for _ in range(3)))
+        return results, await tool_set.finish("i", created)
+
+    results, rewards = asyncio.run(scenario())
+    assert [r.text for r in results] == ["ok"] * 3 and probe_tools.SlowCreateTool.creates == 1 and rewards == {"slow": 0.0}

@@ -64,7 +64,7 @@ class ToolAgentLoop(AgentLoopBase):
             await interaction.start_interaction(request_id, **interaction_kwargs)
         interaction_score = None
         turn_scores: list[float] = []
-        created: dict[str, bool] = {}
+        created: dict[str, asyncio.Future] = {}
         turns: list[dict[str, Any]] = []
         errors_by_kind: dict[str, int] = {}
         assistant_turns = user_turns = 0

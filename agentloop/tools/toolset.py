@@ -43,8 +43,14 @@ class ToolSet:
         """OpenAI function schemas, as chat templates take them in ``tools=``."""
         return [tool.tool_schema.model_dump(exclude_none=True) for tool in self.tools.values()]
 
-    async def call(self, call: ToolCall, instance_id: str, created: dict[str, bool], create_kwargs: dict) -> ToolResult:
-        """Run one parsed call; never raises for faults of the call or the tool."""
+    async def call(
+        self, call: ToolCall, instance_id: str, created: dict[str, asyncio.Future], create_kwargs: dict
+    ) -> ToolResult:
+        """Run one parsed call; never raises for faults of the call or the tool.
+
+        ``created`` is the trajectory's record of tool instances: the first call of a tool starts its
+        ``create`` and parallel calls of the same tool wait for that one creation.
+        """
         if call.error is not None:
             return ToolResult(f"Error: could not parse the tool call: {call.error}", error="parse_error")
         tool = self.tools.get(call.name or "")
@@ -62,9 +68,9 @@ class ToolSet:
         start = time.perf_counter()
         try:
             async with semaphore:
-                if not created.get(tool.name):
-                    await asyncio.wait_for(tool.create(instance_id, **create_kwargs.get(tool.name, {})), timeout)
-                    created[tool.name] = True
+                if tool.name not in created:
+                    created[tool.name] = asyncio.ensure_future(tool.create(instance_id, **create_kwargs.get(tool.name, {})))
+                await asyncio.wait_for(asyncio.shield(created[tool.name]), timeout)
                 response, step_reward, metrics = await asyncio.wait_for(
                     tool.execute(instance_id, call.arguments), timeout
                 )
@@ -80,10 +86,10 @@ class ToolSet:
             )
         return ToolResult(response.text or "", float(step_reward), time.perf_counter() - start, None, dict(metrics or {}))
 
-    async def finish(self, instance_id: str, created: dict[str, bool]) -> dict[str, float]:
+    async def finish(self, instance_id: str, created: dict[str, asyncio.Future]) -> dict[str, float]:
         """Collect ``calc_reward`` from every tool this trajectory created, then release them."""
         rewards = {}
-        for name in [name for name, ok in created.items() if ok]:
+        for name in [name for name, done in created.items() if done.done() and not done.cancelled() and not done.exception()]:
             tool = self.tools[name]
             timeout = float(tool.config.get("timeout_s", 30))
             try:
