@@ -18,6 +18,7 @@ from agentloop.batch import RolloutBatch
 from agentloop.metrics import turn_metrics
 from agentloop.registry import check_agent_names, resolve_agent_loops
 from agentloop.server.rollout_server import RolloutServer
+from agentloop.waiting import wait_for
 from agentloop.worker import AgentLoopWorker
 
 ROW_FIELDS = ("prompt", "agent_name", "data_source", "reward_model", "extra_info")
@@ -44,7 +45,7 @@ class AgentLoopManager:
 
         self.servers, self.placement_group = self._start_servers(timeout)
         self.server_addresses: list[str] = (
-            _wait([server.start_http.remote() for server in self.servers], timeout, "HTTP servers to start")
+            wait_for([server.start_http.remote() for server in self.servers], timeout, "HTTP servers to start")
             if self.rollout.http.enable
             else []
         )
@@ -52,13 +53,13 @@ class AgentLoopManager:
             AgentLoopWorker.options(num_cpus=0).remote(config, self.servers)
             for _ in range(int(self.rollout.agent.num_workers))
         ]
-        _wait([worker.__ray_ready__.remote() for worker in self.workers], timeout, "agent loop workers to start")
+        wait_for([worker.__ray_ready__.remote() for worker in self.workers], timeout, "agent loop workers to start")
 
     def _start_servers(self, timeout: float) -> tuple[list[ray.actor.ActorHandle], Any]:
         size = int(self.rollout.data_parallel_size)
         bundle = {key: float(value) for key, value in self.rollout.resources_per_server.items() if value}
         group = placement_group([dict(bundle) for _ in range(size)], strategy=self.rollout.placement_strategy)
-        _wait(
+        wait_for(
             [group.ready()],
             timeout,
             f"resources for {size} rollout server(s) of {bundle} each "
@@ -73,7 +74,7 @@ class AgentLoopManager:
             ).remote(self.config, rank)
             for rank in range(size)
         ]
-        _wait([server.__ray_ready__.remote() for server in servers], timeout, "rollout servers to load their engines")
+        wait_for([server.__ray_ready__.remote() for server in servers], timeout, "rollout servers to load their engines")
         return servers, group
 
     # ------------------------------------------------------------------ rollout
@@ -103,7 +104,7 @@ class AgentLoopManager:
         ]
         # Each trajectory's turns are individually bounded by request_timeout_s; the batch as a whole
         # is bounded by generate_timeout_s.
-        parts: list[RolloutBatch] = _wait(
+        parts: list[RolloutBatch] = wait_for(
             refs, float(self.rollout.generate_timeout_s), f"{len(samples)} trajectories to finish"
         )
         elapsed = time.perf_counter() - start
@@ -162,19 +163,19 @@ class AgentLoopManager:
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Push new weights to every server (in place; prefix caches flushed)."""
         ref = ray.put({name: tensor.detach().cpu() for name, tensor in state_dict.items()})
-        _wait([server.update_weights.remote(ref) for server in self.servers], self._control_timeout, "weight update")
+        wait_for([server.update_weights.remote(ref) for server in self.servers], self._control_timeout, "weight update")
 
     def sleep(self) -> None:
         """Free every server's KV cache."""
-        _wait([server.sleep.remote() for server in self.servers], self._control_timeout, "servers to sleep")
+        wait_for([server.sleep.remote() for server in self.servers], self._control_timeout, "servers to sleep")
 
     def wake_up(self) -> None:
         """Re-allocate every server's KV cache."""
-        _wait([server.wake_up.remote() for server in self.servers], self._control_timeout, "servers to wake up")
+        wait_for([server.wake_up.remote() for server in self.servers], self._control_timeout, "servers to wake up")
 
     def server_info(self) -> list[dict[str, Any]]:
         """Where each server runs (node id, host, pid)."""
-        return _wait([server.node_info.remote() for server in self.servers], self._control_timeout, "server info")
+        return wait_for([server.node_info.remote() for server in self.servers], self._control_timeout, "server info")
 
     @property
     def _control_timeout(self) -> float:
@@ -193,13 +194,3 @@ def _absolute_paths(config: DictConfig) -> None:
     for section, key in ((rollout.agent, "agent_loop_config_path"), (rollout.multi_turn, "tool_config_path")):
         if section[key]:
             section[key] = os.path.abspath(section[key])
-
-
-def _wait(refs: list[Any], timeout: float, what: str) -> list[Any]:
-    """``ray.get`` with a timeout whose error says what was being waited for; late work is cancelled."""
-    try:
-        return ray.get(refs, timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        for ref in refs:
-            ray.cancel(ref)
-        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}") from None

@@ -23,11 +23,11 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def setup(local_ray):
-    config = small_config("actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.optim.lr=1e-2",
+    config = small_config("actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.optim.lr=1e-3",
                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
     manager = AgentLoopManager(config)
     port = free_port()
-    actors = [FSDPActor.remote(manager.config, rank, 2, "127.0.0.1", port) for rank in range(2)]
+    actors = [FSDPActor.options(num_cpus=0).remote(manager.config, rank, 2, "127.0.0.1", port) for rank in range(2)]
     ray.get([actor.__ray_ready__.remote() for actor in actors], timeout=120)
     yield manager, actors
     ray.get([actor.shutdown.remote() for actor in actors], timeout=60)
