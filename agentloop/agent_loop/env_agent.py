@@ -67,10 +67,7 @@ class EnvAgentLoop(AgentLoopBase):
         retries: dict[str, int] = {}
         env_reward = 0.0
         while True:
-            output = await self.server_manager.generate(
-                row["request_id"], trajectory.ids, {**sampling_params, "max_new_tokens": budget - len(trajectory.response_ids)}
-            )
-            text = trajectory.add_model_turn(output)
+            output, text = await trajectory.generate_turn(self.server_manager, row["request_id"], sampling_params, budget)
             if output.finish_reason == "abort":
                 reason = "aborted"
                 break

@@ -71,10 +71,7 @@ class ToolAgentLoop(AgentLoopBase):
 
         try:
             while True:
-                output = await self.server_manager.generate(
-                    request_id, trajectory.ids, {**sampling_params, "max_new_tokens": budget - len(trajectory.response_ids)}
-                )
-                text = trajectory.add_model_turn(output)
+                output, text = await trajectory.generate_turn(self.server_manager, request_id, sampling_params, budget)
                 assistant_turns += 1
                 turn = {"model_tokens": len(output.token_ids), "tool_calls": 0, "tool_errors": 0, "tool_latency_s": 0.0}
                 turns.append(turn)

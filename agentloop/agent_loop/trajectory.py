@@ -75,6 +75,14 @@ class Trajectory:
         """The text of the model's last turn."""
         return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
 
+    async def generate_turn(
+        self, router: Any, request_id: str, sampling_params: dict[str, Any], budget: int
+    ) -> tuple[TokenOutput, str]:
+        """Generate the next model turn within what is left of ``budget`` response tokens, and append it."""
+        params = {**sampling_params, "max_new_tokens": budget - len(self.response_ids)}
+        output = await router.generate(request_id, self.ids, params)
+        return output, self.add_model_turn(output)
+
     def add_model_turn(self, output: TokenOutput) -> str:
         """Append the engine's tokens exactly; return the turn's text (without the end-of-turn token)."""
         self.response_ids += output.token_ids
