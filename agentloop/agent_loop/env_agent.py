@@ -87,12 +87,9 @@ class EnvAgentLoop(AgentLoopBase):
             if len(actions) >= int(settings.max_turns):
                 reason = "max_turns"
                 break
-            message = env.format_observation(observation)
-            delta = trajectory.observation([message])
-            if len(trajectory.response_ids) + len(delta) >= budget:
+            if trajectory.add_observation_within([env.format_observation(observation)], budget) is None:
                 reason = "truncated"
                 break
-            trajectory.add_observation([message], delta)
 
         scored = reward_for_row(self.config, row, trajectory.final_reply)
         reward, extras = scored if scored is not None else (env_reward, {})

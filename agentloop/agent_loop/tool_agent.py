@@ -97,13 +97,11 @@ class ToolAgentLoop(AgentLoopBase):
                     if done:
                         reason = "stop"
                         break
-                    messages = [{"role": "user", "content": reply}]
-                    observation = trajectory.observation(messages)
-                    if len(trajectory.response_ids) + len(observation) >= budget:
+                    added = trajectory.add_observation_within([{"role": "user", "content": reply}], budget)
+                    if added is None:
                         reason = "length"
                         break
-                    trajectory.add_observation(messages, observation)
-                    turn["observation_tokens"] = len(observation)
+                    turn["observation_tokens"] = added
                     user_turns += 1
                     continue
                 calls = calls[: int(self.multi_turn.max_parallel_calls)]
@@ -123,12 +121,11 @@ class ToolAgentLoop(AgentLoopBase):
                     reason = "tool_error_budget"
                     break
                 messages = [{"role": "tool", "content": self._truncate(result.text)} for result in results]
-                observation = trajectory.observation(messages)
-                if len(trajectory.response_ids) + len(observation) >= budget:
+                added = trajectory.add_observation_within(messages, budget)
+                if added is None:
                     reason = "length"  # no room left for a model turn after this observation
                     break
-                trajectory.add_observation(messages, observation)
-                turn["observation_tokens"] = len(observation)
+                turn["observation_tokens"] = added
                 user_turns += 1
         finally:
             tool_rewards = await self.tool_set.finish(request_id, created)

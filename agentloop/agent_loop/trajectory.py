@@ -99,6 +99,18 @@ class Trajectory:
         """The delta ids these messages would add (not appended yet: the caller checks the budget)."""
         return observation_delta(self.tokenizer, messages)
 
+    def add_observation_within(self, messages: list[dict[str, Any]], budget: int) -> int | None:
+        """Append the messages' delta if a model turn still fits after it in ``budget`` response tokens.
+
+        Returns the number of observation tokens added, or None (nothing added) when they do not fit:
+        a trajectory never ends on an observation and never exceeds its budget.
+        """
+        ids = self.observation(messages)
+        if len(self.response_ids) + len(ids) >= budget:
+            return None
+        self.add_observation(messages, ids)
+        return len(ids)
+
     def add_observation(self, messages: list[dict[str, Any]], ids: list[int]) -> None:
         """Append observation ids (mask 0, logprob 0.0) and the messages they render."""
         self.response_ids += ids
