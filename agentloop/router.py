@@ -98,12 +98,6 @@ class Router:
         if min(live) > 0:
             self.stats.imbalance_samples.append(max(live) * len(live) / sum(live))
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a session's in-flight generation on its server."""
-        index = self.sessions.get(request_id)
-        if index is not None and self.alive[index]:
-            await self.servers[index].abort.remote(request_id)
-
     def take_stats(self) -> RouterStats:
         """Return the counters gathered since the last call and start new ones."""
         stats, self.stats = self.stats, RouterStats([0] * len(self.servers))
