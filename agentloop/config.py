@@ -8,12 +8,24 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
+from agentloop.data.arithmetic import arithmetic_data_path
 from agentloop.models.tiny_qwen import tiny_model_path
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 
 # `${agentloop_tiny_model:}` resolves to the tiny default model's directory, building it on first use.
 OmegaConf.register_new_resolver("agentloop_tiny_model", tiny_model_path, replace=True)
+# `${agentloop_config_dir:}`: this directory, so configs can name their neighbours from any working directory.
+OmegaConf.register_new_resolver("agentloop_config_dir", lambda: str(CONFIG_DIR), replace=True)
+# The main job's data and warm-started model, built on first use (see config/arithmetic_grpo.yaml).
+OmegaConf.register_new_resolver("agentloop_arithmetic_data", arithmetic_data_path, replace=True)
+OmegaConf.register_new_resolver("agentloop_arithmetic_warm_start", lambda: _warm_start(), replace=True)
+
+
+def _warm_start() -> str:
+    from agentloop.models.warm_start import arithmetic_warm_start_path  # it imports this module
+
+    return arithmetic_warm_start_path()
 
 
 def compose_config(overrides: list[str] | None = None, config_name: str = "ppo_trainer") -> DictConfig:

@@ -1,44 +1,149 @@
-"""A 2-step GRPO run through the real stack: two FSDP ranks on CPU, one server, the tool agent."""
+"""The trainer through the real stack (two FSDP ranks on CPU, one server, the tool agent): GRPO with
+validation and loggers, GAE with a critic and KL, a killed run that resumes, and config errors."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from agentloop.data.arithmetic import make_rows, write_rows
 from conftest import small_config
+from trainer.data import BatchSampler
 from trainer.main_ppo import run
 
+TOOL_RUN = [
+    "data.train_batch_size=2",
+    "data.max_prompt_length=512",
+    "data.max_response_length=48",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path=config/tools/arithmetic.yaml",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "critic.ppo_micro_batch_size_per_gpu=2",
+]
 
-def test_two_grpo_steps_end_to_end(local_ray, tmp_path):
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_grpo_steps_with_validation_loggers_and_rollout_dumps(local_ray, tmp_path):
     train = write_rows(make_rows(8), str(tmp_path / "train.jsonl"))
+    val = write_rows(make_rows(2, split="test"), str(tmp_path / "val.parquet"))
+    out = tmp_path / "run"
     config = small_config(
+        *TOOL_RUN,
         f"data.train_files=[{train}]",
-        "data.train_batch_size=2",
-        "data.max_prompt_length=512",
-        "data.max_response_length=48",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.multi_turn.tool_config_path=config/tools/arithmetic.yaml",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        f"data.val_files=[{val}]",
         "trainer.total_training_steps=2",
-        f"trainer.default_local_dir={tmp_path / 'run'}",
+        "trainer.test_freq=2",
+        "trainer.logger=[console,tensorboard]",
+        f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+        f"trainer.default_local_dir={out}",
     )
     history = run(config)
-    assert [metrics["step"] for metrics in history] == [1, 2]
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert lines == history
-    for metrics in history:
-        assert metrics["timing/weight_push_s"] > 0 and metrics["actor/grad_norm"] >= 0
-        # step 1 scores the engine's own rollouts with the very same weights
-        assert metrics["mismatch/abs_log_prob_diff"] < 1e-3
+    assert [line["step"] for line in history] == [0, 1, 2]
+    assert read_jsonl(out / "metrics.jsonl") == history
+    assert set(history[0]) == {"step", "val/score/mean", "val/score/arithmetic"}
+    assert "val/score/mean" in history[2] and "val/score/mean" not in history[1]
+    for metrics in history[1:]:
+        assert metrics["timing_s/weight_push"] > 0 and metrics["actor/grad_norm"] >= 0
+        assert metrics["num_turns/mean"] >= 2
+    # step 1 scores the engine's own rollouts with the very same weights
+    assert history[1]["mismatch/abs_log_prob_diff"] < 1e-3
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    dump = read_jsonl(tmp_path / "rollouts" / "1.jsonl")
+    assert len(dump) == 4 and all(record["input"].startswith("<|im_start|>system") for record in dump)
+    order = next(iter(BatchSampler(8, 2, seed=0)))
+    assert sorted({record["index"] for record in dump}) == sorted(order)
 
 
-def test_config_errors_are_named(local_ray, tmp_path):
+def test_gae_with_critic_warmup_and_kl_in_reward_and_loss(local_ray, tmp_path):
+    train = write_rows(make_rows(8), str(tmp_path / "train.jsonl"))
+    config = small_config(
+        *TOOL_RUN,
+        f"data.train_files=[{train}]",
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.kl_coef=0.1",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "critic.optim.lr=1e-3",
+        "trainer.critic_warmup=1",
+        "trainer.total_training_steps=3",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    )
+    first, second, third = run(config)
+    for metrics in (first, second, third):
+        assert metrics["critic/vf_loss"] > 0 and metrics["critic/grad_norm"] > 0
+    assert not any(key.startswith("actor/pg") for key in first), "step 1 only warms up the critic"
+    assert "actor/pg_loss" in second and "actor/kl_loss" in second
+    # the policy equals the reference until its first update (step 2), then drifts away from it
+    assert first["actor/reward_kl_penalty"] == pytest.approx(0, abs=1e-6)
+    assert second["actor/reward_kl_penalty"] == pytest.approx(0, abs=1e-6)
+    assert third["actor/reward_kl_penalty"] > 1e-6
+
+
+def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray, tmp_path):
+    train = write_rows(make_rows(16), str(tmp_path / "train.jsonl"))
+    out, dumps = tmp_path / "run", tmp_path / "rollouts"
+    command = [
+        sys.executable, "-m", "trainer.main_ppo", *TOOL_RUN,
+        f"data.train_files=[{train}]",
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+        "trainer.ray_address=auto",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps=4",
+        f"trainer.rollout_data_dir={dumps}",
+        f"trainer.default_local_dir={out}",
+        "hydra.run.dir=" + str(tmp_path / "hydra"),
+        *[f"actor_rollout_ref.rollout.hf.{key}={value}" for key, value in (("num_blocks", 256), ("max_batch_tokens", 1024))],
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    latest = out / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 240
+    while not (latest.exists() and latest.read_text() == "2"):
+        assert first.poll() is None, f"the run ended before its step-2 checkpoint:\n{first.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, "no step-2 checkpoint within 240 s"
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=30)
+
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "global_step_2" in resumed.stdout
+    history = read_jsonl(out / "metrics.jsonl")
+    assert [line["step"] for line in history] == [1, 2, 3, 4]
+    # the LR schedule went on where it stopped (linear warmup over 4 steps: 0, 1/4, 2/4, 3/4 of lr)
+    lr = float(small_config().actor_rollout_ref.actor.optim.lr)
+    assert [line["actor/lr"] for line in history] == pytest.approx([0, lr / 4, lr / 2, 3 * lr / 4])
+    # the servers got the restored policy: the trainer re-scores their rollouts without mismatch
+    assert history[2]["mismatch/abs_log_prob_diff"] < 1e-3
+    # the batches of steps 3 and 4 are those an uninterrupted run takes
+    batches = iter(BatchSampler(16, 2, seed=0))
+    expected = [next(batches) for _ in range(4)]
+    for step in (3, 4):
+        assert sorted({record["index"] for record in read_jsonl(dumps / f"{step}.jsonl")}) == sorted(expected[step - 1])
+
+
+def test_config_and_data_errors_are_named(local_ray, tmp_path):
     with pytest.raises(ValueError, match="data.train_files is empty"):
         run(small_config())
     train = write_rows(make_rows(4), str(tmp_path / "t.jsonl"))
-    with pytest.raises(ValueError, match="adv_estimator='gae' is not supported yet"):
-        run(small_config(f"data.train_files=[{train}]", "algorithm.adv_estimator=gae"))
+    with pytest.raises(ValueError, match="adv_estimator='reinforce'; choose grpo or gae"):
+        run(small_config(f"data.train_files=[{train}]", "algorithm.adv_estimator=reinforce"))
     with pytest.raises(ValueError, match="do not split over 2 ranks"):
         run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=3"))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": [{"role": "user", "content": "hi"}]}\nnot json\n')
+    with pytest.raises(ValueError, match="broken.jsonl.*2"):
+        run(small_config(f"data.train_files=[{broken}]"))

@@ -1,13 +1,16 @@
-"""GRPO training on agentic rollouts: ``python -m trainer.main_ppo actor_rollout_ref.rollout.mode=async ...``.
+"""PPO/GRPO training on agentic rollouts: ``python -m trainer.main_ppo actor_rollout_ref.rollout.mode=async ...``.
 
-One step: rows → ``AgentLoopManager.generate_sequences`` (rollouts, rewards in ``rm_scores``) → old
-log-probs on the FSDP ranks → GRPO advantages → one PPO update → full weights pushed to every rollout
-server. Metrics go to the console and to ``<trainer.default_local_dir>/metrics.jsonl``.
+One step: rows → ``AgentLoopManager.generate_sequences`` (rollouts, rewards in ``rm_scores``) → servers
+sleep (``rollout.free_cache_engine``) → old log-probs (and reference log-probs, critic values) on the
+FSDP ranks → advantages (GRPO, or GAE with the critic; KL in the reward if asked) → critic and policy
+updates → full weights pushed to every rollout server → servers wake. Checkpoints every
+``trainer.save_freq`` steps; ``trainer.resume_mode=auto`` continues from the newest one.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -18,111 +21,258 @@ import numpy as np
 import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from agentloop import AgentLoopManager
+from agentloop.batch import RolloutBatch
 from agentloop.config import CONFIG_DIR
 from agentloop.waiting import wait_for
 from trainer import algorithms
 from trainer.data import BatchSampler, load_dataset
-from trainer.fsdp_actor import FSDPActor
+from trainer.fsdp_workers import FSDPWorker, needs_reference
+from trainer.tracking import Tracking, plot
+
+LATEST = "latest_checkpointed_iteration.txt"
 
 
 class RayPPOTrainer:
-    """Owns the rollout manager and the FSDP policy ranks, and runs the training loop."""
+    """Owns the rollout manager and the FSDP ranks, and runs the training loop."""
 
     def __init__(self, config: DictConfig) -> None:
-        if config.actor_rollout_ref.rollout.mode != "async":
-            raise ValueError("actor_rollout_ref.rollout.mode must be 'async': rollouts run through AgentLoopManager")
-        if config.algorithm.adv_estimator != "grpo":
-            raise ValueError(f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} is not supported yet; use grpo")
-        if not config.data.train_files:
-            raise ValueError("data.train_files is empty: name one or more .parquet / .jsonl files")
+        _check(config)
         self.config = config
-        self.rows = load_dataset(list(config.data.train_files) if not isinstance(config.data.train_files, str) else config.data.train_files)
-        self.sampler = BatchSampler(len(self.rows), int(config.data.train_batch_size), shuffle=config.data.shuffle, seed=config.data.seed)
-        self.world_size = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
-        samples = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
-        if samples % self.world_size:
-            raise ValueError(
-                f"train_batch_size x rollout.n = {samples} samples do not split over {self.world_size} ranks "
-                "(trainer.n_gpus_per_node x trainer.nnodes)"
-            )
+        self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+        # data errors surface before any server starts
+        self.rows = self._load(config.data.train_files)
+        self.val_rows = self._load(config.data.val_files) if config.data.val_files else []
         self.manager = AgentLoopManager(config)
+        self.config = config = self.manager.config  # paths resolved once, for every process
+        self.sampler = BatchSampler(len(self.rows), int(config.data.train_batch_size), shuffle=config.data.shuffle, seed=config.data.seed)
+        self.total_steps = int(config.trainer.total_training_steps or self.sampler.batches_per_epoch * int(config.trainer.total_epochs))
+        self.world_size = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+        self.output_dir = Path(config.trainer.default_local_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+
         port = _free_port()
         address = ray.util.get_node_ip_address() if self.world_size > 1 else "127.0.0.1"
         # One GPU per rank; on CPU the ranks claim no logical CPU, so they never wait behind the servers.
         gpus = 1 if torch.cuda.is_available() else 0
-        self.actors = [
-            FSDPActor.options(num_gpus=gpus, num_cpus=0).remote(self.manager.config, rank, self.world_size, address, port)
+        self.workers = [
+            FSDPWorker.options(num_gpus=gpus, num_cpus=0).remote(config, rank, self.world_size, address, port, self.total_steps)
             for rank in range(self.world_size)
         ]
         wait_for(
-            [actor.__ray_ready__.remote() for actor in self.actors],
+            [worker.__ray_ready__.remote() for worker in self.workers],
             float(config.trainer.startup_timeout_s),
-            f"{self.world_size} policy ranks to start (cluster resources: {ray.cluster_resources()})",
+            f"{self.world_size} FSDP ranks to start (cluster resources: {ray.cluster_resources()})",
         )
-        self.output_dir = Path(config.trainer.default_local_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.output_dir / "metrics.jsonl"
 
-    def _on_ranks(self, method: str, batch: Any) -> list[Any]:
+    def _load(self, files: Any) -> list[dict[str, Any]]:
+        data = self.config.data
+        return load_dataset(
+            list(files) if not isinstance(files, str) else files,
+            prompt_length=lambda row: len(self.tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)),
+            max_prompt_length=int(data.max_prompt_length),
+            filter_overlong_prompts=bool(data.filter_overlong_prompts),
+        )
+
+    def _wait(self, refs: list[Any], what: str) -> list[Any]:
+        return wait_for(refs, float(self.config.trainer.step_timeout_s), what)
+
+    def _on_ranks(self, method: str, batch: Any, **kwargs: Any) -> list[Any]:
         shards = batch.split(len(batch) // self.world_size)
-        calls = [getattr(actor, method).remote(shard) for actor, shard in zip(self.actors, shards)]
-        return wait_for(calls, float(self.config.trainer.step_timeout_s), f"{method} on the policy ranks")
+        return self._wait([getattr(w, method).remote(s, **kwargs) for w, s in zip(self.workers, shards)], f"{method} on the FSDP ranks")
 
-    def step(self, indices: list[int]) -> dict[str, float]:
-        """One rollout + update + weight push; returns the step's metrics."""
+    def _push_weights(self) -> float:
+        start = time.perf_counter()
+        state, *_ = self._wait([worker.full_state_dict.remote() for worker in self.workers], "the weight gather")
+        self.manager.update_weights(state)
+        return time.perf_counter() - start
+
+    def step(self, step: int, indices: list[int]) -> dict[str, float]:
+        """One rollout, update and weight push; returns the step's metrics."""
+        config, timing = self.config, {}
         start = time.perf_counter()
         rollout = self.manager.generate_sequences([self.rows[i] for i in indices])
-        tensors = rollout.batch
-        mask = tensors["response_mask"].float()
-        rewards = tensors["rm_scores"] if "rm_scores" in tensors.keys() else torch.zeros_like(mask)
-        advantages, _ = algorithms.grpo_outcome_advantage(
-            rewards, mask, list(rollout.non_tensor_batch["uid"]), bool(self.config.algorithm.norm_adv_by_std_in_grpo)
-        )
-        train = tensors.clone()
-        train["old_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", tensors))
-        train["advantages"] = advantages
-        updates = self._on_ranks("update_policy", train)
+        timing["gen"] = time.perf_counter() - start
+        if config.actor_rollout_ref.rollout.free_cache_engine:
+            self.manager.sleep()
+        batch = rollout.batch.clone()
+        mask = batch["response_mask"].float()
+        scores = batch["rm_scores"] if "rm_scores" in batch.keys() else torch.zeros_like(mask)
+        metrics: dict[str, float] = {}
 
-        push_start = time.perf_counter()
-        state, *_ = wait_for(
-            [actor.full_state_dict.remote() for actor in self.actors], float(self.config.trainer.step_timeout_s), "the weight gather"
-        )
-        self.manager.update_weights(state)
-        push_s = time.perf_counter() - push_start
+        batch["old_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch))
+        rewards = scores
+        if needs_reference(config):
+            batch["ref_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch, reference=True))
+        if config.algorithm.use_kl_in_reward:
+            kl = algorithms.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], config.algorithm.kl_penalty) * mask
+            rewards = scores - float(config.algorithm.kl_ctrl.kl_coef) * kl
+            metrics["actor/reward_kl_penalty"] = float(algorithms.masked_mean(kl, mask))
+        if config.algorithm.adv_estimator == "gae":
+            batch["values"] = torch.cat(self._on_ranks("compute_values", batch))
+            batch["advantages"], batch["returns"] = algorithms.gae_advantage_return(
+                rewards, batch["values"], mask, float(config.algorithm.gamma), float(config.algorithm.lam)
+            )
+            critic = self._on_ranks("update_critic", batch)
+            metrics.update({f"critic/{key}": float(np.mean([c[key] for c in critic])) for key in critic[0]})
+            metrics["critic/values/mean"] = float(algorithms.masked_mean(batch["values"], mask))
+            metrics["critic/returns/mean"] = float(algorithms.masked_mean(batch["returns"], mask))
+        else:
+            batch["advantages"], _ = algorithms.grpo_outcome_advantage(
+                rewards, mask, list(rollout.non_tensor_batch["uid"]), bool(config.algorithm.norm_adv_by_std_in_grpo)
+            )
+        if step > int(config.trainer.critic_warmup):
+            updates = self._on_ranks("update_policy", batch)
+            metrics.update({f"actor/{key}": float(np.mean([u[key] for u in updates])) for key in updates[0]})
+        timing["update"] = time.perf_counter() - start - timing["gen"]
 
-        _, mismatch = algorithms.rollout_importance_weights(train["old_log_probs"], tensors["rollout_log_probs"], mask)
-        scores = rewards.sum(-1)
-        metrics = {
-            "critic/score_mean": float(scores.mean()),
-            "response_length/mean": float(tensors["attention_mask"][:, tensors["prompts"].shape[1] :].sum(-1).float().mean()),
-            **{f"actor/{key}": float(np.mean([u[key] for u in updates])) for key in updates[0]},
+        timing["weight_push"] = self._push_weights()
+        if config.actor_rollout_ref.rollout.free_cache_engine:
+            self.manager.wake_up()
+        _, mismatch = algorithms.rollout_importance_weights(batch["old_log_probs"], batch["rollout_log_probs"], mask)
+        self._dump_rollouts(step, rollout, scores)
+        response_length = batch["attention_mask"][:, batch["prompts"].shape[1] :].sum(-1).float()
+        metrics.update({
+            "critic/score/mean": float(scores.sum(-1).mean()),
+            "critic/rewards/mean": float(rewards.sum(-1).mean()),
+            "critic/advantages/mean": float(algorithms.masked_mean(batch["advantages"], mask)),
+            "response_length/mean": float(response_length.mean()),
+            "response_length/clip_ratio": float((response_length >= batch["responses"].shape[1]).float().mean()),
+            "num_turns/mean": float(np.mean(rollout.non_tensor_batch["num_turns"])),
             **{key: float(value) for key, value in mismatch.items()},
-            "timing/weight_push_s": push_s,
-            "timing/step_s": time.perf_counter() - start,
-            "timing/generate_s": rollout.meta_info["timing/generate_sequences_s"],
-        }
+            **{f"timing_s/{key}": value for key, value in timing.items()},
+            "timing_s/step": time.perf_counter() - start,
+        })
         return metrics
 
-    def fit(self) -> list[dict[str, float]]:
-        """Train for ``trainer.total_training_steps`` steps; return every step's metrics."""
-        history = []
-        batches = iter(self.sampler)
-        with open(self.metrics_path, "a") as log:
-            for step in range(1, int(self.config.trainer.total_training_steps) + 1):
-                metrics = {"step": step, **self.step(next(batches))}
-                log.write(json.dumps(metrics) + "\n")
-                log.flush()
-                print(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in metrics.items()))
-                history.append(metrics)
-        return history
+    def validate(self) -> dict[str, float]:
+        """Score ``data.val_files`` with ``rollout.val_kwargs``: mean score overall and per data source."""
+        output = self.manager.generate_sequences(self.val_rows, validate=True)
+        scores = output.batch["rm_scores"].sum(-1) if "rm_scores" in output.batch.keys() else torch.zeros(len(output))
+        sources = np.asarray([row or "unknown" for row in output.non_tensor_batch.get("data_source", [None] * len(output))])
+        metrics = {"val/score/mean": float(scores.mean())}
+        for source in sorted(set(sources)):
+            metrics[f"val/score/{source}"] = float(scores[torch.from_numpy(sources == source)].mean())
+        return metrics
+
+    def _dump_rollouts(self, step: int, rollout: RolloutBatch, scores: torch.Tensor) -> None:
+        """``trainer.rollout_data_dir``: one JSONL per step with each sample's text, score and row index."""
+        directory = self.config.trainer.rollout_data_dir
+        if not directory:
+            return
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        tensors, extra = rollout.batch, rollout.non_tensor_batch.get("extra_info")
+        with open(Path(directory) / f"{step}.jsonl", "w") as file:
+            for i in range(len(rollout)):
+                prompt = tensors["prompts"][i][tensors["attention_mask"][i, : tensors["prompts"].shape[1]].bool()]
+                response = tensors["responses"][i][tensors["attention_mask"][i, tensors["prompts"].shape[1] :].bool()]
+                record = {
+                    "step": step,
+                    "index": (extra[i] or {}).get("index") if extra is not None else None,
+                    "input": self.tokenizer.decode(prompt),
+                    "output": self.tokenizer.decode(response),
+                    "score": float(scores[i].sum()),
+                }
+                file.write(json.dumps(record) + "\n")
+
+    def save_checkpoint(self, step: int) -> Path:
+        """``global_step_N/``: sharded workers state, the policy as a Hugging Face checkpoint, the data position."""
+        directory = self.output_dir / f"global_step_{step}"
+        hf = directory / "actor" / "huggingface"
+        self._wait([w.save_checkpoint.remote(str(directory / "workers"), str(hf)) for w in self.workers], "the checkpoint save")
+        self.tokenizer.save_pretrained(hf)
+        (directory / "trainer_state.json").write_text(json.dumps({"step": step, "sampler_position": self.sampler.state()}))
+        # written last and atomically: a run killed mid-save resumes from the previous checkpoint
+        latest = self.output_dir / f".{LATEST}.tmp"
+        latest.write_text(str(step))
+        os.replace(latest, self.output_dir / LATEST)
+        return directory
+
+    def resume(self) -> int:
+        """Restore the checkpoint ``trainer.resume_mode`` points at; return its step (0: start fresh)."""
+        mode = self.config.trainer.resume_mode
+        if mode == "disable":
+            return 0
+        if mode == "resume_path":
+            directory = Path(self.config.trainer.resume_from_path or "")
+            if not (directory / "trainer_state.json").exists():
+                raise FileNotFoundError(f"trainer.resume_from_path={str(directory)!r} is not a global_step_N checkpoint directory")
+        elif mode == "auto":
+            latest = self.output_dir / LATEST
+            if not latest.exists():
+                return 0
+            directory = self.output_dir / f"global_step_{latest.read_text().strip()}"
+        else:
+            raise ValueError(f"trainer.resume_mode={mode!r}; choose auto, disable or resume_path")
+        state = json.loads((directory / "trainer_state.json").read_text())
+        self._wait([w.load_checkpoint.remote(str(directory / "workers")) for w in self.workers], "the checkpoint load")
+        self.sampler.position = int(state["sampler_position"])
+        # the servers start from the base model: give them the restored policy
+        self._push_weights()
+        print(f"resumed from {directory} at step {state['step']}")
+        return int(state["step"])
+
+    def fit(self) -> list[dict[str, Any]]:
+        """Train until ``trainer.total_training_steps``; return every logged line (metrics by step)."""
+        trainer = self.config.trainer
+        done = self.resume()
+        progress = tqdm(total=self.total_steps, initial=done, desc="training steps", dynamic_ncols=True)
+        tracking = Tracking(self.config, self.output_dir, progress.write, resume_step=done)
+        try:
+            if self.val_rows and trainer.val_before_train and done == 0:
+                tracking.log(self.validate(), step=0)
+            batches = iter(self.sampler)
+            for step in range(done + 1, self.total_steps + 1):
+                metrics = self.step(step, next(batches))
+                last = step == self.total_steps
+                if self.val_rows and int(trainer.test_freq) > 0 and (step % int(trainer.test_freq) == 0 or last):
+                    metrics.update(self.validate())
+                if int(trainer.save_freq) > 0 and (step % int(trainer.save_freq) == 0 or last):
+                    self.save_checkpoint(step)
+                tracking.log(metrics, step)
+                progress.update(1)
+        finally:
+            progress.close()
+            tracking.close()
+        if tracking.history:
+            _summarize(tracking.history, plot(tracking.history, self.output_dir / "training_curves.png"))
+        return tracking.history
 
     def shutdown(self) -> None:
-        wait_for([actor.shutdown.remote() for actor in self.actors], 60, "the policy ranks to shut down")
-        for actor in self.actors:
-            ray.kill(actor)
+        wait_for([worker.shutdown.remote() for worker in self.workers], 60, "the FSDP ranks to shut down")
+        for worker in self.workers:
+            ray.kill(worker)
         self.manager.shutdown()
+
+
+def _check(config: DictConfig) -> None:
+    """Configuration mistakes, named before anything starts."""
+    if config.actor_rollout_ref.rollout.mode != "async":
+        raise ValueError("actor_rollout_ref.rollout.mode must be 'async': rollouts run through AgentLoopManager")
+    if config.algorithm.adv_estimator not in ("grpo", "gae"):
+        raise ValueError(f"algorithm.adv_estimator={config.algorithm.adv_estimator!r}; choose grpo or gae")
+    if not config.data.train_files:
+        raise ValueError("data.train_files is empty: name one or more .parquet / .jsonl files")
+    world_size = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    samples = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
+    if samples % world_size:
+        raise ValueError(
+            f"train_batch_size x rollout.n = {samples} samples do not split over {world_size} ranks "
+            "(trainer.n_gpus_per_node x trainer.nnodes)"
+        )
+
+
+def _summarize(history: list[dict[str, Any]], png: Path) -> None:
+    scores = [line["critic/score/mean"] for line in history if "critic/score/mean" in line]
+    if not scores:
+        return
+    window = max(1, min(5, len(scores) // 4))
+    first, last = float(np.mean(scores[:window])), float(np.mean(scores[-window:]))
+    print(f"mean reward: {first:.3f} (first {window} steps) -> {last:.3f} (last {window} steps), {last - first:+.3f}")
+    print(f"curves: {png}")
 
 
 def _free_port() -> int:
@@ -131,7 +281,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(config: DictConfig) -> list[dict[str, float]]:
+def run(config: DictConfig) -> list[dict[str, Any]]:
     """Train with a composed config (what ``main`` does after hydra has parsed the command line)."""
     if not ray.is_initialized():
         ray.init(address=config.trainer.ray_address)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,12 @@ import pyarrow.parquet as pq
 SYSTEM = "Use the calculator tool to compute, then call submit_answer with the result."
 
 
-def make_rows(count: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
-    """``count`` problems ``a op b`` (deterministic for a seed), each a ``tool_agent`` row."""
+def make_rows(count: int, seed: int = 0, split: str = "train", max_operand: int = 99) -> list[dict[str, Any]]:
+    """``count`` problems ``a op b`` with operands in ``[0, max_operand]`` (deterministic for a seed), each a ``tool_agent`` row."""
     rng = random.Random(f"{seed}-{split}")
     rows = []
     for index in range(count):
-        a, b, op = rng.randint(0, 99), rng.randint(0, 99), rng.choice("+-*")
+        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice("+-*")
         answer = {"+": a + b, "-": a - b, "*": a * b}[op]
         rows.append(
             {
@@ -53,6 +54,17 @@ def write_rows(rows: list[dict[str, Any]], path: str) -> str:
     else:
         file.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(file)
+
+
+def arithmetic_data_path(split: str, count: int, max_operand: int = 99, seed: int = 0) -> str:
+    """A cached parquet of ``make_rows(count, seed, split, max_operand)``, written on first use."""
+    from agentloop.models.cache import cache_root
+
+    path = cache_root() / "data" / f"arithmetic-{count}-{max_operand}-{seed}" / f"{split}.parquet"
+    if not path.exists():
+        staging = write_rows(make_rows(count, seed, split, max_operand), str(path.with_suffix(f".{os.getpid()}.parquet")))
+        os.replace(staging, path)
+    return str(path)
 
 
 def main() -> None:

@@ -30,16 +30,22 @@ def assistant_token_mask(ids: list[int], assistant_header: list[int], end_id: in
     return mask
 
 
-def finetune(base_path: str, texts: list[str], out_dir: str, *, steps: int = 300, lr: float = 3e-3, seed: int = 0) -> str:
-    """Train ``base_path`` on ``texts`` (full-batch AdamW) and save a new checkpoint to ``out_dir``.
+def finetune(
+    base_path: str, texts: list[str], out_dir: str, *, steps: int = 300, lr: float = 3e-3, seed: int = 0,
+    batch_size: int | None = None,
+) -> str:
+    """Train ``base_path`` on ``texts`` (AdamW) and save a new checkpoint to ``out_dir``.
 
+    Each step takes ``batch_size`` texts in a seeded shuffled order (all of them when None).
     Returns ``out_dir``. If it already holds a checkpoint, nothing is trained (callers key the
     directory by what they train on). Safe when several processes build the same directory.
     """
-    return build_once(Path(out_dir), lambda directory: _train(base_path, texts, directory, steps, lr, seed))
+    return build_once(Path(out_dir), lambda directory: _train(base_path, texts, directory, steps, lr, seed, batch_size))
 
 
-def _train(base_path: str, texts: list[str], directory: Path, steps: int, lr: float, seed: int) -> None:
+def _train(
+    base_path: str, texts: list[str], directory: Path, steps: int, lr: float, seed: int, batch_size: int | None
+) -> None:
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
@@ -58,8 +64,12 @@ def _train(base_path: str, texts: list[str], directory: Path, steps: int, lr: fl
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
-    for _ in range(steps):
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+    if batch_size:
+        order = torch.cat([torch.randperm(len(encoded)) for _ in range(steps * batch_size // len(encoded) + 1)])
+    for step in range(steps):
+        rows = order[step * batch_size : (step + 1) * batch_size] if batch_size else torch.arange(len(encoded))
+        width = int(attention[rows].sum(-1).max())
+        loss = model(input_ids=input_ids[rows, :width], attention_mask=attention[rows, :width], labels=labels[rows, :width]).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -1,4 +1,4 @@
-"""The FSDP policy on two CPU ranks (gloo) against the real rollout stack: scores, update, weight push."""
+"""The FSDP ranks on two CPU processes (gloo) against the real rollout stack: scores, update, weight push, checkpoint."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from agentloop import AgentLoopManager
 from conftest import small_config
-from trainer.fsdp_actor import FSDPActor
+from trainer.fsdp_workers import FSDPWorker
 
 ROWS = [{"prompt": [{"role": "user", "content": f"question number {i}"}]} for i in range(4)]
 
@@ -24,10 +24,11 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def setup(local_ray):
     config = small_config("actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.optim.lr=1e-3",
+                          "actor_rollout_ref.actor.optim.warmup_style=cosine",
                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
     manager = AgentLoopManager(config)
     port = free_port()
-    actors = [FSDPActor.options(num_cpus=0).remote(manager.config, rank, 2, "127.0.0.1", port) for rank in range(2)]
+    actors = [FSDPWorker.options(num_cpus=0).remote(manager.config, rank, 2, "127.0.0.1", port, 10) for rank in range(2)]
     ray.get([actor.__ray_ready__.remote() for actor in actors], timeout=120)
     yield manager, actors
     ray.get([actor.shutdown.remote() for actor in actors], timeout=60)
@@ -64,3 +65,35 @@ def test_sharded_scores_match_the_engine_update_moves_them_and_the_push_keeps_th
     fresh = manager.generate_sequences(ROWS)
     fresh_mask = fresh.batch["response_mask"].bool()
     assert torch.allclose(scores(actors, fresh)[fresh_mask], fresh.batch["rollout_log_probs"][fresh_mask], atol=1e-4)
+
+
+def test_checkpoint_restores_weights_optimizer_and_lr_schedule(setup, tmp_path):
+    manager, actors = setup
+    batch = manager.generate_sequences(ROWS)
+    train = batch.batch.clone()
+    train["old_log_probs"] = scores(actors, batch)
+    train["advantages"] = torch.ones_like(train["old_log_probs"]) * train["response_mask"]
+
+    def update():
+        halves = train.split(len(batch) // 2)
+        return ray.get([actor.update_policy.remote(half) for actor, half in zip(actors, halves)], timeout=120)[0]
+
+    def weights():
+        return ray.get([actor.full_state_dict.remote() for actor in actors], timeout=120)[0]
+
+    update()
+    ray.get([actor.save_checkpoint.remote(str(tmp_path / "ckpt"), str(tmp_path / "hf")) for actor in actors], timeout=120)
+    saved = weights()
+    after_save = update()
+    assert any(not torch.equal(saved[k], v) for k, v in weights().items()), "the update after the save moved the weights"
+
+    ray.get([actor.load_checkpoint.remote(str(tmp_path / "ckpt")) for actor in actors], timeout=120)
+    assert all(torch.equal(saved[k], v) for k, v in weights().items())
+    # same weights, optimizer moments and schedule position: the next update is the one that followed the save
+    assert update() == pytest.approx(after_save, rel=1e-4, abs=1e-6)
+
+    # the Hugging Face export loads as an ordinary checkpoint with the saved weights
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in saved.items())

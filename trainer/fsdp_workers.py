@@ -1,0 +1,242 @@
+"""The trainer's models as FSDP2-sharded Ray actors: one process per rank in a ``torch.distributed`` group.
+
+gloo on CPU, NCCL on GPU. Every rank hosts its shard of the policy and, when the config asks for them,
+of the frozen reference policy (KL) and of the critic (GAE): colocating the three on the same ranks
+needs no extra processes or process groups. Parameters are sharded with ``fully_shard`` per decoder
+layer, then the root; each rank works on its slice of the batch and FSDP reduces the gradients.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig
+from tensordict import TensorDict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, get_scheduler
+
+from trainer import algorithms
+
+WARMUP_STYLES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
+
+
+def response_log_probs(model: torch.nn.Module, batch: TensorDict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of the response tokens under ``model`` (logits / temperature), ``[b, R]``."""
+    responses = batch["responses"]
+    logits = _forward(model, batch)[:, -responses.shape[1] - 1 : -1].float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    return log_probs, algorithms.entropy_from_logits(logits)
+
+
+def response_values(critic: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
+    """The critic's value of the state before each response token, ``[b, R]``."""
+    return _forward(critic, batch)[:, -batch["responses"].shape[1] - 1 : -1, 0].float()
+
+
+def _forward(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
+    return model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    ).logits
+
+
+class _Trainable:
+    """A sharded model with its optimizer and LR schedule (policy or critic)."""
+
+    def __init__(self, model: torch.nn.Module, optim: DictConfig, total_steps: int) -> None:
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=float(optim.lr), weight_decay=float(optim.weight_decay))
+        style = str(optim.get("warmup_style", "constant"))
+        if style not in WARMUP_STYLES:
+            raise ValueError(f"optim.warmup_style={style!r}; choose one of {sorted(WARMUP_STYLES)}")
+        warmup = int(optim.get("lr_warmup_steps", 0))
+        if warmup < 0:
+            warmup = int(float(optim.get("lr_warmup_steps_ratio", 0.0)) * total_steps)
+        extra = {"min_lr_rate": float(optim.get("min_lr_ratio", 0.0))} if style == "cosine" else {}
+        self.scheduler = get_scheduler(
+            WARMUP_STYLES[style], self.optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+            scheduler_specific_kwargs=extra,
+        )
+
+    def step(self, grad_clip: float) -> dict[str, float]:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        lr = self.scheduler.get_last_lr()[0]
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.scheduler.step()
+        return {"grad_norm": float(grad_norm), "lr": lr}
+
+    def state(self) -> dict[str, Any]:
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+@ray.remote
+class FSDPWorker:
+    """One rank of the policy (plus reference policy and critic when configured).
+
+    ``config`` is the full composed config; ``total_steps`` sizes the LR schedules.
+    """
+
+    def __init__(
+        self, config: DictConfig, rank: int, world_size: int, master_addr: str, master_port: int, total_steps: int
+    ) -> None:
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        cuda = torch.cuda.is_available()
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=600)
+        )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.rank = rank
+        self.device = "cuda" if cuda else "cpu"
+        self.mesh = init_device_mesh(self.device, (world_size,))
+        self.actor = config.actor_rollout_ref.actor
+        self.critic_config = config.critic
+        self.temperature = float(config.actor_rollout_ref.rollout.temperature)
+        torch.manual_seed(0)
+        policy_path = config.actor_rollout_ref.model.path
+        self.policy = _Trainable(self._sharded(AutoModelForCausalLM, policy_path), self.actor.optim, total_steps)
+        self.ref = None
+        if needs_reference(config):
+            self.ref = self._sharded(AutoModelForCausalLM, config.actor_rollout_ref.ref.model.path).eval().requires_grad_(False)
+        self.critic = None
+        if config.algorithm.adv_estimator == "gae":
+            critic = self._sharded(AutoModelForTokenClassification, config.critic.model.path, num_labels=1)
+            self.critic = _Trainable(critic, config.critic.optim, total_steps)
+
+    def _sharded(self, auto_class: Any, path: str, **kwargs: Any) -> torch.nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        model = auto_class.from_pretrained(path, dtype=torch.float32, **kwargs).to(self.device)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=self.mesh)
+        return fully_shard(model, mesh=self.mesh)
+
+    def _micro_batches(self, batch: TensorDict, size: int) -> list[TensorDict]:
+        return [micro.to(self.device) for micro in batch.split(size)]
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: TensorDict, reference: bool = False) -> torch.Tensor:
+        """This rank's slice re-scored by the current policy (old log-probs), or by the reference policy."""
+        model = self.ref if reference else self.policy.model
+        if model is None:
+            raise RuntimeError("no reference policy on this worker: set actor.use_kl_loss or algorithm.use_kl_in_reward")
+        model.eval()
+        micro = self._micro_batches(batch, int(self.actor.ppo_micro_batch_size_per_gpu))
+        return torch.cat([response_log_probs(model, m, self.temperature)[0].cpu() for m in micro])
+
+    @torch.no_grad()
+    def compute_values(self, batch: TensorDict) -> torch.Tensor:
+        """The critic's values of this rank's slice."""
+        self.critic.model.eval()
+        micro = self._micro_batches(batch, int(self.critic_config.ppo_micro_batch_size_per_gpu))
+        return torch.cat([response_values(self.critic.model, m).cpu() for m in micro])
+
+    def update_policy(self, batch: TensorDict) -> dict[str, float]:
+        """One optimizer step of the PPO loss over this rank's slice, in micro-batches.
+
+        ``batch`` carries ``old_log_probs``, ``advantages`` and ``response_mask`` (plus ``rollout_log_probs``
+        when ``actor.rollout_is_threshold`` is set, and ``ref_log_probs`` when ``actor.use_kl_loss``).
+        """
+        actor = self.actor
+        self.policy.model.train()
+        micro_batches = self._micro_batches(batch, int(actor.ppo_micro_batch_size_per_gpu))
+        metrics: dict[str, float] = {}
+        for micro in micro_batches:
+            log_probs, entropy = response_log_probs(self.policy.model, micro, self.temperature)
+            mask = micro["response_mask"].float()
+            weights = None
+            if actor.rollout_is_threshold:
+                weights, mismatch = algorithms.rollout_importance_weights(
+                    micro["old_log_probs"], micro["rollout_log_probs"], mask, float(actor.rollout_is_threshold)
+                )
+                _accumulate(metrics, mismatch, len(micro_batches))
+            loss, stats = algorithms.ppo_policy_loss(
+                micro["old_log_probs"], log_probs, micro["advantages"], mask,
+                float(actor.clip_ratio_low), float(actor.clip_ratio_high),
+                actor.clip_ratio_c, actor.loss_agg_mode, weights,
+            )
+            entropy_bonus = algorithms.aggregate_loss(entropy, mask, actor.loss_agg_mode)
+            total = loss - float(actor.entropy_coeff) * entropy_bonus
+            if actor.use_kl_loss:
+                kl = algorithms.kl_penalty(log_probs, micro["ref_log_probs"], actor.kl_loss_type)
+                kl_loss = algorithms.aggregate_loss(kl, mask, actor.loss_agg_mode)
+                total = total + float(actor.kl_loss_coef) * kl_loss
+                stats["kl_loss"] = kl_loss
+            (total / len(micro_batches)).backward()
+            _accumulate(metrics, {"pg_loss": loss, "entropy": entropy_bonus, **stats}, len(micro_batches))
+        return {**metrics, **self.policy.step(float(actor.grad_clip))}
+
+    def update_critic(self, batch: TensorDict) -> dict[str, float]:
+        """One optimizer step of the clipped value loss against ``returns`` (``values`` are the old values)."""
+        config = self.critic_config
+        self.critic.model.train()
+        micro_batches = self._micro_batches(batch, int(config.ppo_micro_batch_size_per_gpu))
+        metrics: dict[str, float] = {}
+        for micro in micro_batches:
+            mask = micro["response_mask"].float()
+            values = response_values(self.critic.model, micro)
+            loss = algorithms.value_loss(
+                values, micro["values"], micro["returns"], mask, float(config.cliprange_value), config.loss_agg_mode
+            )
+            (loss / len(micro_batches)).backward()
+            _accumulate(metrics, {"vf_loss": loss, "vpred_mean": algorithms.masked_mean(values, mask)}, len(micro_batches))
+        return {**metrics, **self.critic.step(float(config.grad_clip))}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every policy parameter, unsharded, on CPU — on rank 0 (other ranks return an empty dict).
+
+        A collective: call it on every rank at once.
+        """
+        return get_model_state_dict(self.policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_checkpoint(self, directory: str, hf_directory: str | None = None) -> None:
+        """Save model, optimizer and LR schedule of the policy (and critic) as a sharded ``torch.distributed.checkpoint``.
+
+        A collective. With ``hf_directory``, rank 0 also writes the policy as a Hugging Face checkpoint.
+        """
+        dcp.save(self._trainables_state(), checkpoint_id=directory)
+        if hf_directory:
+            state = self.full_state_dict()
+            if self.rank == 0:
+                self.policy.model.save_pretrained(hf_directory, state_dict=state)
+        dist.barrier()
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore what ``save_checkpoint`` wrote (a collective)."""
+        state = self._trainables_state()
+        dcp.load(state, checkpoint_id=directory)
+        self.policy.load(state["policy"])
+        if self.critic is not None:
+            self.critic.load(state["critic"])
+
+    def _trainables_state(self) -> dict[str, Any]:
+        state = {"policy": self.policy.state()}
+        if self.critic is not None:
+            state["critic"] = self.critic.state()
+        return state
+
+    def shutdown(self) -> None:
+        dist.destroy_process_group()
+
+
+def needs_reference(config: DictConfig) -> bool:
+    """Whether a frozen reference policy is needed: KL in the loss or in the reward."""
+    return bool(config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
+
+
+def _accumulate(metrics: dict[str, float], values: dict[str, Any], count: int) -> None:
+    for key, value in values.items():
+        metrics[key] = metrics.get(key, 0.0) + float(value.detach() if isinstance(value, torch.Tensor) else value) / count

@@ -1,0 +1,99 @@
+"""Where step metrics go: a JSONL file always, plus the backends named in ``trainer.logger``.
+
+``console`` prints one line per step, ``tensorboard`` writes event files (``pip install tensorboard``),
+``wandb`` logs a run (``pip install wandb``). At the end, ``plot`` draws reward and response length
+over steps to a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+BACKENDS = ("console", "tensorboard", "wandb")
+
+
+class Tracking:
+    """Fan out each step's metrics; ``resume_step`` drops JSONL lines a killed run logged after its last checkpoint."""
+
+    def __init__(self, config: DictConfig, directory: Path, print_line: Callable[[str], None] = print, resume_step: int = 0) -> None:
+        loggers = list(config.trainer.logger)
+        unknown = sorted(set(loggers) - set(BACKENDS))
+        if unknown:
+            raise ValueError(f"trainer.logger names unknown backends {unknown}; choose from {list(BACKENDS)}")
+        self.print_line = print_line if "console" in loggers else None
+        self.path = directory / "metrics.jsonl"
+        kept = [line for line in _read_jsonl(self.path) if line.get("step", 0) <= resume_step] if resume_step else []
+        self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
+        self.history: list[dict[str, Any]] = kept
+        self.tensorboard = self.wandb = None
+        if "tensorboard" in loggers:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as error:
+                raise ImportError("trainer.logger has tensorboard but it is not installed: pip install tensorboard") from error
+            self.tensorboard = SummaryWriter(str(directory / "tensorboard"))
+        if "wandb" in loggers:
+            try:
+                import wandb
+            except ImportError as error:
+                raise ImportError("trainer.logger has wandb but it is not installed: pip install wandb") from error
+            self.wandb = wandb.init(
+                project=config.trainer.project_name, name=config.trainer.experiment_name,
+                config=OmegaConf.to_container(config, resolve=True), resume="allow",
+            )
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Record one step's metrics (numbers) everywhere."""
+        line = {"step": step, **metrics}
+        self.history.append(line)
+        with open(self.path, "a") as file:
+            file.write(json.dumps(line) + "\n")
+        if self.print_line:
+            self.print_line(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in line.items()))
+        if self.tensorboard:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def plot(history: list[dict[str, Any]], path: Path, keys: tuple[str, ...] = ("critic/score/mean", "response_length/mean")) -> Path:
+    """Draw each of ``keys`` over steps (one panel each; validation scores join the reward panel) and save a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
+    for axis, key in zip(axes[0], keys):
+        points = [(line["step"], line[key]) for line in history if key in line]
+        axis.plot([s for s, _ in points], [v for _, v in points], marker=".", label=key)
+        if key == keys[0]:
+            val = [(line["step"], line["val/score/mean"]) for line in history if "val/score/mean" in line]
+            if val:
+                axis.plot([s for s, _ in val], [v for _, v in val], marker="o", label="val/score/mean")
+        axis.set_xlabel("step")
+        axis.set_title(key)
+        axis.legend()
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
