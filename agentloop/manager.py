@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import ray
@@ -18,6 +18,7 @@ from agentloop.batch import RolloutBatch
 from agentloop.metrics import turn_metrics
 from agentloop.registry import check_agent_names, resolve_agent_loops
 from agentloop.server.rollout_server import RolloutServer
+from agentloop.server.weights import PackedWeights
 from agentloop.waiting import wait_for
 from agentloop.worker import AgentLoopWorker
 
@@ -160,9 +161,17 @@ class AgentLoopManager:
 
     # ------------------------------------------------------------------ servers
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Push new weights to every server (in place; prefix caches flushed)."""
-        ref = ray.put({name: tensor.detach().cpu() for name, tensor in state_dict.items()})
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor] | PackedWeights | ray.ObjectRef) -> None:
+        """Push new weights to every server (in place; prefix caches flushed).
+
+        ``state_dict`` may also be the ``ObjectRef`` of one (plain or packed) that a trainer rank returned:
+        the servers then read it from the object store, and it never passes through this process.
+        """
+        if isinstance(state_dict, ray.ObjectRef):
+            ref = state_dict
+        else:
+            # Packed once here, the bytes are stored once and every server maps them without unpickling.
+            ref = ray.put(state_dict if isinstance(state_dict, PackedWeights) else PackedWeights.pack(state_dict))
         wait_for([server.update_weights.remote(ref) for server in self.servers], self._control_timeout, "weight update")
 
     def sleep(self) -> None:

@@ -117,6 +117,25 @@ def test_update_weights_changes_generation_and_sleep_wake_round_trip(engine, mod
     assert run(engine.generate(PROMPT, greedy, "w4")).token_ids == before
 
 
+def test_update_while_idle_drops_cached_prefixes_and_serves_the_new_weights(engine, model_path):
+    params = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    run(engine.generate(PROMPT, params, "cache-1"))
+    assert run(engine.generate(PROMPT, params, "cache-2")).cached_tokens == 32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.add_(0.1 * torch.randn_like(tensor))
+    engine.update_weights(model.state_dict())
+    # KV cached under the old weights would be stale: nothing may be reused, and logprobs follow the new model
+    output = run(engine.generate(PROMPT, params, "cache-3"))
+    assert output.cached_tokens == 0
+    reference = teacher_forced_logprobs(model, PROMPT, output.token_ids)
+    assert torch.allclose(torch.tensor(output.log_probs), reference, atol=LOGPROB_TOLERANCE)
+    engine.update_weights(original)
+
+
 def test_update_weights_rejects_wrong_names_and_shapes(engine):
     with pytest.raises(KeyError, match="no parameter 'nope'"):
         engine.update_weights({"nope": torch.zeros(1)})

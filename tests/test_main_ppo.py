@@ -100,6 +100,7 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
         "trainer.n_gpus_per_node=2",
         "trainer.total_training_steps=4",
         "trainer.save_freq=2",
+        "trainer.max_actor_ckpt_to_keep=1",
         "trainer.ray_address=auto",
         "actor_rollout_ref.actor.optim.lr_warmup_steps=4",
         f"trainer.rollout_data_dir={dumps}",
@@ -123,6 +124,7 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
     assert "resumed from" in resumed.stdout and "global_step_2" in resumed.stdout
     history = read_jsonl(out / "metrics.jsonl")
     assert [line["step"] for line in history] == [1, 2, 3, 4]
+    assert sorted(path.name for path in out.glob("global_step_*")) == ["global_step_4"]
     # the LR schedule went on where it stopped (linear warmup over 4 steps: 0, 1/4, 2/4, 3/4 of lr)
     lr = float(small_config().actor_rollout_ref.actor.optim.lr)
     assert [line["actor/lr"] for line in history] == pytest.approx([0, lr / 4, lr / 2, 3 * lr / 4])

@@ -21,6 +21,7 @@ from tensordict import TensorDict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, get_scheduler
 
+from agentloop.server.weights import PackedWeights
 from trainer import algorithms
 
 WARMUP_STYLES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
@@ -201,6 +202,12 @@ class FSDPWorker:
         A collective: call it on every rank at once.
         """
         return get_model_state_dict(self.policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def packed_state_dict(self) -> PackedWeights | None:
+        """``full_state_dict`` ready for the push: rank 0's weights as raw bytes that Ray stores without
+        pickling them (None on the other ranks). A collective, like ``full_state_dict``."""
+        state = self.full_state_dict()
+        return PackedWeights.pack(state) if state else None
 
     def save_checkpoint(self, directory: str, hf_directory: str | None = None) -> None:
         """Save model, optimizer and LR schedule of the policy (and critic) as a sharded ``torch.distributed.checkpoint``.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -41,13 +42,15 @@ class RayPPOTrainer:
 
     def __init__(self, config: DictConfig) -> None:
         _check(config)
+        config = config.copy()
+        OmegaConf.resolve(config)  # builds default data and models once, here, before any actor needs them
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         # data errors surface before any server starts
         self.rows = self._load(config.data.train_files)
         self.val_rows = self._load(config.data.val_files) if config.data.val_files else []
         self.manager = AgentLoopManager(config)
-        self.config = config = self.manager.config  # paths resolved once, for every process
+        self.config = config = self.manager.config  # with absolute paths, for every process
         self.sampler = BatchSampler(len(self.rows), int(config.data.train_batch_size), shuffle=config.data.shuffle, seed=config.data.seed)
         self.total_steps = int(config.trainer.total_training_steps or self.sampler.batches_per_epoch * int(config.trainer.total_epochs))
         self.world_size = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
@@ -86,8 +89,7 @@ class RayPPOTrainer:
 
     def _push_weights(self) -> float:
         start = time.perf_counter()
-        state, *_ = self._wait([worker.full_state_dict.remote() for worker in self.workers], "the weight gather")
-        self.manager.update_weights(state)
+        push_weights(self.workers, self.manager, float(self.config.trainer.step_timeout_s))
         return time.perf_counter() - start
 
     def step(self, step: int, indices: list[int]) -> dict[str, float]:
@@ -189,6 +191,11 @@ class RayPPOTrainer:
         latest = self.output_dir / f".{LATEST}.tmp"
         latest.write_text(str(step))
         os.replace(latest, self.output_dir / LATEST)
+        keep = self.config.trainer.max_actor_ckpt_to_keep
+        if keep:
+            saved = sorted(self.output_dir.glob("global_step_*"), key=lambda path: int(path.name.rsplit("_", 1)[1]))
+            for old in saved[: -int(keep)]:
+                shutil.rmtree(old)
         return directory
 
     def resume(self) -> int:
@@ -248,6 +255,17 @@ class RayPPOTrainer:
         self.manager.shutdown()
 
 
+def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float) -> None:
+    """Gather the policy on rank 0 and load it into every rollout server.
+
+    The servers read rank 0's packed weights straight from Ray's object store: the bytes never pass
+    through the driver, and are never pickled.
+    """
+    refs = [worker.packed_state_dict.remote() for worker in workers]
+    manager.update_weights(refs[0])
+    wait_for(refs[1:], timeout_s, "the weight gather")  # the other ranks' part of the collective: surfaces a failed rank
+
+
 def _check(config: DictConfig) -> None:
     """Configuration mistakes, named before anything starts."""
     if config.actor_rollout_ref.rollout.mode != "async":
@@ -266,12 +284,15 @@ def _check(config: DictConfig) -> None:
 
 
 def _summarize(history: list[dict[str, Any]], png: Path) -> None:
+    """Print how far the mean reward moved: the starting policy's (step 1 rollouts) against the last steps'."""
     scores = [line["critic/score/mean"] for line in history if "critic/score/mean" in line]
-    if not scores:
-        return
-    window = max(1, min(5, len(scores) // 4))
-    first, last = float(np.mean(scores[:window])), float(np.mean(scores[-window:]))
-    print(f"mean reward: {first:.3f} (first {window} steps) -> {last:.3f} (last {window} steps), {last - first:+.3f}")
+    if scores:
+        window = min(5, len(scores))
+        last = float(np.mean(scores[-window:]))
+        print(f"mean reward: {scores[0]:.3f} at step 1 -> {last:.3f} over the last {window} steps ({last - scores[0]:+.3f})")
+    validation = [line["val/score/mean"] for line in history if "val/score/mean" in line]
+    if len(validation) > 1:
+        print(f"validation score: {validation[0]:.3f} -> {validation[-1]:.3f}")
     print(f"curves: {png}")
 
 

@@ -9,11 +9,12 @@ cached-token counts, abort, in-place weight updates and sleep/wake of the KV cac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -233,20 +234,44 @@ class HFEngine:
                     f"update_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}"
                 )
             updates.append((params[name], tensor))
-        was_awake = self._manager is not None
-        self._stop_manager()
-        with torch.no_grad():
+        with self._model_held(), torch.no_grad():
             for target, tensor in updates:
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-        if was_awake:
-            self._start_manager()
         return len(updates)
 
     def flush_cache(self) -> None:
         """Drop every cached prefix (in-flight requests are aborted)."""
-        if self._manager is not None:
-            self._stop_manager()
-            self._start_manager()
+        with self._model_held():
+            pass
+
+    @contextlib.contextmanager
+    def _model_held(self) -> Iterator[None]:
+        """Keep the generation loop off the model inside the block; no cached prefix survives it.
+
+        Idle (the usual case: weights are pushed between rollouts), the loop is paused in place and its
+        cached prefix blocks are evicted. Restarting the manager instead costs the same whatever the model
+        (transformers' ``stop`` runs two full ``gc.collect()`` passes and waits out the idle loop's 0.1 s
+        poll), many times the copy itself for small models. With requests in flight (or aborted but not
+        yet dropped by the loop) the manager is restarted, which aborts them: their tokens would mix two
+        policies.
+        """
+        manager = self._manager
+        if manager is not None and not self._pending and manager.is_running():
+            with manager.pause():
+                processor = manager.batch_processor
+                if not processor.has_pending_requests():
+                    try:
+                        yield
+                    finally:
+                        processor.cache.evict_cached_blocks()
+                    return
+        was_awake = manager is not None
+        self._stop_manager()
+        try:
+            yield
+        finally:
+            if was_awake:
+                self._start_manager()
 
     def update_weights_from_disk(self, model_path: str) -> int:
         """Load the ``*.safetensors`` of a checkpoint directory in place (prefix cache flushed)."""

@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig
 
 from agentloop.protocol import TokenOutput
+from agentloop.server.weights import PackedWeights
 
 
 def build_engine(config: DictConfig, rank: int) -> Any:
@@ -125,7 +126,10 @@ class RolloutServer:
     async def abort(self, request_id: str) -> int:
         return await _maybe_await(self.engine.abort(request_id))
 
-    async def update_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
+    async def update_weights(self, state_dict: dict[str, torch.Tensor] | PackedWeights) -> int:
+        """Copy new weights into the engine (prefix cache flushed); returns how many tensors were updated."""
+        if isinstance(state_dict, PackedWeights):
+            state_dict = state_dict.tensors()
         return await _maybe_await(self.engine.update_weights(state_dict))
 
     async def update_weights_from_disk(self, model_path: str) -> None:

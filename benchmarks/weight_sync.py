@@ -1,0 +1,159 @@
+"""Weight push: FSDP gather + push to the rollout servers, against one serialization of the same weights.
+
+    python benchmarks/weight_sync.py [--repeats 5] [--models tiny,medium] [--asleep]
+
+Two policy ranks (FSDP2 over gloo) and one rollout server (``hf`` engine), for (a) the tiny default
+model and (b) ``medium``, a ~77M-parameter model of the same architecture with random weights, built
+once into the agentloop cache. One push is timed two ways: as the trainer does it (``trainer.main_ppo.push_weights``: rank 0 packs
+its gathered dict, the servers read it from the object store) and, for comparison, through the driver
+(rank 0's dict returns to the driver, which calls ``AgentLoopManager.update_weights``).
+The baseline is one ``torch.save`` of the gathered state dict into an ``io.BytesIO``; the gather alone
+is timed too. ``--asleep`` pushes to sleeping servers, as the trainer does with
+``rollout.free_cache_engine=true``. Repeats are interleaved; printed are the medians of the per-repeat
+ratios (target for a push <= 1.5). Ratios within one run only: absolute times vary too much here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import ray
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from agentloop import AgentLoopManager
+from agentloop.config import compose_config
+from agentloop.models.cache import build_once, cache_root
+from agentloop.models.tiny_qwen import tiny_model_path
+from agentloop.server.weights import PackedWeights
+from agentloop.waiting import wait_for
+from trainer.fsdp_workers import FSDPWorker
+from trainer.main_ppo import push_weights
+
+RANKS = 2
+TIMEOUT_S = 300.0
+Ranks = list[ray.actor.ActorHandle]
+
+
+def medium_model_path() -> str:
+    """A Qwen3 like the tiny model but 768 wide and 12 layers deep (~77M parameters, ~310 MB in fp32)."""
+    return build_once(cache_root() / "models" / "bench-qwen3-medium-v1", _build_medium_model)
+
+
+def _build_medium_model(directory: Path) -> None:
+    # The tiny model's config and tokenizer, only wider and deeper: what is pushed is the weights.
+    settings = AutoConfig.from_pretrained(tiny_model_path()).to_dict()
+    del settings["layer_types"]  # derived from the depth
+    settings.update(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                    num_key_value_heads=4, head_dim=64)
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(directory)
+
+
+@ray.remote
+class BenchRank(FSDPWorker.__ray_actor_class__):  # the undecorated class: the trainer's rank as is
+    """A policy rank that can also time its gather from the inside."""
+
+    def timed_gather(self) -> float:
+        start = time.perf_counter()
+        self.full_state_dict()
+        return time.perf_counter() - start
+
+
+def push_through_driver(ranks: Ranks, manager: AgentLoopManager, timeout_s: float) -> None:
+    """The first design, for comparison: the gathered dict is fetched by the driver, which pushes it."""
+    state, *_ = wait_for([rank.full_state_dict.remote() for rank in ranks], timeout_s, "the weight gather")
+    manager.update_weights(state)
+
+
+def serialize_s(state: dict[str, torch.Tensor]) -> float:
+    """The baseline: one ``torch.save`` of the state dict into memory."""
+    start = time.perf_counter()
+    torch.save(state, io.BytesIO())
+    return time.perf_counter() - start
+
+
+def gather_s(ranks: Ranks) -> float:
+    return wait_for([rank.timed_gather.remote() for rank in ranks], TIMEOUT_S, "the timed gather")[0]
+
+
+def timed(push: Callable[[Ranks, AgentLoopManager, float], None], ranks: Ranks, manager: AgentLoopManager) -> float:
+    start = time.perf_counter()
+    push(ranks, manager, TIMEOUT_S)
+    return time.perf_counter() - start
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def measure(model_path: str, repeats: int, asleep: bool) -> dict[str, float]:
+    """Median ratios to the baseline of: the trainer's push, the push through the driver, the gather alone."""
+    manager = AgentLoopManager(
+        compose_config(
+            [
+                f"actor_rollout_ref.model.path={model_path}",
+                "data.max_prompt_length=96",
+                "data.max_response_length=24",
+                "actor_rollout_ref.rollout.hf.num_blocks=256",
+                "actor_rollout_ref.rollout.agent.num_workers=1",
+            ]
+        )
+    )
+    port = free_port()
+    ranks = [
+        BenchRank.options(num_cpus=0).remote(manager.config, rank, RANKS, "127.0.0.1", port, 1) for rank in range(RANKS)
+    ]
+    state, *_ = wait_for([rank.full_state_dict.remote() for rank in ranks], TIMEOUT_S, "the first gather")
+    push_through_driver(ranks, manager, TIMEOUT_S), push_weights(ranks, manager, TIMEOUT_S)  # warm-up
+    if asleep:
+        manager.sleep()
+    ratios: dict[str, list[float]] = {"trainer": [], "driver": [], "gather": []}
+    for _ in range(repeats):
+        baseline = serialize_s(state)
+        ratios["trainer"].append(timed(push_weights, ranks, manager) / baseline)
+        ratios["driver"].append(timed(push_through_driver, ranks, manager) / baseline)
+        ratios["gather"].append(gather_s(ranks) / baseline)
+    wait_for([rank.shutdown.remote() for rank in ranks], TIMEOUT_S, "the policy ranks to shut down")
+    for rank in ranks:
+        ray.kill(rank)
+    manager.shutdown()
+    return {
+        "params_m": sum(tensor.numel() for tensor in state.values()) / 1e6,
+        "mb": sum(tensor.numel() * tensor.element_size() for tensor in state.values()) / 1e6,
+        **{name: statistics.median(values) for name, values in ratios.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", default="tiny,medium", help="comma-separated: tiny, medium")
+    parser.add_argument("--asleep", action="store_true", help="servers asleep during the push (KV cache freed)")
+    args = parser.parse_args()
+    paths = {"tiny": tiny_model_path, "medium": medium_model_path}
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    state = "asleep" if args.asleep else "awake"
+    print(f"{RANKS} FSDP ranks (gloo), 1 rollout server ({state}); medians of {args.repeats} repeats; "
+          "baseline: torch.save(state_dict, io.BytesIO())")
+    print("| model | params | fp32 MB | trainer's push / baseline | push through the driver / baseline | gather alone / baseline |")
+    print("|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        row = measure(paths[name](), args.repeats, args.asleep)
+        print(f"| {name} | {row['params_m']:.1f}M | {row['mb']:.0f} | {row['trainer']:.2f} | "
+              f"{row['driver']:.2f} | {row['gather']:.2f} |", flush=True)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
