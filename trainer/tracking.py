@@ -1,7 +1,7 @@
 """Where step metrics go: a JSONL file always, plus the backends named in ``trainer.logger``.
 
-``console`` prints one line per step, ``tensorboard`` writes event files (``pip install tensorboard``),
-``wandb`` logs a run (``pip install wandb``). At the end, ``plot`` draws reward and response length
+``console`` prints one line per step, ``tensorboard`` writes event files (``pip install -e ".[tensorboard]"``),
+``wandb`` logs a run (``pip install -e ".[wandb]"``). At the end, ``plot`` draws reward and response length
 over steps to a PNG.
 """
 
