@@ -64,3 +64,16 @@ def test_batch_sampler_is_seeded_and_resumes_in_the_same_order():
     assert BatchSampler(10, 3, seed=8)._order(0) != BatchSampler(10, 3, seed=7)._order(0)
     with pytest.raises(ValueError, match="train_batch_size=11 is larger than the dataset"):
         BatchSampler(10, 11)
+
+
+def test_main_job_config_builds_its_data_on_first_use(tmp_path, monkeypatch):
+    from agentloop.config import compose_config
+
+    monkeypatch.setenv("AGENTLOOP_CACHE", str(tmp_path))
+    config = compose_config(config_name="arithmetic_grpo")
+    train, val = read_rows(config.data.train_files[0]), read_rows(config.data.val_files[0])
+    assert (len(train), len(val)) == (512, 64)
+    assert train == make_rows(512, split="train", max_operand=9) and val == make_rows(64, split="test", max_operand=9)
+    assert all(row["agent_name"] == "tool_agent" for row in train)
+    assert config.actor_rollout_ref.rollout.multi_turn.tool_config_path.endswith("config/tools/arithmetic.yaml")
+    assert compose_config(config_name="arithmetic_grpo").data.train_files[0] == config.data.train_files[0]
