@@ -78,6 +78,9 @@ def test_gae_with_critic_warmup_and_kl_in_reward_and_loss(local_ray, tmp_path):
         "critic.optim.lr=1e-3",
         "trainer.critic_warmup=1",
         "trainer.total_training_steps=3",
+        # 2 prompts x 2 samples, one prompt per optimizer step, two epochs: 4 steps per update
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+        "actor_rollout_ref.actor.ppo_epochs=2",
         f"trainer.default_local_dir={tmp_path / 'run'}",
     )
     first, second, third = run(config)
@@ -85,6 +88,8 @@ def test_gae_with_critic_warmup_and_kl_in_reward_and_loss(local_ray, tmp_path):
         assert metrics["critic/vf_loss"] > 0 and metrics["critic/grad_norm"] > 0
     assert not any(key.startswith("actor/pg") for key in first), "step 1 only warms up the critic"
     assert "actor/pg_loss" in second and "actor/kl_loss" in second
+    # later mini-batches see a policy already moved away from the one that sampled: off-policy ratios
+    assert second["actor/approx_kl"] != 0
     # the policy equals the reference until its first update (step 2), then drifts away from it
     assert first["actor/reward_kl_penalty"] == pytest.approx(0, abs=1e-6)
     assert second["actor/reward_kl_penalty"] == pytest.approx(0, abs=1e-6)
@@ -145,6 +150,8 @@ def test_config_and_data_errors_are_named(local_ray, tmp_path):
         run(small_config(f"data.train_files=[{train}]", "algorithm.adv_estimator=reinforce"))
     with pytest.raises(ValueError, match="do not split over 2 ranks"):
         run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=3"))
+    with pytest.raises(ValueError, match="ppo_mini_batch_size=3 must divide data.train_batch_size=4"):
+        run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3"))
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": [{"role": "user", "content": "hi"}]}\nnot json\n')
     with pytest.raises(ValueError, match="broken.jsonl.*2"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch
@@ -51,6 +51,7 @@ class _Trainable:
 
     def __init__(self, model: torch.nn.Module, optim: DictConfig, total_steps: int) -> None:
         self.model = model
+        self.device = next(model.parameters()).device
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=float(optim.lr), weight_decay=float(optim.weight_decay))
         style = str(optim.get("warmup_style", "constant"))
         if style not in WARMUP_STYLES:
@@ -64,15 +65,30 @@ class _Trainable:
             scheduler_specific_kwargs=extra,
         )
 
-    def step(self, grad_clip: float) -> dict[str, float]:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    def update(
+        self, batch: TensorDict, config: DictConfig, mini_batch_size: int, loss: Callable[[TensorDict], tuple[torch.Tensor, dict]]
+    ) -> dict[str, float]:
+        """``config.ppo_epochs`` passes over ``batch`` in mini-batches of ``mini_batch_size`` samples, one optimizer
+        step each, gradients accumulated over micro-batches of ``config.ppo_micro_batch_size_per_gpu``; then
+        one LR-schedule step. Returns metrics averaged over micro-batches (``grad_norm`` over optimizer steps)."""
+        self.model.train()
+        metrics: dict[str, float] = {}
+        mini_batches = [mini for _ in range(int(config.ppo_epochs)) for mini in batch.split(mini_batch_size)]
         lr = self.scheduler.get_last_lr()[0]
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad()
+        for mini in mini_batches:
+            micro_batches = mini.split(int(config.ppo_micro_batch_size_per_gpu))
+            for micro in micro_batches:
+                value, stats = loss(micro.to(self.device))
+                (value / len(micro_batches)).backward()
+                _accumulate(metrics, stats, len(micro_batches) * len(mini_batches))
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(config.grad_clip))
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            if torch.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
+                self.optimizer.step()
+            self.optimizer.zero_grad()
+            _accumulate(metrics, {"grad_norm": grad_norm}, len(mini_batches))
         self.scheduler.step()
-        return {"grad_norm": float(grad_norm), "lr": lr}
+        return {**metrics, "lr": lr}
 
     def state(self) -> dict[str, Any]:
         model, optimizer = get_state_dict(self.model, self.optimizer)
@@ -100,7 +116,8 @@ class FSDPWorker:
         )
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.rank = rank
+        self.rank, self.world_size = rank, world_size
+        self.samples_per_prompt = int(config.actor_rollout_ref.rollout.n)
         self.device = "cuda" if cuda else "cpu"
         self.mesh = init_device_mesh(self.device, (world_size,))
         self.actor = config.actor_rollout_ref.actor
@@ -146,55 +163,55 @@ class FSDPWorker:
         return torch.cat([response_values(self.critic.model, m).cpu() for m in micro])
 
     def update_policy(self, batch: TensorDict) -> dict[str, float]:
-        """One optimizer step of the PPO loss over this rank's slice, in micro-batches.
+        """PPO updates of the policy on this rank's slice (see ``_Trainable.update``).
 
         ``batch`` carries ``old_log_probs``, ``advantages`` and ``response_mask`` (plus ``rollout_log_probs``
         when ``actor.rollout_is_threshold`` is set, and ``ref_log_probs`` when ``actor.use_kl_loss``).
         """
         actor = self.actor
-        self.policy.model.train()
-        micro_batches = self._micro_batches(batch, int(actor.ppo_micro_batch_size_per_gpu))
-        metrics: dict[str, float] = {}
-        for micro in micro_batches:
+
+        def loss(micro: TensorDict) -> tuple[torch.Tensor, dict[str, Any]]:
             log_probs, entropy = response_log_probs(self.policy.model, micro, self.temperature)
             mask = micro["response_mask"].float()
-            weights = None
+            weights, stats = None, {}
             if actor.rollout_is_threshold:
-                weights, mismatch = algorithms.rollout_importance_weights(
+                weights, stats = algorithms.rollout_importance_weights(
                     micro["old_log_probs"], micro["rollout_log_probs"], mask, float(actor.rollout_is_threshold)
                 )
-                _accumulate(metrics, mismatch, len(micro_batches))
-            loss, stats = algorithms.ppo_policy_loss(
+            pg_loss, pg_stats = algorithms.ppo_policy_loss(
                 micro["old_log_probs"], log_probs, micro["advantages"], mask,
                 float(actor.clip_ratio_low), float(actor.clip_ratio_high),
                 actor.clip_ratio_c, actor.loss_agg_mode, weights,
             )
             entropy_bonus = algorithms.aggregate_loss(entropy, mask, actor.loss_agg_mode)
-            total = loss - float(actor.entropy_coeff) * entropy_bonus
+            total = pg_loss - float(actor.entropy_coeff) * entropy_bonus
             if actor.use_kl_loss:
                 kl = algorithms.kl_penalty(log_probs, micro["ref_log_probs"], actor.kl_loss_type)
-                kl_loss = algorithms.aggregate_loss(kl, mask, actor.loss_agg_mode)
-                total = total + float(actor.kl_loss_coef) * kl_loss
-                stats["kl_loss"] = kl_loss
-            (total / len(micro_batches)).backward()
-            _accumulate(metrics, {"pg_loss": loss, "entropy": entropy_bonus, **stats}, len(micro_batches))
-        return {**metrics, **self.policy.step(float(actor.grad_clip))}
+                stats["kl_loss"] = algorithms.aggregate_loss(kl, mask, actor.loss_agg_mode)
+                total = total + float(actor.kl_loss_coef) * stats["kl_loss"]
+            return total, {"pg_loss": pg_loss, "entropy": entropy_bonus, **pg_stats, **stats}
+
+        return self.policy.update(batch, actor, self._mini_batch_size(actor, len(batch)), loss)
 
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
-        """One optimizer step of the clipped value loss against ``returns`` (``values`` are the old values)."""
+        """Clipped value-loss updates of the critic against ``returns`` (``values`` are the old values)."""
         config = self.critic_config
-        self.critic.model.train()
-        micro_batches = self._micro_batches(batch, int(config.ppo_micro_batch_size_per_gpu))
-        metrics: dict[str, float] = {}
-        for micro in micro_batches:
+
+        def loss(micro: TensorDict) -> tuple[torch.Tensor, dict[str, Any]]:
             mask = micro["response_mask"].float()
             values = response_values(self.critic.model, micro)
-            loss = algorithms.value_loss(
+            value_loss = algorithms.value_loss(
                 values, micro["values"], micro["returns"], mask, float(config.cliprange_value), config.loss_agg_mode
             )
-            (loss / len(micro_batches)).backward()
-            _accumulate(metrics, {"vf_loss": loss, "vpred_mean": algorithms.masked_mean(values, mask)}, len(micro_batches))
-        return {**metrics, **self.critic.step(float(config.grad_clip))}
+            return value_loss, {"vf_loss": value_loss, "vpred_mean": algorithms.masked_mean(values, mask)}
+
+        return self.critic.update(batch, config, self._mini_batch_size(config, len(batch)), loss)
+
+    def _mini_batch_size(self, config: DictConfig, slice_size: int) -> int:
+        """``ppo_mini_batch_size`` counts prompts over all ranks (verl's convention); null: the whole slice."""
+        if not config.ppo_mini_batch_size:
+            return slice_size
+        return int(config.ppo_mini_batch_size) * self.samples_per_prompt // self.world_size
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every policy parameter, unsharded, on CPU — on rank 0 (other ranks return an empty dict).

@@ -281,6 +281,13 @@ def _check(config: DictConfig) -> None:
             f"train_batch_size x rollout.n = {samples} samples do not split over {world_size} ranks "
             "(trainer.n_gpus_per_node x trainer.nnodes)"
         )
+    for name, section in (("actor_rollout_ref.actor", config.actor_rollout_ref.actor), ("critic", config.critic)):
+        mini = section.ppo_mini_batch_size
+        if mini and (int(config.data.train_batch_size) % int(mini) or int(mini) * int(config.actor_rollout_ref.rollout.n) % world_size):
+            raise ValueError(
+                f"{name}.ppo_mini_batch_size={mini} must divide data.train_batch_size={config.data.train_batch_size}, "
+                f"and its {int(mini) * int(config.actor_rollout_ref.rollout.n)} samples (x rollout.n) must split over {world_size} ranks"
+            )
 
 
 def _summarize(history: list[dict[str, Any]], png: Path) -> None:
