@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from agentloop.models.cache import build_once, cache_root
 from agentloop.models.tiny_qwen import tiny_model_path
 from agentloop.server.weights import PackedWeights
 from agentloop.waiting import wait_for
-from trainer.fsdp_workers import FSDPWorker
+from trainer.fsdp_workers import FSDPWorker, start_workers
 from trainer.main_ppo import push_weights
 
 RANKS = 2
@@ -91,12 +90,6 @@ def timed(push: Callable[[Ranks, AgentLoopManager, float], None], ranks: Ranks, 
     return time.perf_counter() - start
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def measure(model_path: str, repeats: int, asleep: bool) -> dict[str, float]:
     """Median ratios to the baseline of: the trainer's push, the push through the driver, the gather alone."""
     manager = AgentLoopManager(
@@ -110,10 +103,7 @@ def measure(model_path: str, repeats: int, asleep: bool) -> dict[str, float]:
             ]
         )
     )
-    port = free_port()
-    ranks = [
-        BenchRank.options(num_cpus=0).remote(manager.config, rank, RANKS, "127.0.0.1", port, 1) for rank in range(RANKS)
-    ]
+    ranks = start_workers(manager.config, RANKS, 1, TIMEOUT_S, worker_class=BenchRank)
     state, *_ = wait_for([rank.full_state_dict.remote() for rank in ranks], TIMEOUT_S, "the first gather")
     push_through_driver(ranks, manager, TIMEOUT_S), push_weights(ranks, manager, TIMEOUT_S)  # warm-up
     if asleep:

@@ -87,6 +87,7 @@ def test_kl_estimators(estimator):
     ref = T([-1.5, -0.1, -2.0])
     reference = {
         "k1": lambda p, q: p - q,
+        "kl": lambda p, q: p - q,
         "abs": lambda p, q: abs(p - q),
         "k2": lambda p, q: 0.5 * (p - q) ** 2,
         "mse": lambda p, q: 0.5 * (p - q) ** 2,

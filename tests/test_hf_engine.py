@@ -127,13 +127,23 @@ def test_update_while_idle_drops_cached_prefixes_and_serves_the_new_weights(engi
     with torch.no_grad():
         for tensor in model.state_dict().values():
             tensor.add_(0.1 * torch.randn_like(tensor))
+    manager = engine._manager
     engine.update_weights(model.state_dict())
+    assert engine._manager is manager, "an idle engine is updated in place, without restarting its batching loop"
     # KV cached under the old weights would be stale: nothing may be reused, and logprobs follow the new model
     output = run(engine.generate(PROMPT, params, "cache-3"))
     assert output.cached_tokens == 0
     reference = teacher_forced_logprobs(model, PROMPT, output.token_ids)
     assert torch.allclose(torch.tensor(output.log_probs), reference, atol=LOGPROB_TOLERANCE)
     engine.update_weights(original)
+
+
+def test_waking_up_does_not_replay_the_samples_of_before(engine):
+    params = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+    before = run(engine.generate(PROMPT, params, "rng-1")).token_ids
+    engine.sleep()
+    engine.wake_up()
+    assert run(engine.generate(PROMPT, params, "rng-2")).token_ids != before
 
 
 def test_update_weights_rejects_wrong_names_and_shapes(engine):

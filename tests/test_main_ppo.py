@@ -53,7 +53,7 @@ def test_grpo_steps_with_validation_loggers_and_rollout_dumps(local_ray, tmp_pat
     assert set(history[0]) == {"step", "val/score/mean", "val/score/arithmetic"}
     assert "val/score/mean" in history[2] and "val/score/mean" not in history[1]
     for metrics in history[1:]:
-        assert metrics["timing_s/weight_push"] > 0 and metrics["actor/grad_norm"] >= 0
+        assert {"timing_s/weight_push", "actor/pg_loss", "actor/lr", "critic/score/mean"} <= set(metrics)
         assert metrics["num_turns/mean"] >= 2
     # step 1 scores the engine's own rollouts with the very same weights
     assert history[1]["mismatch/abs_log_prob_diff"] < 1e-3
@@ -76,7 +76,7 @@ def test_gae_with_critic_warmup_and_kl_in_reward_and_loss(local_ray, tmp_path):
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.optim.lr=1e-3",
         "critic.optim.lr=1e-3",
-        "trainer.critic_warmup=1",
+        "trainer.critic_warmup=2",
         "trainer.total_training_steps=3",
         # 2 prompts x 2 samples, one prompt per optimizer step, two epochs: 4 steps per update
         "actor_rollout_ref.actor.ppo_mini_batch_size=1",
@@ -108,6 +108,10 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
         "trainer.max_actor_ckpt_to_keep=1",
         "trainer.ray_address=auto",
         "actor_rollout_ref.actor.optim.lr_warmup_steps=4",
+        # the tiny random model scores 0 everywhere (no advantage); the entropy bonus still moves the policy,
+        # so a resume that failed to restore it, or to push it to the servers, shows as mismatch
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
         f"trainer.rollout_data_dir={dumps}",
         f"trainer.default_local_dir={out}",
         "hydra.run.dir=" + str(tmp_path / "hydra"),
@@ -131,7 +135,7 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
     assert [line["step"] for line in history] == [1, 2, 3, 4]
     assert sorted(path.name for path in out.glob("global_step_*")) == ["global_step_4"]
     # the LR schedule went on where it stopped (linear warmup over 4 steps: 0, 1/4, 2/4, 3/4 of lr)
-    lr = float(small_config().actor_rollout_ref.actor.optim.lr)
+    lr = 1e-3
     assert [line["actor/lr"] for line in history] == pytest.approx([0, lr / 4, lr / 2, 3 * lr / 4])
     # the servers got the restored policy: the trainer re-scores their rollouts without mismatch
     assert history[2]["mismatch/abs_log_prob_diff"] < 1e-3
@@ -150,6 +154,8 @@ def test_config_and_data_errors_are_named(local_ray, tmp_path):
         run(small_config(f"data.train_files=[{train}]", "algorithm.adv_estimator=reinforce"))
     with pytest.raises(ValueError, match="do not split over 2 ranks"):
         run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=3"))
+    with pytest.raises(ValueError, match="algorithm.kl_penalty='k9'; choose one of"):
+        run(small_config(f"data.train_files=[{train}]", "algorithm.kl_penalty=k9"))
     with pytest.raises(ValueError, match="ppo_mini_batch_size=3 must divide data.train_batch_size=4"):
         run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3"))
     broken = tmp_path / "broken.jsonl"

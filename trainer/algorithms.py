@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-KL_ESTIMATORS = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
+KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -96,11 +96,11 @@ def gae_advantage_return(
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str = "low_var_kl") -> torch.Tensor:
     """Per-token KL(policy || reference) estimate from sampled tokens' log-probs.
 
-    ``k1``: log p - log q; ``abs``: |k1|; ``k2``/``mse``: (k1)^2 / 2; ``k3``/``low_var_kl``:
+    ``k1`` (verl's ``kl``): log p - log q; ``abs``: |k1|; ``k2``/``mse``: (k1)^2 / 2; ``k3``/``low_var_kl``:
     q/p - log(q/p) - 1 (non-negative, low variance; clamped to [-10, 10] as is customary).
     """
     diff = log_prob - ref_log_prob
-    if estimator == "k1":
+    if estimator in ("k1", "kl"):
         return diff
     if estimator == "abs":
         return diff.abs()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from typing import Any, Callable
 
 import ray
@@ -18,10 +19,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
 from tensordict import TensorDict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, get_scheduler
 
 from agentloop.server.weights import PackedWeights
+from agentloop.waiting import wait_for
 from trainer import algorithms
 
 WARMUP_STYLES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
@@ -103,36 +106,50 @@ class _Trainable:
 class FSDPWorker:
     """One rank of the policy (plus reference policy and critic when configured).
 
+    Two phases, because rank 0's own node and port must be known before the group forms: construct
+    every rank, ask rank 0 for ``rendezvous_address()``, then call ``init_group`` on all of them.
     ``config`` is the full composed config; ``total_steps`` sizes the LR schedules.
     """
 
-    def __init__(
-        self, config: DictConfig, rank: int, world_size: int, master_addr: str, master_port: int, total_steps: int
-    ) -> None:
+    def __init__(self, config: DictConfig, rank: int, world_size: int, total_steps: int) -> None:
+        # not `self.config`: with `dist` among the globals, cloudpickle would take that attribute name for
+        # the module torch.distributed.config and fail to ship this class to Ray
+        self._config, self.rank, self.world_size, self.total_steps = config, rank, world_size, total_steps
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This process's node address and a free port on it (asked of rank 0)."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+    def init_group(self, master_addr: str, master_port: int) -> None:
+        """Join the process group and load this rank's shards of the models."""
+        config = self._config
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         cuda = torch.cuda.is_available()
-        dist.init_process_group(
-            "nccl" if cuda else "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=600)
-        )
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self.rank, self.world_size = rank, world_size
-        self.samples_per_prompt = int(config.actor_rollout_ref.rollout.n)
+        # a collective waits at most as long as the trainer waits for a step
+        timeout = datetime.timedelta(seconds=float(config.trainer.step_timeout_s))
+        dist.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world_size, timeout=timeout)
         self.device = "cuda" if cuda else "cpu"
-        self.mesh = init_device_mesh(self.device, (world_size,))
+        self.mesh = init_device_mesh(self.device, (self.world_size,))
+        self.samples_per_prompt = int(config.actor_rollout_ref.rollout.n)
         self.actor = config.actor_rollout_ref.actor
         self.critic_config = config.critic
         self.temperature = float(config.actor_rollout_ref.rollout.temperature)
         torch.manual_seed(0)
-        policy_path = config.actor_rollout_ref.model.path
-        self.policy = _Trainable(self._sharded(AutoModelForCausalLM, policy_path), self.actor.optim, total_steps)
+        self.policy = _Trainable(
+            self._sharded(AutoModelForCausalLM, config.actor_rollout_ref.model.path), self.actor.optim, self.total_steps
+        )
         self.ref = None
         if needs_reference(config):
             self.ref = self._sharded(AutoModelForCausalLM, config.actor_rollout_ref.ref.model.path).eval().requires_grad_(False)
         self.critic = None
         if config.algorithm.adv_estimator == "gae":
-            critic = self._sharded(AutoModelForTokenClassification, config.critic.model.path, num_labels=1)
-            self.critic = _Trainable(critic, config.critic.optim, total_steps)
+            # no dropout on the value head: the old values it is clipped against come from eval mode
+            critic_config = AutoConfig.from_pretrained(config.critic.model.path, num_labels=1)
+            critic_config.classifier_dropout = 0.0  # (not a Qwen3Config field: from_pretrained would drop it)
+            critic = self._sharded(AutoModelForTokenClassification, config.critic.model.path, config=critic_config)
+            self.critic = _Trainable(critic, config.critic.optim, self.total_steps)
 
     def _sharded(self, auto_class: Any, path: str, **kwargs: Any) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -254,6 +271,31 @@ class FSDPWorker:
 
     def shutdown(self) -> None:
         dist.destroy_process_group()
+
+
+def start_workers(
+    config: DictConfig, world_size: int, total_steps: int, timeout_s: float, worker_class: Any = FSDPWorker
+) -> list[ray.actor.ActorHandle]:
+    """Start ``world_size`` ranks, form their process group at rank 0's address, and wait for the models."""
+    # One GPU per rank; on CPU the ranks claim no logical CPU, so they never wait behind the servers.
+    gpus = 1 if torch.cuda.is_available() else 0
+    workers = [
+        worker_class.options(num_gpus=gpus, num_cpus=0).remote(config, rank, world_size, total_steps)
+        for rank in range(world_size)
+    ]
+    try:
+        address, port = wait_for([workers[0].rendezvous_address.remote()], timeout_s, "FSDP rank 0 to start")[0]
+        wait_for(
+            [worker.init_group.remote(address, port) for worker in workers],
+            timeout_s,
+            f"{world_size} FSDP ranks to form a group at {address}:{port} and load their models "
+            f"(cluster resources: {ray.cluster_resources()})",
+        )
+    except BaseException:
+        for worker in workers:
+            ray.kill(worker)
+        raise
+    return workers
 
 
 def needs_reference(config: DictConfig) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from agentloop.config import CONFIG_DIR
 from agentloop.waiting import wait_for
 from trainer import algorithms
 from trainer.data import BatchSampler, load_dataset
-from trainer.fsdp_workers import FSDPWorker, needs_reference
+from trainer.fsdp_workers import needs_reference, start_workers
 from trainer.tracking import Tracking, plot
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -49,27 +48,19 @@ class RayPPOTrainer:
         # data errors surface before any server starts
         self.rows = self._load(config.data.train_files)
         self.val_rows = self._load(config.data.val_files) if config.data.val_files else []
-        self.manager = AgentLoopManager(config)
-        self.config = config = self.manager.config  # with absolute paths, for every process
         self.sampler = BatchSampler(len(self.rows), int(config.data.train_batch_size), shuffle=config.data.shuffle, seed=config.data.seed)
         self.total_steps = int(config.trainer.total_training_steps or self.sampler.batches_per_epoch * int(config.trainer.total_epochs))
         self.world_size = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
         self.output_dir = Path(config.trainer.default_local_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
 
-        port = _free_port()
-        address = ray.util.get_node_ip_address() if self.world_size > 1 else "127.0.0.1"
-        # One GPU per rank; on CPU the ranks claim no logical CPU, so they never wait behind the servers.
-        gpus = 1 if torch.cuda.is_available() else 0
-        self.workers = [
-            FSDPWorker.options(num_gpus=gpus, num_cpus=0).remote(config, rank, self.world_size, address, port, self.total_steps)
-            for rank in range(self.world_size)
-        ]
-        wait_for(
-            [worker.__ray_ready__.remote() for worker in self.workers],
-            float(config.trainer.startup_timeout_s),
-            f"{self.world_size} FSDP ranks to start (cluster resources: {ray.cluster_resources()})",
-        )
+        self.manager = AgentLoopManager(config)
+        self.config = config = self.manager.config  # with absolute paths, for every process
+        try:
+            self.workers = start_workers(config, self.world_size, self.total_steps, float(config.trainer.startup_timeout_s))
+        except BaseException:
+            self.manager.shutdown()
+            raise
 
     def _load(self, files: Any) -> list[dict[str, Any]]:
         data = self.config.data
@@ -126,15 +117,17 @@ class RayPPOTrainer:
             batch["advantages"], _ = algorithms.grpo_outcome_advantage(
                 rewards, mask, list(rollout.non_tensor_batch["uid"]), bool(config.algorithm.norm_adv_by_std_in_grpo)
             )
-        if step > int(config.trainer.critic_warmup):
+        if step >= int(config.trainer.critic_warmup):  # verl's rule: the actor starts at step critic_warmup
             updates = self._on_ranks("update_policy", batch)
             metrics.update({f"actor/{key}": float(np.mean([u[key] for u in updates])) for key in updates[0]})
-        timing["update"] = time.perf_counter() - start - timing["gen"]
+        timing["train"] = time.perf_counter() - start - timing["gen"]  # scoring passes and updates
 
         timing["weight_push"] = self._push_weights()
         if config.actor_rollout_ref.rollout.free_cache_engine:
             self.manager.wake_up()
-        _, mismatch = algorithms.rollout_importance_weights(batch["old_log_probs"], batch["rollout_log_probs"], mask)
+        _, mismatch = algorithms.rollout_importance_weights(
+            batch["old_log_probs"], batch["rollout_log_probs"], mask, float(config.actor_rollout_ref.actor.rollout_is_threshold or 2.0)
+        )
         self._dump_rollouts(step, rollout, scores)
         response_length = batch["attention_mask"][:, batch["prompts"].shape[1] :].sum(-1).float()
         metrics.update({
@@ -193,9 +186,10 @@ class RayPPOTrainer:
         os.replace(latest, self.output_dir / LATEST)
         keep = self.config.trainer.max_actor_ckpt_to_keep
         if keep:
-            saved = sorted(self.output_dir.glob("global_step_*"), key=lambda path: int(path.name.rsplit("_", 1)[1]))
-            for old in saved[: -int(keep)]:
-                shutil.rmtree(old)
+            # only older steps go: a directory may still hold later ones from a run this one did not resume
+            older = sorted(step_of(path) for path in self.output_dir.glob("global_step_*") if step_of(path) < step)
+            for old in older[: max(0, len(older) - int(keep) + 1)]:
+                shutil.rmtree(self.output_dir / f"global_step_{old}")
         return directory
 
     def resume(self) -> int:
@@ -237,9 +231,11 @@ class RayPPOTrainer:
                 last = step == self.total_steps
                 if self.val_rows and int(trainer.test_freq) > 0 and (step % int(trainer.test_freq) == 0 or last):
                     metrics.update(self.validate())
+                # logged first: a run killed between the two resumes from the previous checkpoint and
+                # drops this line, rather than resuming after a step it never logged
+                tracking.log(metrics, step)
                 if int(trainer.save_freq) > 0 and (step % int(trainer.save_freq) == 0 or last):
                     self.save_checkpoint(step)
-                tracking.log(metrics, step)
                 progress.update(1)
         finally:
             progress.close()
@@ -249,10 +245,19 @@ class RayPPOTrainer:
         return tracking.history
 
     def shutdown(self) -> None:
-        wait_for([worker.shutdown.remote() for worker in self.workers], 60, "the FSDP ranks to shut down")
+        """Release ranks and servers; best effort, so that it never hides the error that ended the run."""
+        try:
+            wait_for([worker.shutdown.remote() for worker in self.workers], 60, "the FSDP ranks to shut down")
+        except Exception as error:  # a rank stuck in a collective: killing it is all that is left
+            print(f"FSDP ranks did not shut down cleanly ({error}); killing them")
         for worker in self.workers:
             ray.kill(worker)
         self.manager.shutdown()
+
+
+def step_of(checkpoint: Path) -> int:
+    """N of a ``global_step_N`` directory."""
+    return int(checkpoint.name.rsplit("_", 1)[1])
 
 
 def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float) -> None:
@@ -262,8 +267,12 @@ def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager
     through the driver, and are never pickled.
     """
     refs = [worker.packed_state_dict.remote() for worker in workers]
+    # every rank first (a failed rank surfaces as itself), without fetching rank 0's weights here
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+    if pending:
+        raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for the weight gather on the FSDP ranks")
+    ray.get(refs[1:])
     manager.update_weights(refs[0])
-    wait_for(refs[1:], timeout_s, "the weight gather")  # the other ranks' part of the collective: surfaces a failed rank
 
 
 def _check(config: DictConfig) -> None:
@@ -281,6 +290,14 @@ def _check(config: DictConfig) -> None:
             f"train_batch_size x rollout.n = {samples} samples do not split over {world_size} ranks "
             "(trainer.n_gpus_per_node x trainer.nnodes)"
         )
+    algorithm = config.algorithm
+    for key, estimator in (("algorithm.kl_penalty", algorithm.kl_penalty), ("actor_rollout_ref.actor.kl_loss_type", config.actor_rollout_ref.actor.kl_loss_type)):
+        if estimator not in algorithms.KL_ESTIMATORS:
+            raise ValueError(f"{key}={estimator!r}; choose one of {algorithms.KL_ESTIMATORS}")
+    if algorithm.use_kl_in_reward and algorithm.kl_ctrl.type != "fixed":
+        raise ValueError(f"algorithm.kl_ctrl.type={algorithm.kl_ctrl.type!r}: only the fixed KL coefficient is implemented")
+    if int(config.trainer.critic_warmup) > 0 and algorithm.adv_estimator != "gae":
+        raise ValueError("trainer.critic_warmup needs a critic to warm up: set algorithm.adv_estimator=gae, or critic_warmup=0")
     for name, section in (("actor_rollout_ref.actor", config.actor_rollout_ref.actor), ("critic", config.critic)):
         mini = section.ppo_mini_batch_size
         if mini and (int(config.data.train_batch_size) % int(mini) or int(mini) * int(config.actor_rollout_ref.rollout.n) % world_size):
@@ -301,12 +318,6 @@ def _summarize(history: list[dict[str, Any]], png: Path) -> None:
     if len(validation) > 1:
         print(f"validation score: {validation[0]:.3f} -> {validation[-1]:.3f}")
     print(f"curves: {png}")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def run(config: DictConfig) -> list[dict[str, Any]]:

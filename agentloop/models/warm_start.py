@@ -4,8 +4,9 @@ A random tiny model never calls a tool, so GRPO would see reward 0 everywhere an
 warm start teaches both behaviours on the task's own prompts (same system prompt, same tool schemas
 from ``config/tools/arithmetic.yaml``): in a ``tool_share`` of the conversations the model calls
 ``calculator``, then ``submit_answer`` with the result (reward 1); in the rest it answers in plain text
-without tools (reward 0). The starting policy therefore solves about ``tool_share`` of the problems,
-and reinforcement has one clear thing to learn: use the tools.
+without tools (reward 0). The starting policy uses the tools on a small share of the problems (5-12%
+measured with ``tool_share=0.25``; sampled copies of the operands are not always right either), and
+reinforcement has one clear thing to learn: use the tools.
 """
 
 from __future__ import annotations

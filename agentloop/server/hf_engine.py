@@ -57,9 +57,8 @@ class HFEngine:
         ).to(self.device)
         self.vocab_size = self.model.config.vocab_size
         self.eos_token_ids = _as_list(self.model.generation_config.eos_token_id or self.model.config.eos_token_id)
-        self._cb_config = dict(
-            page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, seed=seed
-        )
+        self._cb_config = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
+        self._seed, self._starts = seed, itertools.count()
         self._request_counter = itertools.count()
         self._pending: dict[str, asyncio.Future[TokenOutput]] = {}
         self._by_session: dict[str, set[str]] = defaultdict(set)
@@ -82,6 +81,9 @@ class HFEngine:
         )
         cb_config = ContinuousBatchingConfig(
             **self._cb_config,
+            # the manager seeds torch's sampler when it starts: a fresh seed per start (every wake-up)
+            # keeps the samples of one step from repeating those of the step before
+            seed=self._seed + 10007 * next(self._starts),
             return_logprobs=True,
             per_request_processors=True,
             auto_switch_to_flash=False,
@@ -248,8 +250,8 @@ class HFEngine:
     def _model_held(self) -> Iterator[None]:
         """Keep the generation loop off the model inside the block; no cached prefix survives it.
 
-        Idle (the usual case: weights are pushed between rollouts), the loop is paused in place and its
-        cached prefix blocks are evicted. Restarting the manager instead costs the same whatever the model
+        Idle and awake (weights pushed between rollouts without sleeping), the loop is paused in place and
+        its cached prefix blocks are evicted. Restarting the manager instead costs the same whatever the model
         (transformers' ``stop`` runs two full ``gc.collect()`` passes and waits out the idle loop's 0.1 s
         poll), many times the copy itself for small models. With requests in flight (or aborted but not
         yet dropped by the loop) the manager is restarted, which aborts them: their tokens would mix two
