@@ -1,7 +1,9 @@
 """Pad finished trajectories into the trainer's tensor layout (see DESIGN.md, "Padded batch").
 
 prompts are left-padded to P, responses right-padded to R; ``input_ids`` is prompts ‖ responses;
-``position_ids`` count attended tokens (0 on padding); ``response_mask`` is 1 only on model tokens.
+``position_ids`` count attended tokens (0 on padding); ``response_mask`` is 1 only on model tokens;
+``rm_scores`` holds each trajectory's reward on its last response token (0 without one: every batch has
+the same keys, so the parts of different workers always concatenate).
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ def pad_outputs(
         "attention_mask": attention_mask,
         "position_ids": position_ids,
         "rollout_log_probs": log_probs,
+        "rm_scores": scores,
     }
-    if any(output.reward_score is not None for output in outputs):
-        tensors["rm_scores"] = scores
     return TensorDict(tensors, batch_size=[size])

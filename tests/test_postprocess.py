@@ -42,6 +42,13 @@ def test_padding_layout_cell_by_cell():
     assert batch["rm_scores"].tolist() == [[0, 0, 0, 0, 1.0, 0], [0] * 6, [0, 0, 0.5, 0, 0, 0]]
 
 
+def test_parts_with_and_without_rewards_concatenate():
+    # two workers: one scored its trajectories, the other had none to score
+    scored = pad_outputs([AgentLoopOutput([1], [2], [1], [-0.1], reward_score=1.0)], 2, 3, PAD)
+    unscored = pad_outputs([AgentLoopOutput([1], [2], [1], [-0.1])], 2, 3, PAD)
+    assert torch.cat([scored, unscored])["rm_scores"].tolist() == [[1.0, 0, 0], [0, 0, 0]]
+
+
 def test_overlong_response_is_cut_and_overlong_prompt_rejected():
     long = AgentLoopOutput([1], [9] * 8, [1] * 8, [-1.0] * 8)
     batch = pad_outputs([long], prompt_length=2, response_length=5, pad_token_id=PAD)

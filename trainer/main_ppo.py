@@ -93,7 +93,7 @@ class RayPPOTrainer:
             self.manager.sleep()
         batch = rollout.batch.clone()
         mask = batch["response_mask"].float()
-        scores = batch["rm_scores"] if "rm_scores" in batch.keys() else torch.zeros_like(mask)
+        scores = batch["rm_scores"]
         metrics: dict[str, float] = {}
 
         batch["old_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch))
@@ -146,7 +146,7 @@ class RayPPOTrainer:
     def validate(self) -> dict[str, float]:
         """Score ``data.val_files`` with ``rollout.val_kwargs``: mean score overall and per data source."""
         output = self.manager.generate_sequences(self.val_rows, validate=True)
-        scores = output.batch["rm_scores"].sum(-1) if "rm_scores" in output.batch.keys() else torch.zeros(len(output))
+        scores = output.batch["rm_scores"].sum(-1)
         sources = np.asarray([row or "unknown" for row in output.non_tensor_batch.get("data_source", [None] * len(output))])
         metrics = {"val/score/mean": float(scores.mean())}
         for source in sorted(set(sources)):
