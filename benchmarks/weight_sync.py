@@ -30,7 +30,6 @@ from agentloop import AgentLoopManager
 from agentloop.config import compose_config
 from agentloop.models.cache import build_once, cache_root
 from agentloop.models.tiny_qwen import tiny_model_path
-from agentloop.server.weights import PackedWeights
 from agentloop.waiting import wait_for
 from trainer.fsdp_workers import FSDPWorker, start_workers
 from trainer.main_ppo import push_weights
