@@ -43,6 +43,11 @@ def response_values(critic: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
     return _forward(critic, batch)[:, -batch["responses"].shape[1] - 1 : -1, 0].float()
 
 
+def split_on(batch: TensorDict, size: int, device: Any) -> list[TensorDict]:
+    """``batch`` in micro-batches of ``size`` samples, each moved to ``device``."""
+    return [micro.to(device) for micro in batch.split(size)]
+
+
 def _forward(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
     return model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
@@ -79,9 +84,9 @@ class _Trainable:
         mini_batches = [mini for _ in range(int(config.ppo_epochs)) for mini in batch.split(mini_batch_size)]
         lr = self.scheduler.get_last_lr()[0]
         for mini in mini_batches:
-            micro_batches = mini.split(int(config.ppo_micro_batch_size_per_gpu))
+            micro_batches = split_on(mini, int(config.ppo_micro_batch_size_per_gpu), self.device)
             for micro in micro_batches:
-                value, stats = loss(micro.to(self.device))
+                value, stats = loss(micro)
                 (value / len(micro_batches)).backward()
                 _accumulate(metrics, stats, len(micro_batches) * len(mini_batches))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(config.grad_clip))
@@ -159,9 +164,6 @@ class FSDPWorker:
             fully_shard(layer, mesh=self.mesh)
         return fully_shard(model, mesh=self.mesh)
 
-    def _micro_batches(self, batch: TensorDict, size: int) -> list[TensorDict]:
-        return [micro.to(self.device) for micro in batch.split(size)]
-
     @torch.no_grad()
     def compute_log_prob(self, batch: TensorDict, reference: bool = False) -> torch.Tensor:
         """This rank's slice re-scored by the current policy (old log-probs), or by the reference policy."""
@@ -169,14 +171,14 @@ class FSDPWorker:
         if model is None:
             raise RuntimeError("no reference policy on this worker: set actor.use_kl_loss or algorithm.use_kl_in_reward")
         model.eval()
-        micro = self._micro_batches(batch, int(self.actor.ppo_micro_batch_size_per_gpu))
+        micro = split_on(batch, int(self.actor.ppo_micro_batch_size_per_gpu), self.device)
         return torch.cat([response_log_probs(model, m, self.temperature)[0].cpu() for m in micro])
 
     @torch.no_grad()
     def compute_values(self, batch: TensorDict) -> torch.Tensor:
         """The critic's values of this rank's slice."""
         self.critic.model.eval()
-        micro = self._micro_batches(batch, int(self.critic_config.ppo_micro_batch_size_per_gpu))
+        micro = split_on(batch, int(self.critic_config.ppo_micro_batch_size_per_gpu), self.device)
         return torch.cat([response_values(self.critic.model, m).cpu() for m in micro])
 
     def update_policy(self, batch: TensorDict) -> dict[str, float]:
