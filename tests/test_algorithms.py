@@ -99,6 +99,15 @@ def test_kl_estimators(estimator):
         alg.kl_penalty(logp, ref, "k9")
 
 
+@pytest.mark.parametrize(
+    ("observed", "expected"),
+    # target 0.1, horizon 100, 10 samples: the error is clipped to +-0.2, so one batch moves the coefficient 2% at most
+    [(0.1, 0.5), (0.11, 0.5 * 1.01), (0.5, 0.5 * 1.02), (0.09, 0.5 * 0.99), (0.0, 0.5 * 0.98)],
+)
+def test_adaptive_kl_coef(observed, expected):
+    assert alg.adaptive_kl_coef(0.5, observed, target_kl=0.1, horizon=100, n_steps=10) == pytest.approx(expected, abs=1e-12)
+
+
 @pytest.mark.parametrize("mode", alg.LOSS_AGG_MODES)
 def test_loss_aggregation_modes(mode):
     loss = torch.arange(24, dtype=torch.float64).reshape(4, 6) / 7

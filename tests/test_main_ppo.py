@@ -15,6 +15,7 @@ import pytest
 
 from agentloop.data.arithmetic import make_rows, write_rows
 from conftest import small_config
+from trainer.algorithms import adaptive_kl_coef
 from trainer.data import BatchSampler
 from trainer.main_ppo import run
 
@@ -96,6 +97,7 @@ def test_gae_with_critic_warmup_and_kl_in_reward_and_loss(local_ray, tmp_path):
     assert first["actor/reward_kl_penalty"] == pytest.approx(0, abs=1e-6)
     assert second["actor/reward_kl_penalty"] == pytest.approx(0, abs=1e-6)
     assert third["actor/reward_kl_penalty"] > 1e-6
+    assert [m["actor/reward_kl_penalty_coeff"] for m in (first, second, third)] == [0.1] * 3, "kl_ctrl.type=fixed"
 
 
 def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray, tmp_path):
@@ -114,6 +116,12 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
         # so a resume that failed to restore it, or to push it to the servers, shows as mismatch
         "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.actor.entropy_coeff=0.01",
+        # the adaptive KL coefficient is trainer state: the resumed run must go on from the checkpointed one
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.kl_coef=0.1",
+        "algorithm.kl_ctrl.target_kl=0.01",
+        "algorithm.kl_ctrl.horizon=8",
         f"trainer.rollout_data_dir={dumps}",
         f"trainer.default_local_dir={out}",
         "hydra.run.dir=" + str(tmp_path / "hydra"),
@@ -139,6 +147,10 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
     # the LR schedule went on where it stopped (linear warmup over 4 steps: 0, 1/4, 2/4, 3/4 of lr)
     lr = 1e-3
     assert [line["actor/lr"] for line in history] == pytest.approx([0, lr / 4, lr / 2, 3 * lr / 4])
+    coefs, kls = [line["actor/reward_kl_penalty_coeff"] for line in history], [line["actor/reward_kl_penalty"] for line in history]
+    assert coefs[0] == 0.1
+    for step in (2, 3, 4):  # step 3 is the first after the resume; 4 samples per step
+        assert coefs[step - 1] == pytest.approx(adaptive_kl_coef(coefs[step - 2], kls[step - 2], 0.01, 8, 4), rel=1e-9)
     # the servers got the restored policy: the trainer re-scores their rollouts without mismatch
     assert history[2]["mismatch/abs_log_prob_diff"] < 1e-3
     # the batches of steps 3 and 4 are those an uninterrupted run takes
@@ -158,6 +170,8 @@ def test_config_and_data_errors_are_named(local_ray, tmp_path):
         run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=3"))
     with pytest.raises(ValueError, match="algorithm.kl_penalty='k9'; choose one of"):
         run(small_config(f"data.train_files=[{train}]", "algorithm.kl_penalty=k9"))
+    with pytest.raises(ValueError, match="kl_ctrl.type='pid'; choose fixed or adaptive"):
+        run(small_config(f"data.train_files=[{train}]", "algorithm.kl_ctrl.type=pid"))
     with pytest.raises(ValueError, match="ppo_mini_batch_size=3 must divide data.train_batch_size=4"):
         run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3"))
     broken = tmp_path / "broken.jsonl"

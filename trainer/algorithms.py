@@ -112,6 +112,17 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
     raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
 
 
+def adaptive_kl_coef(coef: float, observed_kl: float, target_kl: float, horizon: float, n_steps: int) -> float:
+    """The KL coefficient after one batch under the adaptive controller of Ziegler et al. (2019).
+
+    The coefficient moves towards keeping ``observed_kl`` at ``target_kl``: multiplied by
+    ``1 + e * n_steps / horizon`` where the proportional error ``e = observed_kl / target_kl - 1`` is clipped
+    to [-0.2, 0.2], so a batch of ``n_steps`` samples changes it by at most ``0.2 * n_steps / horizon``.
+    """
+    error = min(max(observed_kl / target_kl - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * n_steps / horizon)
+
+
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
     """Reduce a per-token loss: over all tokens, or per sequence (sum or mean) then over sequences."""
     if mode == "token-mean":

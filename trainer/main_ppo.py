@@ -53,6 +53,7 @@ class RayPPOTrainer:
         self.world_size = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
         self.output_dir = Path(config.trainer.default_local_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
 
         self.manager = AgentLoopManager(config)
         self.config = config = self.manager.config  # with absolute paths, for every process
@@ -102,8 +103,12 @@ class RayPPOTrainer:
             batch["ref_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch, reference=True))
         if config.algorithm.use_kl_in_reward:
             kl = algorithms.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], config.algorithm.kl_penalty) * mask
-            rewards = scores - float(config.algorithm.kl_ctrl.kl_coef) * kl
-            metrics["actor/reward_kl_penalty"] = float(algorithms.masked_mean(kl, mask))
+            rewards = scores - self.kl_coef * kl
+            observed_kl = float(algorithms.masked_mean(kl, mask, dim=-1).mean())  # per sequence, then over the batch
+            metrics.update({"actor/reward_kl_penalty": observed_kl, "actor/reward_kl_penalty_coeff": self.kl_coef})
+            control = config.algorithm.kl_ctrl
+            if control.type == "adaptive":
+                self.kl_coef = algorithms.adaptive_kl_coef(self.kl_coef, observed_kl, float(control.target_kl), float(control.horizon), len(batch))
         if config.algorithm.adv_estimator == "gae":
             batch["values"] = torch.cat(self._on_ranks("compute_values", batch))
             batch["advantages"], batch["returns"] = algorithms.gae_advantage_return(
@@ -179,7 +184,7 @@ class RayPPOTrainer:
         hf = directory / "actor" / "huggingface"
         self._wait([w.save_checkpoint.remote(str(directory / "workers"), str(hf)) for w in self.workers], "the checkpoint save")
         self.tokenizer.save_pretrained(hf)
-        (directory / "trainer_state.json").write_text(json.dumps({"step": step, "sampler_position": self.sampler.state()}))
+        (directory / "trainer_state.json").write_text(json.dumps({"step": step, "sampler_position": self.sampler.state(), "kl_coef": self.kl_coef}))
         # written last and atomically: a run killed mid-save resumes from the previous checkpoint
         latest = self.output_dir / f".{LATEST}.tmp"
         latest.write_text(str(step))
@@ -211,6 +216,7 @@ class RayPPOTrainer:
         state = json.loads((directory / "trainer_state.json").read_text())
         self._wait([w.load_checkpoint.remote(str(directory / "workers")) for w in self.workers], "the checkpoint load")
         self.sampler.position = int(state["sampler_position"])
+        self.kl_coef = float(state.get("kl_coef", self.kl_coef))
         # the servers start from the base model: give them the restored policy
         self._push_weights()
         print(f"resumed from {directory} at step {state['step']}")
@@ -294,8 +300,11 @@ def _check(config: DictConfig) -> None:
     for key, estimator in (("algorithm.kl_penalty", algorithm.kl_penalty), ("actor_rollout_ref.actor.kl_loss_type", config.actor_rollout_ref.actor.kl_loss_type)):
         if estimator not in algorithms.KL_ESTIMATORS:
             raise ValueError(f"{key}={estimator!r}; choose one of {algorithms.KL_ESTIMATORS}")
-    if algorithm.use_kl_in_reward and algorithm.kl_ctrl.type != "fixed":
-        raise ValueError(f"algorithm.kl_ctrl.type={algorithm.kl_ctrl.type!r}: only the fixed KL coefficient is implemented")
+    control = algorithm.kl_ctrl
+    if control.type not in ("fixed", "adaptive"):
+        raise ValueError(f"algorithm.kl_ctrl.type={control.type!r}; choose fixed or adaptive")
+    if control.type == "adaptive" and not (float(control.target_kl) > 0 and float(control.horizon) > 0):
+        raise ValueError(f"algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0 (got {control.target_kl}, {control.horizon})")
     if int(config.trainer.critic_warmup) > 0 and algorithm.adv_estimator != "gae":
         raise ValueError("trainer.critic_warmup needs a critic to warm up: set algorithm.adv_estimator=gae, or critic_warmup=0")
     for name, section in (("actor_rollout_ref.actor", config.actor_rollout_ref.actor), ("critic", config.critic)):
