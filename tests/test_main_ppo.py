@@ -170,6 +170,8 @@ def test_config_and_data_errors_are_named(local_ray, tmp_path):
         run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=3"))
     with pytest.raises(ValueError, match="algorithm.kl_penalty='k9'; choose one of"):
         run(small_config(f"data.train_files=[{train}]", "algorithm.kl_penalty=k9"))
+    with pytest.raises(ValueError, match="need one GPU each, and the Ray cluster has 0; .* or set trainer.device=cpu"):
+        run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=2", "trainer.device=cuda"))
     with pytest.raises(ValueError, match="kl_ctrl.type='pid'; choose fixed or adaptive"):
         run(small_config(f"data.train_files=[{train}]", "algorithm.kl_ctrl.type=pid"))
     with pytest.raises(ValueError, match="ppo_mini_batch_size=3 must divide data.train_batch_size=4"):

@@ -131,7 +131,7 @@ class FSDPWorker:
         """Join the process group and load this rank's shards of the models."""
         config = self._config
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        cuda = torch.cuda.is_available()
+        cuda = bool(ray.get_gpu_ids())  # start_workers gave this rank a GPU
         # a collective waits at most as long as the trainer waits for a step
         timeout = datetime.timedelta(seconds=float(config.trainer.step_timeout_s))
         dist.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world_size, timeout=timeout)
@@ -280,7 +280,7 @@ def start_workers(
 ) -> list[ray.actor.ActorHandle]:
     """Start ``world_size`` ranks, form their process group at rank 0's address, and wait for the models."""
     # One GPU per rank; on CPU the ranks claim no logical CPU, so they never wait behind the servers.
-    gpus = 1 if torch.cuda.is_available() else 0
+    gpus = rank_gpus(config, world_size)
     workers = [
         worker_class.options(num_gpus=gpus, num_cpus=0).remote(config, rank, world_size, total_steps)
         for rank in range(world_size)
@@ -298,6 +298,21 @@ def start_workers(
             ray.kill(worker)
         raise
     return workers
+
+
+def rank_gpus(config: DictConfig, world_size: int) -> int:
+    """GPUs per FSDP rank (0 or 1) for ``trainer.device``: auto takes GPUs when the Ray cluster has any."""
+    device, cluster_gpus = config.trainer.device, int(ray.cluster_resources().get("GPU", 0))
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"trainer.device={device!r}; choose auto, cuda or cpu")
+    if device == "cpu" or (device == "auto" and cluster_gpus == 0):
+        return 0
+    if cluster_gpus < world_size:
+        raise ValueError(
+            f"trainer.device={device}: {world_size} FSDP ranks (trainer.n_gpus_per_node x trainer.nnodes) need one GPU each, "
+            f"and the Ray cluster has {cluster_gpus}; lower n_gpus_per_node, add GPUs, or set trainer.device=cpu"
+        )
+    return 1
 
 
 def needs_reference(config: DictConfig) -> bool:

@@ -30,7 +30,7 @@ from agentloop.config import CONFIG_DIR
 from agentloop.waiting import wait_for
 from trainer import algorithms
 from trainer.data import BatchSampler, load_dataset
-from trainer.fsdp_workers import needs_reference, start_workers
+from trainer.fsdp_workers import needs_reference, rank_gpus, start_workers
 from trainer.tracking import Tracking, plot
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -51,6 +51,7 @@ class RayPPOTrainer:
         self.sampler = BatchSampler(len(self.rows), int(config.data.train_batch_size), shuffle=config.data.shuffle, seed=config.data.seed)
         self.total_steps = int(config.trainer.total_training_steps or self.sampler.batches_per_epoch * int(config.trainer.total_epochs))
         self.world_size = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+        rank_gpus(config, self.world_size)  # a trainer.device the cluster lacks fails here, before any server starts
         self.output_dir = Path(config.trainer.default_local_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
