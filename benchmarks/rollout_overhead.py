@@ -14,29 +14,24 @@ import argparse
 import asyncio
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
 import torch
+from ray import cloudpickle
 
-from agentloop import AgentLoopBase, AgentLoopManager, AgentLoopOutput, register
+from agentloop import AgentLoopManager
 from agentloop.config import compose_config
 from agentloop.server.hf_engine import HFEngine
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import probe_loops  # noqa: E402  the tests' "probe_length": one turn of exactly extra_info.length tokens
+
+cloudpickle.register_pickle_by_value(probe_loops)  # the workers need not find tests/ on their path
 THREADS = 2
-
-
-@register("bench_fixed_length")
-class FixedLengthLoop(AgentLoopBase):
-    """One turn of exactly ``extra_info.length`` tokens (EOS ignored) so both paths do identical work."""
-
-    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
-        await asyncio.sleep(row["extra_info"].get("delay_s", 0.0))
-        prompt_ids = self.encode_prompt(row["prompt"])
-        params = {**sampling_params, "max_new_tokens": row["extra_info"]["length"], "ignore_eos": True}
-        output = await self.server_manager.generate(row["request_id"], prompt_ids, params)
-        return AgentLoopOutput(prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs)
 
 
 def make_rows(count: int, seed: int = 0, arrival_gap_s: float = 0.0) -> list[dict[str, Any]]:
@@ -45,7 +40,7 @@ def make_rows(count: int, seed: int = 0, arrival_gap_s: float = 0.0) -> list[dic
     return [
         {
             "prompt": [{"role": "user", "content": f"request {i}: " + "tell me a number " * rng.randint(1, 6)}],
-            "agent_name": "bench_fixed_length",
+            "agent_name": "probe_length",
             "extra_info": {"length": rng.choice([8, 16, 32, 64, 128]), "delay_s": i * arrival_gap_s},
         }
         for i in range(count)
@@ -117,17 +112,19 @@ def main() -> None:
 
     direct = DirectEngine(config_for(1, THREADS), rows)
     manager = AgentLoopManager(config_for(1, THREADS))
-    direct.run(), through_stack(manager, rows)  # warm-up
-    # Interleaved repeats, medians: this machine's speed drifts more between runs than the overhead.
-    direct_rates, stack_rates = [], []
-    for _ in range(args.repeats):
-        tokens, seconds = direct.run()
-        direct_rates.append(tokens / seconds)
-        stack_tokens, seconds, _ = through_stack(manager, rows)
-        assert stack_tokens == tokens, (stack_tokens, tokens)
-        stack_rates.append(stack_tokens / seconds)
-    manager.shutdown()
-    direct.engine.shutdown()
+    try:  # the in-process engine's thread would keep a failed run from exiting
+        direct.run(), through_stack(manager, rows)  # warm-up
+        # Interleaved repeats, medians: this machine's speed drifts more between runs than the overhead.
+        direct_rates, stack_rates = [], []
+        for _ in range(args.repeats):
+            tokens, seconds = direct.run()
+            direct_rates.append(tokens / seconds)
+            stack_tokens, seconds, _ = through_stack(manager, rows)
+            assert stack_tokens == tokens, (stack_tokens, tokens)
+            stack_rates.append(stack_tokens / seconds)
+    finally:
+        manager.shutdown()
+        direct.engine.shutdown()
     direct_rate, stack_rate = statistics.median(direct_rates), statistics.median(stack_rates)
     print(f"samples: {len(rows)}, generated tokens per run: {tokens}, repeats: {args.repeats}")
     print(f"(a) engine in-process: {direct_rate:9.1f} tokens/s (median)")
