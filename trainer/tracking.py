@@ -8,6 +8,7 @@ over steps to a PNG.
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,9 +42,13 @@ class Tracking:
                 import wandb
             except ImportError as error:
                 raise ImportError("trainer.logger has wandb but it is not installed: pip install wandb") from error
+            # a resumed run continues the same wandb run: its id is kept beside the checkpoints
+            id_file = directory / "wandb_run_id"
+            run_id = id_file.read_text().strip() if resume_step and id_file.exists() else secrets.token_hex(4)
+            id_file.write_text(run_id)
             self.wandb = wandb.init(
-                project=config.trainer.project_name, name=config.trainer.experiment_name,
-                config=OmegaConf.to_container(config, resolve=True), resume="allow",
+                project=config.trainer.project_name, name=config.trainer.experiment_name, id=run_id, resume="allow",
+                dir=str(directory), config=OmegaConf.to_container(config, resolve=True),
             )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
