@@ -159,7 +159,9 @@ class FSDPWorker:
     def _sharded(self, auto_class: Any, path: str, **kwargs: Any) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
 
-        model = auto_class.from_pretrained(path, dtype=torch.float32, **kwargs).to(self.device)
+        # loaded on CPU: fully_shard moves each layer to the mesh's device as it shards it, so no GPU ever
+        # holds the whole model
+        model = auto_class.from_pretrained(path, dtype=torch.float32, **kwargs)
         for layer in model.model.layers:
             fully_shard(layer, mesh=self.mesh)
         return fully_shard(model, mesh=self.mesh)
