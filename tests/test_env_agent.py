@@ -39,7 +39,8 @@ def config(ok_model, interactions_yaml, *overrides):
         f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={interactions_yaml}",
         "data.max_response_length=128",
         "actor_rollout_ref.rollout.env.max_turns=4",
-        "actor_rollout_ref.rollout.env.step_timeout_s=0.5",
+        # generous: the exact retry counts below must not pick up a stall of the (niced) Ray worker
+        "actor_rollout_ref.rollout.env.step_timeout_s=10",
         *overrides,
     )
 
@@ -130,7 +131,8 @@ def test_failed_step_is_retried_after_reset_and_replay(server, tokenizer, ok_mod
 
 @pytest.mark.parametrize("env, kind", [("AlwaysFailsEnv", "RuntimeError"), ("SlowEnv", "timeout")])
 def test_exhausted_retry_budget_ends_cleanly(server, tokenizer, ok_model, interactions_yaml, env, kind):
-    output = run_env(server, tokenizer, ok_model, interactions_yaml, env)
+    # SlowEnv takes 5 s a step: a 0.5 s step timeout makes each try time out
+    output = run_env(server, tokenizer, ok_model, interactions_yaml, env, "actor_rollout_ref.rollout.env.step_timeout_s=0.5")
     assert output.extra_fields["finish_reason"] == "env_error"
     assert output.extra_fields["env_retries"] == {kind: 3}  # first try + max_env_retries_per_turn (2)
     assert_exact(output, tokenizer, [])

@@ -8,11 +8,12 @@ import time
 
 import pytest
 import requests
+from transformers import AutoTokenizer
 
 from agentloop import AgentLoopManager
 from agentloop.tools.toolset import load_tool_set
 from conftest import small_config
-from scripted_model import build_scripted_model, write_tools_yaml
+from scripted_model import SCRIPTS, build_scripted_model, script_row, write_tools_yaml
 from sglang_contract import load_api_types
 
 API_KEY = "test-key"
@@ -86,10 +87,17 @@ def test_generate_request_and_response_follow_sglangs_contract(url):
     assert body["meta_info"]["prompt_tokens"] == 9 and body["meta_info"]["completion_tokens"] == 5
 
 
-def test_generate_stops_on_eos_and_rejects_unknown_keys(url):
+def test_generate_stops_on_eos_and_rejects_unknown_keys(url, scripted):
+    # a prompt the scripted model was trained on: its greedy answer ends in <|im_end|> by a wide margin
+    tokenizer = AutoTokenizer.from_pretrained(scripted[1])
+    prompt_ids = tokenizer.apply_chat_template(
+        script_row("think")["prompt"], tools=load_tool_set(scripted[0]).schemas, add_generation_prompt=True,
+        tokenize=True, return_dict=False,
+    )
     params = {"max_new_tokens": 64, "temperature": 0.0}
-    body = post(url, "/generate", generate_request(sampling_params=params)).json()
+    body = post(url, "/generate", generate_request(input_ids=prompt_ids, sampling_params=params)).json()
     eos = body["output_ids"][-1]
+    assert tokenizer.decode(body["output_ids"]) == SCRIPTS["think"][0] + "<|im_end|>"
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
     bad = post(url, "/generate", generate_request(sampling_params={"max_new_tokens": 4, "frequency_penalty": 0.5}))
     assert bad.status_code == 400 and "unsupported sampling_params ['frequency_penalty']" in bad.json()["error"]["message"]
@@ -100,8 +108,11 @@ def test_abort_request(url):
     result = {}
     thread = threading.Thread(target=lambda: result.update(post(url, "/generate", request).json()))
     thread.start()
-    time.sleep(0.5)
-    assert post(url, "/abort_request", {"rid": "to-abort"}).json() == {"aborted": 1}
+    deadline = time.monotonic() + 30
+    # until the request has reached the engine there is nothing to abort: {"aborted": 0}
+    while (aborted := post(url, "/abort_request", {"rid": "to-abort"}).json()) != {"aborted": 1}:
+        assert aborted == {"aborted": 0} and time.monotonic() < deadline, aborted
+        time.sleep(0.1)
     thread.join(timeout=30)
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
 

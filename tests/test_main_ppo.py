@@ -3,6 +3,7 @@ validation and loggers, GAE with a critic and KL, a killed run that resumes, and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -100,6 +101,7 @@ def test_gae_with_critic_warmup_and_kl_in_reward_and_loss(local_ray, tmp_path):
     assert [m["actor/reward_kl_penalty_coeff"] for m in (first, second, third)] == [0.1] * 3, "kl_ctrl.type=fixed"
 
 
+@pytest.mark.timeout(600)  # its own waits (240 s, then 300 s) come first
 def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray, tmp_path):
     train = write_rows(make_rows(16), str(tmp_path / "train.jsonl"))
     out, dumps = tmp_path / "run", tmp_path / "rollouts"
@@ -131,12 +133,15 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
     first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     latest = out / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 240
-    while not (latest.exists() and latest.read_text() == "2"):
-        assert first.poll() is None, f"the run ended before its step-2 checkpoint:\n{first.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, "no step-2 checkpoint within 240 s"
-        time.sleep(0.2)
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait(timeout=30)
+    try:
+        while not (latest.exists() and latest.read_text() == "2"):
+            assert first.poll() is None, f"the run ended before its step-2 checkpoint:\n{first.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no step-2 checkpoint within 240 s"
+            time.sleep(0.02)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # gone already when it ended early
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
 
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

@@ -1,6 +1,7 @@
 """The full stack on a real local Ray: manager -> workers -> loops -> router -> servers -> hf engine."""
 
 import threading
+import time
 
 import pytest
 import ray
@@ -170,7 +171,14 @@ def test_dead_server_loses_no_sample(one_router_manager):
         {"prompt": [{"role": "user", "content": f"q{i}"}], "agent_name": "probe_length", "extra_info": {"length": 300}}
         for i in range(16)
     ]
-    killer = threading.Timer(0.3, ray.kill, args=[one_router_manager.servers[0]])
+    def kill_once_busy(server):
+        # killed mid-generation (a 300-token trajectory takes seconds), whatever the machine's speed
+        deadline = time.monotonic() + 60
+        while ray.get(server.stats.remote(), timeout=10)["in_flight"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ray.kill(server)
+
+    killer = threading.Thread(target=kill_once_busy, args=[one_router_manager.servers[0]])
     killer.start()
     batch = one_router_manager.generate_sequences(batch_rows)
     killer.join()

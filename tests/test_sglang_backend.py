@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -56,10 +57,16 @@ def test_generate_logprobs_and_finish_reasons(client, hf_manager):
     assert stopped.finish_reason == "stop" and stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(greedy.token_ids[1]) + 1]
 
 
-def test_abort(client):
+def test_abort(client, hf_manager):
+    server = hf_manager.servers[0]
+
     async def scenario():
         task = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 20000, "ignore_eos": True}, "long"))
-        await asyncio.sleep(0.5)
+        # abort once the request is in the engine (an abort that arrives first finds nothing to abort)
+        deadline = time.monotonic() + 30
+        while (await server.stats.remote())["in_flight"] == 0:
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            await asyncio.sleep(0.05)
         await client.abort("long")
         return await asyncio.wait_for(task, 30)
 
