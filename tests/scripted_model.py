@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from agentloop.models.sft import finetune
 from agentloop.models.cache import cache_root
 from agentloop.models.tiny_qwen import tiny_model_path
-from agentloop.tools.parsers import parse_hermes
+from agentloop.tools.parsers import format_hermes as call, parse_hermes
 from agentloop.tools.toolset import load_tool_set
 
 TOOLS_YAML = """tools:
@@ -41,10 +41,6 @@ TOOLS_YAML = """tools:
     tool_schema: {type: function, function: {name: echo, description: Repeat text.,
       parameters: {type: object, properties: {text: {type: string}, times: {type: integer}}, required: [text]}}}
 """
-
-
-def call(name: str, arguments: dict[str, Any]) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 # script name -> the assistant turns the model must replay (tool results come from the real tools)

@@ -50,7 +50,7 @@ class RayPPOTrainer:
         self.val_rows = self._load(config.data.val_files) if config.data.val_files else []
         self.sampler = BatchSampler(len(self.rows), int(config.data.train_batch_size), shuffle=config.data.shuffle, seed=config.data.seed)
         self.total_steps = int(config.trainer.total_training_steps or self.sampler.batches_per_epoch * int(config.trainer.total_epochs))
-        self.world_size = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+        self.world_size = world_size(config)
         rank_gpus(config, self.world_size)  # a trainer.device the cluster lacks fails here, before any server starts
         self.output_dir = Path(config.trainer.default_local_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -262,6 +262,11 @@ class RayPPOTrainer:
         self.manager.shutdown()
 
 
+def world_size(config: DictConfig) -> int:
+    """FSDP ranks: ``trainer.n_gpus_per_node x trainer.nnodes``."""
+    return int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+
+
 def step_of(checkpoint: Path) -> int:
     """N of a ``global_step_N`` directory."""
     return int(checkpoint.name.rsplit("_", 1)[1])
@@ -290,11 +295,11 @@ def _check(config: DictConfig) -> None:
         raise ValueError(f"algorithm.adv_estimator={config.algorithm.adv_estimator!r}; choose grpo or gae")
     if not config.data.train_files:
         raise ValueError("data.train_files is empty: name one or more .parquet / .jsonl files")
-    world_size = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    ranks = world_size(config)
     samples = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
-    if samples % world_size:
+    if samples % ranks:
         raise ValueError(
-            f"train_batch_size x rollout.n = {samples} samples do not split over {world_size} ranks "
+            f"train_batch_size x rollout.n = {samples} samples do not split over {ranks} ranks "
             "(trainer.n_gpus_per_node x trainer.nnodes)"
         )
     algorithm = config.algorithm
@@ -310,10 +315,10 @@ def _check(config: DictConfig) -> None:
         raise ValueError("trainer.critic_warmup needs a critic to warm up: set algorithm.adv_estimator=gae, or critic_warmup=0")
     for name, section in (("actor_rollout_ref.actor", config.actor_rollout_ref.actor), ("critic", config.critic)):
         mini = section.ppo_mini_batch_size
-        if mini and (int(config.data.train_batch_size) % int(mini) or int(mini) * int(config.actor_rollout_ref.rollout.n) % world_size):
+        if mini and (int(config.data.train_batch_size) % int(mini) or int(mini) * int(config.actor_rollout_ref.rollout.n) % ranks):
             raise ValueError(
                 f"{name}.ppo_mini_batch_size={mini} must divide data.train_batch_size={config.data.train_batch_size}, "
-                f"and its {int(mini) * int(config.actor_rollout_ref.rollout.n)} samples (x rollout.n) must split over {world_size} ranks"
+                f"and its {int(mini) * int(config.actor_rollout_ref.rollout.n)} samples (x rollout.n) must split over {ranks} ranks"
             )
 
 

@@ -24,13 +24,10 @@ from agentloop.models.cache import cache_root
 from agentloop.models.sft import finetune
 from agentloop.models.tiny_qwen import tiny_model_path
 from agentloop.tools.calculator import evaluate
+from agentloop.tools.parsers import format_hermes
 from agentloop.tools.toolset import load_tool_set
 
 TOOLS_PATH = CONFIG_DIR / "tools" / "arithmetic.yaml"
-
-
-def _tool_call(name: str, arguments: dict[str, Any]) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def conversation(row: dict[str, Any], use_tools: bool, rng: random.Random) -> list[dict[str, Any]]:
@@ -41,9 +38,9 @@ def conversation(row: dict[str, Any], use_tools: bool, rng: random.Random) -> li
     expression = row["extra_info"]["expression"]
     value = evaluate(expression)
     return messages + [
-        {"role": "assistant", "content": _tool_call("calculator", {"expression": expression})},
+        {"role": "assistant", "content": format_hermes("calculator", {"expression": expression})},
         {"role": "tool", "content": str(value)},
-        {"role": "assistant", "content": _tool_call("submit_answer", {"answer": value})},
+        {"role": "assistant", "content": format_hermes("submit_answer", {"answer": value})},
         {"role": "tool", "content": "correct"},
         {"role": "assistant", "content": "Done."},
     ]

@@ -46,6 +46,11 @@ def _split_calls(text: str, parse_body: Callable[[str], ToolCall]) -> tuple[str,
     return content, calls
 
 
+def format_hermes(name: str, arguments: dict[str, Any]) -> str:
+    """One call as a Hermes-format model writes it, the text ``parse_hermes`` reads back."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
 @register_parser("hermes")
 def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5, Qwen3, Hermes)."""
