@@ -1,31 +1,44 @@
-"""Compose agentloop's config (``config/ppo_trainer.yaml``) from Python exactly as the command line does."""
+"""Compose agentloop's config (``config/ppo_trainer.yaml``) from Python exactly as the command line does.
+
+Importing this module registers the generic config resolvers:
+
+- ``${agentloop_tiny_model:}``: the tiny default model's directory, built on first use;
+- ``${agentloop_config_dir:}``: the config directory, so configs can name their neighbours from anywhere;
+- ``${agentloop_call:pkg.module.function,arg,...}``: the value ``function(arg, ...)`` returns, so a
+  config can name what builds its data or model (e.g. ``config/arithmetic_grpo.yaml``) without the
+  library knowing the task.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
-
-from agentloop.data.arithmetic import arithmetic_data_path
-from agentloop.models.tiny_qwen import tiny_model_path
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 
-# `${agentloop_tiny_model:}` resolves to the tiny default model's directory, building it on first use.
-OmegaConf.register_new_resolver("agentloop_tiny_model", tiny_model_path, replace=True)
-# `${agentloop_config_dir:}`: this directory, so configs can name their neighbours from any working directory.
+
+def _tiny_model() -> str:
+    from agentloop.models.tiny_qwen import tiny_model_path  # built only when a config asks for it
+
+    return tiny_model_path()
+
+
+def _call(path: str, *args: Any) -> Any:
+    try:
+        function = get_method(path)
+    except Exception as error:
+        raise ValueError(f"${{agentloop_call:{path},...}}: {path!r} is not an importable function: {error}") from error
+    return function(*args)
+
+
+OmegaConf.register_new_resolver("agentloop_tiny_model", _tiny_model, replace=True)
 OmegaConf.register_new_resolver("agentloop_config_dir", lambda: str(CONFIG_DIR), replace=True)
-# The main job's data and warm-started model, built on first use (see config/arithmetic_grpo.yaml).
-OmegaConf.register_new_resolver("agentloop_arithmetic_data", arithmetic_data_path, replace=True)
-OmegaConf.register_new_resolver("agentloop_arithmetic_warm_start", lambda: _warm_start(), replace=True)
-
-
-def _warm_start() -> str:
-    from agentloop.models.warm_start import arithmetic_warm_start_path  # it imports this module
-
-    return arithmetic_warm_start_path()
+OmegaConf.register_new_resolver("agentloop_call", _call, replace=True)
 
 
 def compose_config(overrides: list[str] | None = None, config_name: str = "ppo_trainer") -> DictConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -15,14 +16,18 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from agentloop.batch import RolloutBatch
-from agentloop.metrics import turn_metrics
+from agentloop.metrics import rollout_metrics
 from agentloop.registry import check_agent_names, resolve_agent_loops
+from agentloop.router import RouterStats
+from agentloop.rows import check_row
 from agentloop.server.rollout_server import RolloutServer
 from agentloop.server.weights import PackedWeights
 from agentloop.waiting import wait_for
 from agentloop.worker import AgentLoopWorker
 
 ROW_FIELDS = ("prompt", "agent_name", "data_source", "reward_model", "extra_info")
+
+logger = logging.getLogger(__name__)
 
 
 class AgentLoopManager:
@@ -85,7 +90,8 @@ class AgentLoopManager:
 
         Rows are verl dataset rows: ``prompt`` (chat messages) and optionally ``agent_name``,
         ``data_source``, ``reward_model``, ``extra_info`` and any other fields, which ride along in
-        ``non_tensor_batch``. Samples of one row share a ``uid`` (the GRPO group).
+        ``non_tensor_batch``. Samples of one row share a ``uid`` (the GRPO group); ``index`` is the
+        row's dataset index (``extra_info.index``, as in verl; None without one).
         """
         if not rows:
             raise ValueError("generate_sequences needs at least one row")
@@ -105,12 +111,12 @@ class AgentLoopManager:
         ]
         # Each trajectory's turns are individually bounded by request_timeout_s; the batch as a whole
         # is bounded by generate_timeout_s.
-        parts: list[RolloutBatch] = wait_for(
+        parts: list[tuple[RolloutBatch, RouterStats]] = wait_for(
             refs, float(self.rollout.generate_timeout_s), f"{len(samples)} trajectories to finish"
         )
         elapsed = time.perf_counter() - start
-        batch = RolloutBatch.concat(parts)
-        batch.meta_info = self._meta_info(parts, batch, elapsed)
+        batch = RolloutBatch.concat([part for part, _ in parts])
+        batch.meta_info = rollout_metrics(batch, RouterStats.merge([stats for _, stats in parts]), elapsed)
         return batch
 
     def _agent_loops(self) -> dict[str, dict[str, Any]]:
@@ -118,17 +124,17 @@ class AgentLoopManager:
         return resolve_agent_loops(self.rollout.agent.agent_loop_config_path)
 
     def _expand(self, rows: list[dict[str, Any]], validate: bool) -> list[dict[str, Any]]:
+        for position, row in enumerate(rows):
+            check_row(row, f"row {position} of the batch")
         repeats = int(self.rollout.val_kwargs.n if validate else self.rollout.n)
         keys = list(dict.fromkeys([*ROW_FIELDS, *(key for row in rows for key in row)]))
         samples = []
-        for index, row in enumerate(rows):
-            if not isinstance(row.get("prompt"), list) or not row["prompt"]:
-                raise ValueError(f"row {index}: 'prompt' must be a non-empty list of chat messages, got {row.get('prompt')!r}")
+        for row in rows:
             uid = str(uuid.uuid4())
             for _ in range(repeats):
                 sample = {key: row.get(key) for key in keys}
                 sample["agent_name"] = sample["agent_name"] or self.rollout.agent.default_agent_loop
-                sample.update(index=index, uid=uid, request_id=str(uuid.uuid4()))
+                sample.update(index=(row.get("extra_info") or {}).get("index"), uid=uid, request_id=str(uuid.uuid4()))
                 samples.append(sample)
         return samples
 
@@ -139,24 +145,6 @@ class AgentLoopManager:
             "temperature": float(source.temperature),
             "top_p": float(source.top_p),
             "top_k": int(source.top_k),
-        }
-
-    def _meta_info(self, parts: list[RolloutBatch], batch: RolloutBatch, elapsed: float) -> dict[str, Any]:
-        times = batch.non_tensor_batch["generate_time_s"].astype(float)
-        per_server = np.sum([part.meta_info["requests_per_server"] for part in parts], axis=0).tolist()
-        prompt_tokens = sum(part.meta_info["prompt_tokens"] for part in parts)
-        cached = sum(part.meta_info["cached_tokens"] for part in parts)
-        imbalance = [sample for part in parts for sample in part.meta_info["imbalance_samples"]]
-        return {
-            "timing/generate_sequences_s": elapsed,
-            "timing/trajectory_min_s": float(times.min()),
-            "timing/trajectory_mean_s": float(times.mean()),
-            "timing/trajectory_max_s": float(times.max()),
-            "rollout/requests_per_server": per_server,
-            "rollout/cached_token_share": cached / prompt_tokens if prompt_tokens else 0.0,
-            "rollout/in_flight_imbalance": float(np.mean(imbalance)) if imbalance else 1.0,
-            "rollout/response_tokens": int(batch.batch["response_mask"].sum()),
-            **turn_metrics(batch.non_tensor_batch["num_turns"], batch.non_tensor_batch["extra_fields"]),
         }
 
     # ------------------------------------------------------------------ servers
@@ -191,7 +179,11 @@ class AgentLoopManager:
         return float(self.rollout.server_startup_timeout_s)
 
     def shutdown(self) -> None:
-        """Stop workers and servers and release their resources."""
+        """Stop workers and servers and release their resources (a server's engine is asked to stop first)."""
+        try:
+            wait_for([server.shutdown.remote() for server in self.servers], self._control_timeout, "servers to shut down")
+        except Exception as error:  # a dead or stuck server: killing it below is all that is left
+            logger.warning("rollout servers did not shut down cleanly (%s); killing them", error)
         for actor in [*self.workers, *self.servers]:
             ray.kill(actor)
         remove_placement_group(self.placement_group)

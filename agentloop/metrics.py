@@ -1,4 +1,4 @@
-"""Per-step aggregates of what the trajectories report: turns, end reasons, retries, errors, scores."""
+"""Per-step aggregates of a rollout batch: timings, router balance and cache hits, turns, end reasons."""
 
 from __future__ import annotations
 
@@ -7,9 +7,28 @@ from typing import Any
 
 import numpy as np
 
+from agentloop.batch import RolloutBatch
+from agentloop.router import RouterStats
+
+
+def rollout_metrics(batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -> dict[str, Any]:
+    """The ``meta_info`` of a finished batch: what its trajectories and the routers report."""
+    times = batch.non_tensor_batch["generate_time_s"].astype(float)
+    return {
+        "timing/generate_sequences_s": elapsed_s,
+        "timing/trajectory_min_s": float(times.min()),
+        "timing/trajectory_mean_s": float(times.mean()),
+        "timing/trajectory_max_s": float(times.max()),
+        "rollout/requests_per_server": stats.requests_per_server,
+        "rollout/cached_token_share": stats.cached_token_share,
+        "rollout/in_flight_imbalance": stats.in_flight_imbalance,
+        "rollout/response_tokens": int(batch.batch["response_mask"].sum()),
+        **turn_metrics(batch.non_tensor_batch["num_turns"], batch.non_tensor_batch["extra_fields"]),
+    }
+
 
 def turn_metrics(num_turns: np.ndarray, extra_fields: np.ndarray) -> dict[str, Any]:
-    """Aggregate a batch's per-trajectory fields into ``meta_info`` entries."""
+    """Aggregate a batch's per-trajectory fields: turns, end reasons, retries and errors by kind, scores."""
     turns = np.asarray(num_turns, dtype=float)
     metrics: dict[str, Any] = {
         "multi_turn/num_turns_min": float(turns.min()),

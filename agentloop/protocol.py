@@ -5,7 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# Why one engine call stopped.
 FinishReason = Literal["stop", "length", "abort"]
+
+# Why a trajectory ended, in every loop: ``stop`` the model answered and nothing continues the
+# conversation; ``done`` the environment ended the episode; ``length`` the next turn or observation
+# would not fit in rollout.response_length; ``max_turns`` a turn limit; ``tool_error_budget`` too many
+# failed tool calls; ``env_error`` an env step kept failing; ``aborted`` the engine aborted the request.
+EndReason = Literal["stop", "done", "length", "max_turns", "tool_error_budget", "env_error", "aborted"]
+
+
+def end_after(finish_reason: FinishReason) -> EndReason | None:
+    """The end a model turn forces on its trajectory: an aborted or length-capped turn ends it, a stop does not."""
+    return {"abort": "aborted", "length": "length"}.get(finish_reason)
 
 # Sampling keys every engine accepts; anything else is rejected so a typo never silently samples wrong.
 SAMPLING_DEFAULTS: dict[str, Any] = {

@@ -13,6 +13,13 @@ from typing import Any, Callable
 import yaml
 from hydra.utils import get_class, instantiate
 
+# The built-in loops are named by dotted path: this module imports no loop, so loops never import it back.
+BUILTIN_AGENT_LOOPS: dict[str, dict[str, Any]] = {
+    "single_turn_agent": {"_target_": "agentloop.agent_loop.single_turn.SingleTurnAgentLoop"},
+    "tool_agent": {"_target_": "agentloop.agent_loop.tool_agent.ToolAgentLoop"},
+    "env_agent": {"_target_": "agentloop.agent_loop.env_agent.EnvAgentLoop"},
+}
+
 # name -> {"_target_": class or dotted path, **extra constructor kwargs}
 _REGISTRY: dict[str, dict[str, Any]] = {}
 
@@ -56,10 +63,8 @@ def load_agent_loop_file(path: str) -> dict[str, dict[str, Any]]:
 
 
 def resolve_agent_loops(agent_loop_config_path: str | None = None) -> dict[str, dict[str, Any]]:
-    """All registered loops: decorator registrations (built-ins included), then the YAML file's entries."""
-    import agentloop.agent_loop  # noqa: F401  (registers the built-in loops)
-
-    specs = dict(_REGISTRY)
+    """All registered loops: the built-ins, then decorator registrations, then the YAML file's entries."""
+    specs = {**BUILTIN_AGENT_LOOPS, **_REGISTRY}
     if agent_loop_config_path:
         specs.update(load_agent_loop_file(agent_loop_config_path))
     return specs

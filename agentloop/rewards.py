@@ -7,23 +7,10 @@ carries its score under ``"score"`` and any other keys as per-sample extras.
 from __future__ import annotations
 
 import functools
-import re
 from typing import Any, Callable
 
 from hydra.utils import get_method
 from omegaconf import DictConfig
-
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def arithmetic_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
-    """1.0 when the last number in the final answer equals the ground truth, else 0.0."""
-    numbers = _NUMBER.findall(solution_str)
-    try:
-        correct = bool(numbers) and abs(float(numbers[-1]) - float(ground_truth)) < 1e-6
-    except (TypeError, ValueError):
-        correct = False
-    return {"score": float(correct), "answer_found": float(bool(numbers))}
 
 
 @functools.lru_cache(maxsize=None)

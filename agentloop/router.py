@@ -32,6 +32,26 @@ class RouterStats:
     # max/mean of in-flight counts sampled at every dispatch made while all live servers were busy
     imbalance_samples: list[float] = field(default_factory=list)
 
+    @classmethod
+    def merge(cls, parts: list[RouterStats]) -> RouterStats:
+        """The counters of several routers over the same servers (one router per worker), added up."""
+        return cls(
+            requests_per_server=[sum(counts) for counts in zip(*(part.requests_per_server for part in parts))],
+            prompt_tokens=sum(part.prompt_tokens for part in parts),
+            cached_tokens=sum(part.cached_tokens for part in parts),
+            imbalance_samples=[sample for part in parts for sample in part.imbalance_samples],
+        )
+
+    @property
+    def cached_token_share(self) -> float:
+        """Share of prompt tokens the servers took from their prefix caches."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def in_flight_imbalance(self) -> float:
+        """Mean over busy dispatches of max/mean in-flight requests per server (1.0: perfectly even)."""
+        return sum(self.imbalance_samples) / len(self.imbalance_samples) if self.imbalance_samples else 1.0
+
 
 class Router:
     """Least-in-flight dispatch with sticky sessions over a list of ``RolloutServer`` handles."""

@@ -14,7 +14,7 @@ from agentloop.batch import RolloutBatch, object_array
 from agentloop.postprocess import pad_outputs
 from agentloop.protocol import AgentLoopOutput
 from agentloop.registry import build_agent_loop
-from agentloop.router import Router
+from agentloop.router import Router, RouterStats
 
 
 @ray.remote
@@ -29,26 +29,22 @@ class AgentLoopWorker:
 
     async def generate_sequences(
         self, rows: list[dict[str, Any]], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
-    ) -> RolloutBatch:
-        """Run every row's agent loop (specs by name in ``agent_loops``) concurrently; pad in row order."""
+    ) -> tuple[RolloutBatch, RouterStats]:
+        """Run every row's agent loop (specs by name in ``agent_loops``) concurrently; pad in row order.
+
+        Returns the padded batch and this worker's router counters for the call.
+        """
         results = await asyncio.gather(*(self._run_one(row, sampling_params, agent_loops) for row in rows))
         outputs = [output for output, _ in results]
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         batch = pad_outputs(outputs, self.rollout.prompt_length, self.rollout.response_length, pad_id)
-        stats = self.router.take_stats()
         non_tensor = {key: object_array([row.get(key) for row in rows]) for key in rows[0]}
         non_tensor["num_turns"] = object_array([output.num_turns for output in outputs])
         non_tensor["reward_score"] = object_array([output.reward_score for output in outputs])
         non_tensor["metrics"] = object_array([output.metrics for output in outputs])
         non_tensor["extra_fields"] = object_array([output.extra_fields for output in outputs])
         non_tensor["generate_time_s"] = object_array([seconds for _, seconds in results])
-        meta = {
-            "requests_per_server": stats.requests_per_server,
-            "prompt_tokens": stats.prompt_tokens,
-            "cached_tokens": stats.cached_tokens,
-            "imbalance_samples": stats.imbalance_samples,
-        }
-        return RolloutBatch(batch, non_tensor, meta)
+        return RolloutBatch(batch, non_tensor), self.router.take_stats()
 
     async def _run_one(
         self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
@@ -62,6 +58,6 @@ class AgentLoopWorker:
         except Exception as error:
             raise RuntimeError(
                 f"agent loop {row['agent_name']!r} failed on sample {row['request_id']} "
-                f"(dataset index {row.get('index')}): {type(error).__name__}: {error}"
+                f"(dataset index {row['index']}): {type(error).__name__}: {error}"
             ) from error
         return output, time.perf_counter() - start

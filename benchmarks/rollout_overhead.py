@@ -14,23 +14,17 @@ import argparse
 import asyncio
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import ray
 import torch
-from ray import cloudpickle
 
+import agentloop.testing  # noqa: F401  (registers "fixed_length": one turn of exactly extra_info.length tokens)
 from agentloop import AgentLoopManager
 from agentloop.config import compose_config
 from agentloop.server.hf_engine import HFEngine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import probe_loops  # noqa: E402  the tests' "probe_length": one turn of exactly extra_info.length tokens
-
-cloudpickle.register_pickle_by_value(probe_loops)  # the workers need not find tests/ on their path
 THREADS = 2
 
 
@@ -40,7 +34,7 @@ def make_rows(count: int, seed: int = 0, arrival_gap_s: float = 0.0) -> list[dic
     return [
         {
             "prompt": [{"role": "user", "content": f"request {i}: " + "tell me a number " * rng.randint(1, 6)}],
-            "agent_name": "probe_length",
+            "agent_name": "fixed_length",
             "extra_info": {"length": rng.choice([8, 16, 32, 64, 128]), "delay_s": i * arrival_gap_s},
         }
         for i in range(count)
@@ -65,7 +59,6 @@ class DirectEngine:
     def __init__(self, config, rows) -> None:
         from transformers import AutoTokenizer
 
-        rollout = config.actor_rollout_ref.rollout
         tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         self.requests = [
             (
@@ -75,13 +68,7 @@ class DirectEngine:
             for row in rows
         ]
         torch.set_num_threads(THREADS)
-        self.engine = HFEngine(
-            config.actor_rollout_ref.model.path,
-            device=rollout.hf.device,
-            page_size=rollout.hf.page_size,
-            num_blocks=rollout.hf.num_blocks,
-            max_batch_tokens=rollout.hf.max_batch_tokens,
-        )
+        self.engine = HFEngine.from_config(config, rank=0)  # the settings a rollout server gets
 
     def run(self) -> tuple[int, float]:
         async def run_all():
@@ -124,7 +111,7 @@ def main() -> None:
             stack_rates.append(stack_tokens / seconds)
     finally:
         manager.shutdown()
-        direct.engine.shutdown()
+        asyncio.run(direct.engine.shutdown())
     direct_rate, stack_rate = statistics.median(direct_rates), statistics.median(stack_rates)
     print(f"samples: {len(rows)}, generated tokens per run: {tokens}, repeats: {args.repeats}")
     print(f"(a) engine in-process: {direct_rate:9.1f} tokens/s (median)")

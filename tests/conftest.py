@@ -1,17 +1,47 @@
-"""Shared fixtures: the real tiny model and a real local Ray instance per test module."""
+"""Shared fixtures: the test models (built once per session, before any test), and a local Ray per module."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import ray
 
-from agentloop.config import compose_config
 from agentloop.models.tiny_qwen import tiny_model_path
+from tests.support.models import ScriptedModel, build_ok_model, build_scripted_model
 
-TESTS_DIR = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parent.parent
+# fixture -> the model it needs, built before the first test by one bounded subprocess
+MODEL_FIXTURES = {"model_path": "tiny", "scripted_model": "scripted", "ok_model": "ok"}
+BUILD_TIMEOUT_S = float(os.environ.get("AGENTLOOP_TEST_BUILD_TIMEOUT_S", 1800))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the models the collected tests need, outside every test's timeout but bounded on its own."""
+    needed = {MODEL_FIXTURES[name] for item in session.items for name in getattr(item, "fixturenames", ()) if name in MODEL_FIXTURES}
+    if not needed:
+        return
+    names = ["tiny", *sorted(needed - {"tiny"})]  # the others are fine-tuned from the tiny model
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    start = time.monotonic()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "tests.support.models", *names],
+            cwd=REPO, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise pytest.UsageError(
+            f"building the test models {names} took over {BUILD_TIMEOUT_S:.0f}s "
+            "(raise AGENTLOOP_TEST_BUILD_TIMEOUT_S on a slow or busy machine)"
+        ) from None
+    if result.returncode:
+        raise pytest.UsageError(f"building the test models {names} failed:\n{result.stderr[-3000:]}")
+    if reporter is not None:
+        reporter.write_line(f"test models {names} ready in {time.monotonic() - start:.0f}s (cached after the first build)")
 
 
 @pytest.fixture(scope="session")
@@ -19,27 +49,23 @@ def model_path() -> str:
     return tiny_model_path()
 
 
+@pytest.fixture(scope="session")
+def scripted_model() -> ScriptedModel:
+    return build_scripted_model()
+
+
+@pytest.fixture(scope="session")
+def ok_model() -> str:
+    return build_ok_model()
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     """A fresh local Ray instance for the module (logical CPUs so two servers fit on two cores)."""
     if ray.is_initialized():
         ray.shutdown()
-    # workers import test-only tools named in YAML files from this folder
-    path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    # workers import the test helpers (tests.support) named in YAML files and configs
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield
     ray.shutdown()
-
-
-def small_config(*overrides: str):
-    """The default config sized for fast CPU tests."""
-    return compose_config(
-        [
-            "data.max_prompt_length=96",
-            "data.max_response_length=24",
-            "actor_rollout_ref.rollout.hf.num_blocks=256",
-            "actor_rollout_ref.rollout.request_timeout_s=120",
-            "actor_rollout_ref.rollout.server_startup_timeout_s=120",
-            *overrides,
-        ]
-    )

@@ -5,7 +5,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from agentloop import AgentLoopManager
-from conftest import small_config
+from tests.support.config import small_config
 
 
 @pytest.fixture

@@ -14,16 +14,10 @@ from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
-from conftest import small_config
-from scripted_model import build_ok_model
+from tests.support.config import small_config
 
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
-INTERACTIONS = "interaction:\n  - name: counter\n    class_name: probe_envs.CountingInteraction\n    config: {turns: 3}\n"
-
-
-@pytest.fixture(scope="module")
-def ok_model():
-    return build_ok_model()
+INTERACTIONS = "interaction:\n  - name: counter\n    class_name: tests.support.probe_envs.CountingInteraction\n    config: {turns: 3}\n"
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +56,7 @@ def env_row(env: str, **fields):
     return {
         "prompt": [{"role": "user", "content": "start 1"}],
         "agent_name": "env_agent",
-        "extra_info": {"env_kwargs": {"class_name": f"probe_envs.{env}"}},
+        "extra_info": {"env_kwargs": {"class_name": f"tests.support.probe_envs.{env}"}},
         "request_id": f"{env}-{id(fields)}",
         **fields,
     }
@@ -109,7 +103,7 @@ def test_env_that_never_finishes_stops_at_max_turns(server, tokenizer, ok_model,
 
 def test_observations_exhausting_the_budget_truncate_without_overflow(server, tokenizer, ok_model, interactions_yaml):
     output = run_env(server, tokenizer, ok_model, interactions_yaml, "BigObservationEnv", "data.max_response_length=200")
-    assert output.extra_fields["finish_reason"] == "truncated"
+    assert output.extra_fields["finish_reason"] == "length"
     assert len(output.response_ids) <= 200 and output.response_mask[-1] == 1
     assert len(output.response_ids) + len(observation_delta(tokenizer, [{"role": "user", "content": "lots of text " * 40}])) > 200
     assert_exact(output, tokenizer, ["lots of text " * 40] * (output.metrics["env_steps"] - 1).__int__())

@@ -7,7 +7,7 @@ import ray
 import torch
 
 from agentloop import AgentLoopManager
-from conftest import small_config
+from tests.support.config import small_config
 from trainer.fsdp_workers import start_workers
 
 ROWS = [{"prompt": [{"role": "user", "content": f"question number {i}"}]} for i in range(4)]

@@ -19,7 +19,7 @@ LOGPROB_TOLERANCE = 1e-4
 def engine(model_path):
     engine = HFEngine(model_path, device="cpu", num_blocks=256, seed=0)
     yield engine
-    engine.shutdown()
+    run(engine.shutdown())
 
 
 def run(coroutine):
@@ -88,7 +88,7 @@ def test_abort_returns_partial_with_reason(engine):
         while engine.num_in_flight == 0:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
-        assert engine.abort("long") == 1
+        assert await engine.abort("long") == 1
         return await asyncio.wait_for(task, timeout=10)
 
     output = run(scenario())
@@ -102,18 +102,18 @@ def test_update_weights_changes_generation_and_sleep_wake_round_trip(engine, mod
     original = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
     torch.manual_seed(1)
     perturbed = {name: tensor + 0.5 * torch.randn_like(tensor) for name, tensor in original.items()}
-    assert engine.update_weights(perturbed) > 0
+    assert run(engine.update_weights(perturbed)) > 0
     changed = run(engine.generate(PROMPT, greedy, "w1")).token_ids
     assert changed != before
 
-    engine.sleep()
+    run(engine.sleep())
     assert engine.is_sleeping
     with pytest.raises(RuntimeError, match="asleep"):
         run(engine.generate(PROMPT, greedy, "w2"))
-    engine.wake_up()
+    run(engine.wake_up())
     assert run(engine.generate(PROMPT, greedy, "w3")).token_ids == changed
 
-    engine.update_weights(original)
+    run(engine.update_weights(original))
     assert run(engine.generate(PROMPT, greedy, "w4")).token_ids == before
 
 
@@ -128,28 +128,28 @@ def test_update_while_idle_drops_cached_prefixes_and_serves_the_new_weights(engi
         for tensor in model.state_dict().values():
             tensor.add_(0.1 * torch.randn_like(tensor))
     manager = engine._manager
-    engine.update_weights(model.state_dict())
+    run(engine.update_weights(model.state_dict()))
     assert engine._manager is manager, "an idle engine is updated in place, without restarting its batching loop"
     # KV cached under the old weights would be stale: nothing may be reused, and logprobs follow the new model
     output = run(engine.generate(PROMPT, params, "cache-3"))
     assert output.cached_tokens == 0
     reference = teacher_forced_logprobs(model, PROMPT, output.token_ids)
     assert torch.allclose(torch.tensor(output.log_probs), reference, atol=LOGPROB_TOLERANCE)
-    engine.update_weights(original)
+    run(engine.update_weights(original))
 
 
 def test_waking_up_does_not_replay_the_samples_of_before(engine):
     params = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}
     before = run(engine.generate(PROMPT, params, "rng-1")).token_ids
-    engine.sleep()
-    engine.wake_up()
+    run(engine.sleep())
+    run(engine.wake_up())
     assert run(engine.generate(PROMPT, params, "rng-2")).token_ids != before
 
 
 def test_update_weights_rejects_wrong_names_and_shapes(engine):
     with pytest.raises(KeyError, match="no parameter 'nope'"):
-        engine.update_weights({"nope": torch.zeros(1)})
+        run(engine.update_weights({"nope": torch.zeros(1)}))
     name, tensor = next(iter(engine.model.state_dict().items()))
     with pytest.raises(ValueError, match="shape"):
-        engine.update_weights({name: torch.zeros(tensor.numel() + 1)})
+        run(engine.update_weights({name: torch.zeros(tensor.numel() + 1)}))
     assert run(engine.generate(PROMPT, {"max_new_tokens": 2}, "alive")).token_ids

@@ -12,9 +12,9 @@ from transformers import AutoTokenizer
 
 from agentloop import AgentLoopManager
 from agentloop.tools.toolset import load_tool_set
-from conftest import small_config
-from scripted_model import SCRIPTS, build_scripted_model, script_row, write_tools_yaml
-from sglang_contract import load_api_types
+from tests.support.config import small_config
+from tests.support.models import SCRIPTS, script_row
+from tests.support.sglang_contract import load_api_types
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -23,10 +23,8 @@ needs_sglang = pytest.mark.skipif(api_types is None, reason="sglang (installed w
 
 
 @pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
-    tools_path = write_tools_yaml(tmp_path_factory.mktemp("tools"))
-    model_path, _ = build_scripted_model(tools_path)
-    return tools_path, model_path
+def scripted(scripted_model):
+    return scripted_model
 
 
 @pytest.fixture(scope="module")

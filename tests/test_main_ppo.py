@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from agentloop.data.arithmetic import make_rows, write_rows
-from conftest import small_config
+from agentloop.rows import write_rows
+from agentloop.tasks.arithmetic.data import make_rows
+from tests.support.config import small_config
 from trainer.algorithms import adaptive_kl_coef
 from trainer.data import BatchSampler
 from trainer.main_ppo import run

@@ -22,7 +22,8 @@ def _deps():
 
 def test_decorator_and_builtin_registrations():
     specs = resolve_agent_loops()
-    assert specs["single_turn_agent"]["_target_"] is SingleTurnAgentLoop
+    assert specs["single_turn_agent"]["_target_"] == "agentloop.agent_loop.single_turn.SingleTurnAgentLoop"
+    assert isinstance(build_agent_loop(specs["single_turn_agent"], **_deps()), SingleTurnAgentLoop)
     loop = build_agent_loop(specs["echo_for_registry_test"], **_deps())
     assert isinstance(loop, EchoLoop) and loop.greeting == "hi"
 

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from agentloop import AgentLoopManager
 from agentloop.server.sglang_engine import SGLangEngine, build_generate_request
-from conftest import small_config
-from sglang_contract import load_api_types
+from tests.support.config import small_config
+from tests.support.sglang_contract import load_api_types
 
 PROMPT = [1, 294, 207, 664, 2, 207, 1, 299, 207]
 api_types = load_api_types()
@@ -64,7 +64,7 @@ def test_abort(client, hf_manager):
         task = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 20000, "ignore_eos": True}, "long"))
         # abort once the request is in the engine (an abort that arrives first finds nothing to abort)
         deadline = time.monotonic() + 30
-        while (await server.stats.remote())["in_flight"] == 0:
+        while await server.in_flight.remote() == 0:
             assert time.monotonic() < deadline, "the request never reached the engine"
             await asyncio.sleep(0.05)
         await client.abort("long")

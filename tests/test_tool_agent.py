@@ -14,17 +14,15 @@ from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
-from conftest import small_config
-from scripted_model import SCRIPTS, build_scripted_model, script_row, write_tools_yaml
+from tests.support.config import small_config
+from tests.support.models import SCRIPTS, script_row
 
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
 
 
 @pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
-    tools_path = write_tools_yaml(tmp_path_factory.mktemp("tools"))
-    model_path, conversations = build_scripted_model(tools_path)
-    return tools_path, model_path, conversations
+def scripted(scripted_model):
+    return scripted_model
 
 
 def tool_config(scripted, *overrides: str):
@@ -123,7 +121,7 @@ def test_logprobs_of_sampled_multi_turn_match_teacher_forcing(server, tokenizer,
 def test_reward_function_by_data_source(server, tokenizer, scripted):
     output = run_loop(
         server, tokenizer, scripted, "multi",
-        "+custom_reward_function.by_data_source.arith=agentloop.rewards.arithmetic_score",
+        "+custom_reward_function.by_data_source.arith=agentloop.tasks.arithmetic.reward.arithmetic_score",
         data_source="arith", reward_model={"ground_truth": "5"},
     )
     assert output.reward_score == 1.0

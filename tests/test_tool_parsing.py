@@ -10,9 +10,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from agentloop.agent_loop.trajectory import Trajectory, observation_delta
-from agentloop.data.arithmetic import make_rows, write_rows
 from agentloop.protocol import TokenOutput
-from agentloop.tools.calculator import evaluate
+from agentloop.rows import write_rows
+from agentloop.tasks.arithmetic.data import make_rows
+from agentloop.tasks.arithmetic.tools import evaluate
 from agentloop.tools.parsers import get_parser, parse_hermes, parse_qwen3_coder
 from agentloop.tools.schema import ToolCall
 from agentloop.tools.toolset import load_tool_set
@@ -114,7 +115,7 @@ def test_delta_tokens_equal_the_full_render_and_sanity_check_modes(tokenizer):
         ("tools:\n  - class_name: no.such.Tool\n", r"tools\[0\].class_name = 'no.such.Tool' cannot be imported"),
         ("tools:\n  - class_name: agentloop.protocol.TokenOutput\n", r"is not a subclass of agentloop.tools.base.BaseTool"),
         (
-            "tools:\n  - class_name: agentloop.tools.calculator.CalculatorTool\n    tool_schema: {type: function, function: {description: x}}\n",
+            "tools:\n  - class_name: agentloop.tasks.arithmetic.tools.CalculatorTool\n    tool_schema: {type: function, function: {description: x}}\n",
             r"tools\[0\].tool_schema.function.name: Field required",
         ),
         ("- a\n", r"expected a mapping with a 'tools' list"),
@@ -192,11 +193,11 @@ def test_delta_tokens_with_qwen3s_own_template(model_path):
 
 
 def test_parallel_calls_of_one_tool_share_one_creation(tmp_path):
-    import probe_tools
+    from tests.support import probe_tools
 
     path = tmp_path / "tools.yaml"
     path.write_text(
-        "tools:\n  - class_name: probe_tools.SlowCreateTool\n"
+        "tools:\n  - class_name: tests.support.probe_tools.SlowCreateTool\n"
         "    tool_schema: {type: function, function: {name: slow}}\n"
     )
     tool_set = load_tool_set(str(path))

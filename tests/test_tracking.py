@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import small_config
+from tests.support.config import small_config
 from trainer.tracking import Tracking
 
 

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from agentloop.data.arithmetic import make_rows, write_rows
+from agentloop.rows import write_rows
+from agentloop.tasks.arithmetic.data import make_rows
 from trainer.data import BatchSampler, load_dataset, read_rows
 
 

@@ -1,7 +1,7 @@
 """Training data in verl's row format (parquet or jsonl): loading, checks, filtering and a resumable order.
 
-A row has ``prompt`` (chat messages) and optionally ``agent_name``, ``data_source``, ``reward_model``
-and ``extra_info``. Empty or malformed data fails fast, naming the file and the row.
+Rows are checked with ``agentloop.rows.check_row``; empty or malformed data fails fast, naming the
+file and the row.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 import pyarrow.parquet as pq
 
-OPTIONAL_FIELDS = ("agent_name", "data_source", "reward_model", "extra_info")
+from agentloop.rows import check_row
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
@@ -39,18 +39,6 @@ def read_rows(path: str) -> list[dict[str, Any]]:
     for index, row in enumerate(rows):
         check_row(row, f"{path}: row {index}")
     return rows
-
-
-def check_row(row: Any, where: str) -> None:
-    """A row must be a mapping whose ``prompt`` is a non-empty list of ``{role, content}`` messages."""
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a mapping, got {type(row).__name__}")
-    prompt = row.get("prompt")
-    if not isinstance(prompt, list) or not prompt:
-        raise ValueError(f"{where}: 'prompt' must be a non-empty list of chat messages, got {prompt!r:.200}")
-    for position, message in enumerate(prompt):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-            raise ValueError(f"{where}: prompt[{position}] must be a {{role, content}} message, got {message!r:.200}")
 
 
 def load_dataset(

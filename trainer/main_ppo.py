@@ -9,9 +9,6 @@ updates → full weights pushed to every rollout server → servers wake. Checkp
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -25,22 +22,25 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from agentloop import AgentLoopManager
-from agentloop.batch import RolloutBatch
 from agentloop.config import CONFIG_DIR
 from agentloop.waiting import wait_for
-from trainer import algorithms
+from trainer import algorithms, checkpoint
+from trainer.config_checks import check_config, world_size
 from trainer.data import BatchSampler, load_dataset
 from trainer.fsdp_workers import needs_reference, rank_gpus, start_workers
+from trainer.rollout_dump import dump_rollouts
 from trainer.tracking import Tracking, plot
 
-LATEST = "latest_checkpointed_iteration.txt"
+
+# start-up phases are single blocking calls: the bar names each one and counts them
+STARTUP_BAR = "{desc}: {n_fmt}/{total_fmt} [{elapsed}]"
 
 
 class RayPPOTrainer:
     """Owns the rollout manager and the FSDP ranks, and runs the training loop."""
 
     def __init__(self, config: DictConfig) -> None:
-        _check(config)
+        check_config(config)
         config = config.copy()
         OmegaConf.resolve(config)  # builds default data and models once, here, before any actor needs them
         self.config = config
@@ -56,13 +56,17 @@ class RayPPOTrainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
 
-        self.manager = AgentLoopManager(config)
-        self.config = config = self.manager.config  # with absolute paths, for every process
-        try:
-            self.workers = start_workers(config, self.world_size, self.total_steps, float(config.trainer.startup_timeout_s))
-        except BaseException:
-            self.manager.shutdown()
-            raise
+        with tqdm(total=2, desc="starting rollout servers and agent-loop workers", bar_format=STARTUP_BAR) as startup:
+            self.manager = AgentLoopManager(config)
+            self.config = config = self.manager.config  # with absolute paths, for every process
+            startup.update()
+            startup.set_description_str(f"starting {self.world_size} FSDP ranks")
+            try:
+                self.workers = start_workers(config, self.world_size, self.total_steps, float(config.trainer.startup_timeout_s))
+            except BaseException:
+                self.manager.shutdown()
+                raise
+            startup.update()
 
     def _load(self, files: Any) -> list[dict[str, Any]]:
         data = self.config.data
@@ -134,7 +138,8 @@ class RayPPOTrainer:
         _, mismatch = algorithms.rollout_importance_weights(
             batch["old_log_probs"], batch["rollout_log_probs"], mask, float(config.actor_rollout_ref.actor.rollout_is_threshold or 2.0)
         )
-        self._dump_rollouts(step, rollout, scores)
+        if config.trainer.rollout_data_dir:
+            dump_rollouts(config.trainer.rollout_data_dir, step, rollout, scores, self.tokenizer)
         response_length = batch["attention_mask"][:, batch["prompts"].shape[1] :].sum(-1).float()
         metrics.update({
             "critic/score/mean": float(scores.sum(-1).mean()),
@@ -159,63 +164,24 @@ class RayPPOTrainer:
             metrics[f"val/score/{source}"] = float(scores[torch.from_numpy(sources == source)].mean())
         return metrics
 
-    def _dump_rollouts(self, step: int, rollout: RolloutBatch, scores: torch.Tensor) -> None:
-        """``trainer.rollout_data_dir``: one JSONL per step with each sample's text, score and row index."""
-        directory = self.config.trainer.rollout_data_dir
-        if not directory:
-            return
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        tensors, extra = rollout.batch, rollout.non_tensor_batch.get("extra_info")
-        with open(Path(directory) / f"{step}.jsonl", "w") as file:
-            for i in range(len(rollout)):
-                prompt = tensors["prompts"][i][tensors["attention_mask"][i, : tensors["prompts"].shape[1]].bool()]
-                response = tensors["responses"][i][tensors["attention_mask"][i, tensors["prompts"].shape[1] :].bool()]
-                record = {
-                    "step": step,
-                    "index": (extra[i] or {}).get("index") if extra is not None else None,
-                    "input": self.tokenizer.decode(prompt),
-                    "output": self.tokenizer.decode(response),
-                    "score": float(scores[i].sum()),
-                }
-                file.write(json.dumps(record) + "\n")
-
     def save_checkpoint(self, step: int) -> Path:
         """``global_step_N/``: sharded workers state, the policy as a Hugging Face checkpoint, the data position."""
-        directory = self.output_dir / f"global_step_{step}"
-        hf = directory / "actor" / "huggingface"
-        self._wait([w.save_checkpoint.remote(str(directory / "workers"), str(hf)) for w in self.workers], "the checkpoint save")
-        self.tokenizer.save_pretrained(hf)
-        (directory / "trainer_state.json").write_text(json.dumps({"step": step, "sampler_position": self.sampler.state(), "kl_coef": self.kl_coef}))
-        # written last and atomically: a run killed mid-save resumes from the previous checkpoint
-        latest = self.output_dir / f".{LATEST}.tmp"
-        latest.write_text(str(step))
-        os.replace(latest, self.output_dir / LATEST)
-        keep = self.config.trainer.max_actor_ckpt_to_keep
-        if keep:
-            # only older steps go: a directory may still hold later ones from a run this one did not resume
-            older = sorted(step_of(path) for path in self.output_dir.glob("global_step_*") if step_of(path) < step)
-            for old in older[: max(0, len(older) - int(keep) + 1)]:
-                shutil.rmtree(self.output_dir / f"global_step_{old}")
-        return directory
+        return checkpoint.save_checkpoint(
+            self.output_dir,
+            step,
+            lambda shards, hf: self._wait([w.save_checkpoint.remote(str(shards), str(hf)) for w in self.workers], "the checkpoint save"),
+            self.tokenizer,
+            {"sampler_position": self.sampler.state(), "kl_coef": self.kl_coef},
+            int(self.config.trainer.max_actor_ckpt_to_keep or 0),
+        )
 
     def resume(self) -> int:
         """Restore the checkpoint ``trainer.resume_mode`` points at; return its step (0: start fresh)."""
-        mode = self.config.trainer.resume_mode
-        if mode == "disable":
+        directory = checkpoint.checkpoint_to_resume(self.config, self.output_dir)
+        if directory is None:
             return 0
-        if mode == "resume_path":
-            directory = Path(self.config.trainer.resume_from_path or "")
-            if not (directory / "trainer_state.json").exists():
-                raise FileNotFoundError(f"trainer.resume_from_path={str(directory)!r} is not a global_step_N checkpoint directory")
-        elif mode == "auto":
-            latest = self.output_dir / LATEST
-            if not latest.exists():
-                return 0
-            directory = self.output_dir / f"global_step_{latest.read_text().strip()}"
-        else:
-            raise ValueError(f"trainer.resume_mode={mode!r}; choose auto, disable or resume_path")
-        state = json.loads((directory / "trainer_state.json").read_text())
-        self._wait([w.load_checkpoint.remote(str(directory / "workers")) for w in self.workers], "the checkpoint load")
+        state = checkpoint.read_trainer_state(directory)
+        self._wait([w.load_checkpoint.remote(str(directory / checkpoint.WORKERS)) for w in self.workers], "the checkpoint load")
         self.sampler.position = int(state["sampler_position"])
         self.kl_coef = float(state.get("kl_coef", self.kl_coef))
         # the servers start from the base model: give them the restored policy
@@ -231,13 +197,13 @@ class RayPPOTrainer:
         tracking = Tracking(self.config, self.output_dir, progress.write, resume_step=done)
         try:
             if self.val_rows and trainer.val_before_train and done == 0:
-                tracking.log(self.validate(), step=0)
+                tracking.log(self._validate_showing(progress), step=0)
             batches = iter(self.sampler)
             for step in range(done + 1, self.total_steps + 1):
                 metrics = self.step(step, next(batches))
                 last = step == self.total_steps
                 if self.val_rows and int(trainer.test_freq) > 0 and (step % int(trainer.test_freq) == 0 or last):
-                    metrics.update(self.validate())
+                    metrics.update(self._validate_showing(progress))
                 # logged first: a run killed between the two resumes from the previous checkpoint and
                 # drops this line, rather than resuming after a step it never logged
                 tracking.log(metrics, step)
@@ -251,6 +217,12 @@ class RayPPOTrainer:
             _summarize(tracking.history, plot(tracking.history, self.output_dir / "training_curves.png"))
         return tracking.history
 
+    def _validate_showing(self, progress: tqdm) -> dict[str, float]:
+        progress.set_description(f"validating on {len(self.val_rows)} rows")
+        metrics = self.validate()
+        progress.set_description("training steps")
+        return metrics
+
     def shutdown(self) -> None:
         """Release ranks and servers; best effort, so that it never hides the error that ended the run."""
         try:
@@ -260,16 +232,6 @@ class RayPPOTrainer:
         for worker in self.workers:
             ray.kill(worker)
         self.manager.shutdown()
-
-
-def world_size(config: DictConfig) -> int:
-    """FSDP ranks: ``trainer.n_gpus_per_node x trainer.nnodes``."""
-    return int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
-
-
-def step_of(checkpoint: Path) -> int:
-    """N of a ``global_step_N`` directory."""
-    return int(checkpoint.name.rsplit("_", 1)[1])
 
 
 def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float) -> None:
@@ -285,41 +247,6 @@ def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager
         raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for the weight gather on the FSDP ranks")
     ray.get(refs[1:])
     manager.update_weights(refs[0])
-
-
-def _check(config: DictConfig) -> None:
-    """Configuration mistakes, named before anything starts."""
-    if config.actor_rollout_ref.rollout.mode != "async":
-        raise ValueError("actor_rollout_ref.rollout.mode must be 'async': rollouts run through AgentLoopManager")
-    if config.algorithm.adv_estimator not in ("grpo", "gae"):
-        raise ValueError(f"algorithm.adv_estimator={config.algorithm.adv_estimator!r}; choose grpo or gae")
-    if not config.data.train_files:
-        raise ValueError("data.train_files is empty: name one or more .parquet / .jsonl files")
-    ranks = world_size(config)
-    samples = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
-    if samples % ranks:
-        raise ValueError(
-            f"train_batch_size x rollout.n = {samples} samples do not split over {ranks} ranks "
-            "(trainer.n_gpus_per_node x trainer.nnodes)"
-        )
-    algorithm = config.algorithm
-    for key, estimator in (("algorithm.kl_penalty", algorithm.kl_penalty), ("actor_rollout_ref.actor.kl_loss_type", config.actor_rollout_ref.actor.kl_loss_type)):
-        if estimator not in algorithms.KL_ESTIMATORS:
-            raise ValueError(f"{key}={estimator!r}; choose one of {algorithms.KL_ESTIMATORS}")
-    control = algorithm.kl_ctrl
-    if control.type not in ("fixed", "adaptive"):
-        raise ValueError(f"algorithm.kl_ctrl.type={control.type!r}; choose fixed or adaptive")
-    if control.type == "adaptive" and not (float(control.target_kl) > 0 and float(control.horizon) > 0):
-        raise ValueError(f"algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0 (got {control.target_kl}, {control.horizon})")
-    if int(config.trainer.critic_warmup) > 0 and algorithm.adv_estimator != "gae":
-        raise ValueError("trainer.critic_warmup needs a critic to warm up: set algorithm.adv_estimator=gae, or critic_warmup=0")
-    for name, section in (("actor_rollout_ref.actor", config.actor_rollout_ref.actor), ("critic", config.critic)):
-        mini = section.ppo_mini_batch_size
-        if mini and (int(config.data.train_batch_size) % int(mini) or int(mini) * int(config.actor_rollout_ref.rollout.n) % ranks):
-            raise ValueError(
-                f"{name}.ppo_mini_batch_size={mini} must divide data.train_batch_size={config.data.train_batch_size}, "
-                f"and its {int(mini) * int(config.actor_rollout_ref.rollout.n)} samples (x rollout.n) must split over {ranks} ranks"
-            )
 
 
 def _summarize(history: list[dict[str, Any]], png: Path) -> None:

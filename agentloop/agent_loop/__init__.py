@@ -1,4 +1,4 @@
-"""Built-in agent loops; importing this package registers them."""
+"""Agent loops: the base class and the built-ins (registered by name in ``agentloop.registry``)."""
 
 from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.agent_loop.env_agent import EnvAgentLoop

@@ -3,7 +3,7 @@
 The environment class is named per row (``extra_info.env_kwargs.class_name``) or in config
 (``rollout.env.class_name``) and built per sample with the row's ``env_kwargs``. A trajectory ends
 with ``done`` (the env says so), ``max_turns`` (``rollout.env.max_turns`` model turns),
-``truncated`` (the next turn or observation would not fit in ``rollout.response_length``: it never
+``length`` (the next turn or observation would not fit in ``rollout.response_length``: it never
 overflows), ``env_error`` (a step kept failing after ``max_env_retries_per_turn`` retries) or
 ``aborted``. A failed step is retried after the env's ``recover()`` hook, or after ``reset()`` and a
 replay of the actions so far; a turn counts only once its step succeeds.
@@ -20,8 +20,7 @@ from hydra.utils import get_class
 from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.envs import BaseEnv
-from agentloop.protocol import AgentLoopOutput
-from agentloop.registry import register
+from agentloop.protocol import AgentLoopOutput, EndReason
 from agentloop.rewards import reward_for_row
 
 
@@ -32,7 +31,6 @@ async def _call(function: Any, *args: Any) -> Any:
     return await asyncio.to_thread(function, *args)
 
 
-@register("env_agent")
 class EnvAgentLoop(AgentLoopBase):
     """Multi-turn rollouts against a stepped environment, with exact tokens and env retries.
 
@@ -66,13 +64,11 @@ class EnvAgentLoop(AgentLoopBase):
         actions: list[str] = []
         retries: dict[str, int] = {}
         env_reward = 0.0
+        reason: EndReason
         while True:
-            output, text = await trajectory.generate_turn(self.server_manager, row["request_id"], sampling_params, budget)
-            if output.finish_reason == "abort":
-                reason = "aborted"
-                break
-            if output.finish_reason == "length":
-                reason = "truncated"
+            _, text, end = await trajectory.generate_turn(self.server_manager, row["request_id"], sampling_params, budget)
+            if end is not None:
+                reason = end
                 break
             stepped = await self._step_with_retries(env, text, actions, retries)
             if stepped is None:
@@ -88,7 +84,7 @@ class EnvAgentLoop(AgentLoopBase):
                 reason = "max_turns"
                 break
             if trajectory.add_observation_within([env.format_observation(observation)], budget) is None:
-                reason = "truncated"
+                reason = "length"
                 break
 
         scored = reward_for_row(self.config, row, trajectory.final_reply)

@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from agentloop.agent_loop.base import AgentLoopBase
-from agentloop.protocol import AgentLoopOutput
-from agentloop.registry import register
+from agentloop.protocol import AgentLoopOutput, end_after
 
 
-@register("single_turn_agent")
 class SingleTurnAgentLoop(AgentLoopBase):
     """Render the row's chat prompt, generate once, return the exact sampled tokens."""
 
@@ -23,5 +21,5 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_logprobs=output.log_probs,
             num_turns=2,
             metrics={"cached_tokens": float(output.cached_tokens)},
-            extra_fields={"finish_reason": output.finish_reason},
+            extra_fields={"finish_reason": end_after(output.finish_reason) or "stop"},
         )

@@ -18,14 +18,12 @@ from typing import Any
 from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.interactions import BaseInteraction, load_interactions
-from agentloop.protocol import AgentLoopOutput
-from agentloop.registry import register
+from agentloop.protocol import AgentLoopOutput, EndReason
 from agentloop.rewards import reward_for_row
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.toolset import ToolResult, load_tool_set
 
 
-@register("tool_agent")
 class ToolAgentLoop(AgentLoopBase):
     """Multi-turn tool calling with exact tokens; observation tokens get loss mask 0."""
 
@@ -68,18 +66,16 @@ class ToolAgentLoop(AgentLoopBase):
         turns: list[dict[str, Any]] = []
         errors_by_kind: dict[str, int] = {}
         assistant_turns = user_turns = 0
+        reason: EndReason
 
         try:
             while True:
-                output, text = await trajectory.generate_turn(self.server_manager, request_id, sampling_params, budget)
+                output, text, end = await trajectory.generate_turn(self.server_manager, request_id, sampling_params, budget)
                 assistant_turns += 1
                 turn = {"model_tokens": len(output.token_ids), "tool_calls": 0, "tool_errors": 0, "tool_latency_s": 0.0}
                 turns.append(turn)
-                if output.finish_reason == "abort":
-                    reason = "aborted"
-                    break
-                if output.finish_reason == "length":
-                    reason = "length"
+                if end is not None:
+                    reason = end
                     break
                 _, calls = self.parse(text)
                 if not calls and interaction is None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from agentloop.protocol import AgentLoopOutput, TokenOutput
+from agentloop.protocol import AgentLoopOutput, EndReason, TokenOutput, end_after
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +77,15 @@ class Trajectory:
 
     async def generate_turn(
         self, router: Any, request_id: str, sampling_params: dict[str, Any], budget: int
-    ) -> tuple[TokenOutput, str]:
-        """Generate the next model turn within what is left of ``budget`` response tokens, and append it."""
+    ) -> tuple[TokenOutput, str, EndReason | None]:
+        """Generate the next model turn within what is left of ``budget`` response tokens, and append it.
+
+        Returns the engine's output, the turn's text, and the trajectory's end when this turn forces one
+        (``aborted`` or ``length``), else None.
+        """
         params = {**sampling_params, "max_new_tokens": budget - len(self.response_ids)}
         output = await router.generate(request_id, self.ids, params)
-        return output, self.add_model_turn(output)
+        return output, self.add_model_turn(output), end_after(output.finish_reason)
 
     def add_model_turn(self, output: TokenOutput) -> str:
         """Append the engine's tokens exactly; return the turn's text (without the end-of-turn token)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentloop.models.cache import build_once
@@ -32,20 +33,28 @@ def assistant_token_mask(ids: list[int], assistant_header: list[int], end_id: in
 
 def finetune(
     base_path: str, texts: list[str], out_dir: str, *, steps: int = 300, lr: float = 3e-3, seed: int = 0,
-    batch_size: int | None = None,
+    batch_size: int | None = None, desc: str = "fine-tuning", stop_margin: float | None = None,
 ) -> str:
     """Train ``base_path`` on ``texts`` (AdamW) and save a new checkpoint to ``out_dir``.
 
-    Each step takes ``batch_size`` texts in a seeded shuffled order (all of them when None).
-    Returns ``out_dir``. If it already holds a checkpoint, nothing is trained (callers key the
-    directory by what they train on). Safe when several processes build the same directory.
+    Each step takes ``batch_size`` texts in a seeded shuffled order (all of them when None); a progress
+    bar labelled ``desc`` shows the steps. With ``stop_margin`` (full batches only), training stops as
+    soon as every trained token is the model's top choice by at least that many logits, so greedy
+    decoding replays the texts; ``steps`` is then the most it may take. Returns ``out_dir``. If it already holds a checkpoint, nothing
+    is trained (callers key the directory by what they train on). Safe when several processes build the
+    same directory.
     """
-    return build_once(Path(out_dir), lambda directory: _train(base_path, texts, directory, steps, lr, seed, batch_size))
+    return build_once(
+        Path(out_dir), lambda directory: _train(base_path, texts, directory, steps, lr, seed, batch_size, desc, stop_margin)
+    )
 
 
 def _train(
-    base_path: str, texts: list[str], directory: Path, steps: int, lr: float, seed: int, batch_size: int | None
+    base_path: str, texts: list[str], directory: Path, steps: int, lr: float, seed: int, batch_size: int | None,
+    desc: str, stop_margin: float | None,
 ) -> None:
+    if stop_margin is not None and batch_size:
+        raise ValueError("stop_margin needs full batches (batch_size=None): it judges every text at once")
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
@@ -66,14 +75,27 @@ def _train(
     model.train()
     if batch_size:
         order = torch.cat([torch.randperm(len(encoded)) for _ in range(steps * batch_size // len(encoded) + 1)])
-    for step in range(steps):
+    for step in tqdm(range(steps), desc=desc, unit="step", dynamic_ncols=True):
         rows = order[step * batch_size : (step + 1) * batch_size] if batch_size else torch.arange(len(encoded))
         width = int(attention[rows].sum(-1).max())
-        loss = model(input_ids=input_ids[rows, :width], attention_mask=attention[rows, :width], labels=labels[rows, :width]).loss
+        output = model(input_ids=input_ids[rows, :width], attention_mask=attention[rows, :width], labels=labels[rows, :width])
+        if stop_margin is not None and _smallest_margin(output.logits, labels[rows, :width]) >= stop_margin:
+            break
         optimizer.zero_grad()
-        loss.backward()
+        output.loss.backward()
         optimizer.step()
     model.eval()
 
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+
+
+def _smallest_margin(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """The smallest lead of a trained token's logit over the best other token (negative: a wrong top choice)."""
+    logits, labels = logits[:, :-1].detach(), labels[:, 1:]
+    trained = labels != -100
+    scores = logits[trained]
+    target = labels[trained]
+    chosen = scores.gather(-1, target[:, None])[:, 0]
+    runner_up = scores.scatter(-1, target[:, None], float("-inf")).max(-1).values
+    return float((chosen - runner_up).min())

@@ -3,7 +3,8 @@
 The manager runs its own background thread (paged KV cache, prefix block sharing, per-request
 temperature/top-k/top-p, per-token logprobs); this class turns its result callbacks into awaitables
 on the caller's event loop and adds what RL needs on top: exact ids and logprobs, finish reasons,
-cached-token counts, abort, in-place weight updates and sleep/wake of the KV cache.
+cached-token counts, abort, in-place weight updates and sleep/wake of the KV cache. What it needs of
+transformers beyond the public API sits in ``hf_batching``.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import itertools
 import logging
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
+from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM, GenerationConfig
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from agentloop.protocol import TokenOutput, validate_sampling_params
+from agentloop.server import hf_batching
+from agentloop.server.hf_batching import ContinuousBatchingConfig, GenerationOutput, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ class HFEngine:
     manager's thread with ``call_soon_threadsafe``.
     """
 
+    http_url = None  # the rollout server hosts the HTTP front
+
     def __init__(
         self,
         model_path: str,
@@ -51,6 +55,7 @@ class HFEngine:
         max_batch_tokens: int = 1024,
         seed: int = 0,
     ) -> None:
+        hf_batching.check_internals()
         self.device = resolve_device(device)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
@@ -65,6 +70,20 @@ class HFEngine:
         self._cached_tokens: dict[str, int] = {}
         self._manager = None
         self._start_manager()
+
+    @classmethod
+    def from_config(cls, config: DictConfig, rank: int) -> HFEngine:
+        """``actor_rollout_ref.model.path`` with the ``rollout.hf`` cache sizing; rank r samples with seed + r."""
+        rollout = config.actor_rollout_ref.rollout
+        return cls(
+            config.actor_rollout_ref.model.path,
+            device=rollout.hf.device,
+            dtype=rollout.dtype,
+            page_size=rollout.hf.page_size,
+            num_blocks=rollout.hf.num_blocks,
+            max_batch_tokens=rollout.hf.max_batch_tokens,
+            seed=rollout.seed + rank,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -91,31 +110,9 @@ class HFEngine:
         manager = self.model.init_continuous_batching(
             generation_config=generation_config, continuous_batching_config=cb_config
         )
-        self._observe_prefix_hits(manager)
+        hf_batching.observe_prefix_hits(manager, self._cached_tokens.__setitem__)
         manager.start()
         self._manager = manager
-
-    def _observe_prefix_hits(self, manager: Any) -> None:
-        """Record how many prompt tokens each request took from the prefix cache.
-
-        transformers does not report it, so the cache's prefix search is wrapped on this manager's
-        own batch processor (created in the manager's thread at start).
-        """
-        create_processor = manager._create_batch_processor
-
-        def create_and_observe():
-            processor = create_processor()
-            search = processor.cache.search_prefix_match
-
-            def observed_search(request_id: str, prompt_ids: list[int]) -> int:
-                matched = search(request_id, prompt_ids)
-                self._cached_tokens[request_id] = matched
-                return matched
-
-            processor.cache.search_prefix_match = observed_search
-            return processor
-
-        manager._create_batch_processor = create_and_observe
 
     def _stop_manager(self) -> None:
         if self._manager is None:
@@ -192,7 +189,7 @@ class HFEngine:
             reason = "abort"
         return TokenOutput(tokens, [float(x) for x in output.logprobs], reason, cached)
 
-    def abort(self, request_id: str) -> int:
+    async def abort(self, request_id: str) -> int:
         """Abort every in-flight generation of a session; each returns with ``finish_reason='abort'``."""
         engine_ids = list(self._by_session.get(request_id, ()))
         for engine_id in engine_ids:
@@ -202,8 +199,7 @@ class HFEngine:
 
     def _finish_aborted(self, engine_id: str) -> None:
         # A cancelled request produces no output from the manager, so it is answered here.
-        with self._manager.output_router._lock:
-            self._manager.output_router.result_handlers.pop(engine_id, None)
+        hf_batching.drop_result_handler(self._manager, engine_id)
         self._cached_tokens.pop(engine_id, None)
         future = self._pending.get(engine_id)
         if future is not None and not future.done():
@@ -215,12 +211,12 @@ class HFEngine:
 
     # ------------------------------------------------------------------ weights and memory
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> int:
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
         """Copy new weights into the model in place and flush the prefix cache (it holds stale KV).
 
         In-flight requests are aborted: their tokens would mix two policies.
         """
-        items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+        items = list(named_tensors.items())
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         tied = self.model.config.tie_word_embeddings
@@ -241,7 +237,7 @@ class HFEngine:
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         return len(updates)
 
-    def flush_cache(self) -> None:
+    async def flush_cache(self) -> None:
         """Drop every cached prefix (in-flight requests are aborted)."""
         with self._model_held():
             pass
@@ -260,12 +256,11 @@ class HFEngine:
         manager = self._manager
         if manager is not None and not self._pending and manager.is_running():
             with manager.pause():
-                processor = manager.batch_processor
-                if not processor.has_pending_requests():
+                if not hf_batching.has_pending_requests(manager):
                     try:
                         yield
                     finally:
-                        processor.cache.evict_cached_blocks()
+                        hf_batching.evict_cached_blocks(manager)
                     return
         was_awake = manager is not None
         self._stop_manager()
@@ -275,7 +270,7 @@ class HFEngine:
             if was_awake:
                 self._start_manager()
 
-    def update_weights_from_disk(self, model_path: str) -> int:
+    async def update_weights_from_disk(self, model_path: str) -> None:
         """Load the ``*.safetensors`` of a checkpoint directory in place (prefix cache flushed)."""
         from safetensors.torch import load_file
 
@@ -285,13 +280,13 @@ class HFEngine:
         state: dict[str, torch.Tensor] = {}
         for file in files:
             state.update(load_file(file))
-        return self.update_weights(state)
+        await self.update_weights(state)
 
-    def sleep(self) -> None:
+    async def sleep(self) -> None:
         """Free the KV cache (aborting in-flight requests); weights stay loaded."""
         self._stop_manager()
 
-    def wake_up(self) -> None:
+    async def wake_up(self) -> None:
         """Allocate a fresh KV cache and resume serving."""
         if self._manager is None:
             self._start_manager()
@@ -300,7 +295,7 @@ class HFEngine:
     def is_sleeping(self) -> bool:
         return self._manager is None
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
         self._stop_manager()
 
 

@@ -8,21 +8,29 @@ contract is also exactly what the attach mode speaks, so one client serves both.
 
 Tested SGLang: 0.5.21–0.5.23 (request shapes validated against the wheel's ``api/v1/api_types.py``).
 Unknown sampling keys are rejected by SGLang >= 0.5.22, so only valid ones are sent.
+
+Each call gets its own ``rid`` (``<session>#<n>``): SGLang rejects a rid that is already in flight,
+and one session may have several calls in flight; ``abort(session)`` aborts every rid of the session.
+Calls share one HTTP connection pool per event loop (an ``aiohttp`` session is bound to the loop
+that opened it), so a turn does not pay for a new connection.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
+from collections import defaultdict, deque
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import aiohttp
 import torch
+from omegaconf import DictConfig
 
 from agentloop.protocol import TokenOutput, validate_sampling_params
 
@@ -78,14 +86,46 @@ class SGLangEngine:
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
-        self._in_flight = 0
+        self._rids_by_session: dict[str, set[str]] = defaultdict(set)
+        self._call_counter = itertools.count()
+        self._http: aiohttp.ClientSession | None = None
+        self._http_loop: asyncio.AbstractEventLoop | None = None
         self._sleeping = False
         if url:
-            self.url = url.rstrip("/")
+            self.http_url = url.rstrip("/")
         else:
-            self.url = f"http://127.0.0.1:{port}"
+            self.http_url = f"http://127.0.0.1:{port}"
             self._launch(port, list(launch_args))
         self._wait_until_healthy(startup_timeout_s)
+
+    @classmethod
+    def from_config(cls, config: DictConfig, rank: int) -> SGLangEngine:
+        """Launch SGLang for this rank from ``rollout.sglang`` (port + rank), or attach to ``urls[rank]``."""
+        rollout = config.actor_rollout_ref.rollout
+        settings = rollout.sglang
+        urls = list(settings.urls or [])
+        if urls and len(urls) < rollout.data_parallel_size:
+            raise ValueError(
+                f"rollout.sglang.urls lists {len(urls)} server(s) for data_parallel_size={rollout.data_parallel_size}"
+            )
+        launch_args = [
+            "--mem-fraction-static", str(settings.mem_fraction_static),
+            "--tp-size", str(settings.tensor_parallel_size),
+            "--dtype", rollout.dtype,
+            "--random-seed", str(rollout.seed + rank),
+            *(["--enable-memory-saver"] if settings.enable_memory_saver else []),
+            *settings.extra_args,
+        ]
+        return cls(
+            config.actor_rollout_ref.model.path,
+            url=urls[rank] if urls else None,
+            api_key=settings.api_key,
+            launch_args=launch_args,
+            startup_timeout_s=rollout.server_startup_timeout_s,
+            request_timeout_s=rollout.request_timeout_s,
+            port=int(settings.port) + rank,
+            tensor_parallel_size=int(settings.tensor_parallel_size),
+        )
 
     # ------------------------------------------------------------------ process
 
@@ -113,7 +153,7 @@ class SGLangEngine:
         import urllib.request
 
         deadline = time.monotonic() + timeout_s
-        request = urllib.request.Request(self.url + "/health_generate", headers=self.headers)
+        request = urllib.request.Request(self.http_url + "/health_generate", headers=self.headers)
         while True:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(
@@ -126,14 +166,14 @@ class SGLangEngine:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             if time.monotonic() > deadline:
-                self.shutdown()
+                self._terminate()
                 raise TimeoutError(
-                    f"SGLang server at {self.url} not healthy after {timeout_s:.0f}s "
+                    f"SGLang server at {self.http_url} not healthy after {timeout_s:.0f}s "
                     f"(actor_rollout_ref.rollout.server_startup_timeout_s); log tail:\n{self.log_tail()}"
                 )
             time.sleep(1.0)
 
-    def shutdown(self) -> None:
+    def _terminate(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -141,36 +181,52 @@ class SGLangEngine:
             except subprocess.TimeoutExpired:
                 self.process.kill()
 
+    async def shutdown(self) -> None:
+        """Close the connection pool and stop a launched server (an attached one keeps running)."""
+        if self._http is not None and self._http_loop is asyncio.get_running_loop():
+            await self._http.close()
+        self._terminate()
+
     # ------------------------------------------------------------------ calls
 
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http.closed or self._http_loop is not loop:
+            self._http = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers)
+            self._http_loop = loop
+        return self._http
+
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        async with aiohttp.ClientSession(timeout=self.timeout, headers=self.headers) as session:
-            async with session.post(self.url + path, json=body) as response:
-                text = await response.text()
-                if response.status != 200:
-                    raise RuntimeError(f"SGLang {path} answered {response.status}: {text[:500]}")
-                return await response.json(content_type=None) if text else None
+        async with self._session().post(self.http_url + path, json=body) as response:
+            text = await response.text()
+            if response.status != 200:
+                raise RuntimeError(f"SGLang {path} answered {response.status}: {text[:500]}")
+            return await response.json(content_type=None) if text else None
 
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> TokenOutput:
         if self._sleeping:
             raise RuntimeError("engine is asleep: call wake_up() before generate()")
-        self._in_flight += 1
+        rid = f"{request_id}#{next(self._call_counter)}"
+        self._rids_by_session[request_id].add(rid)
         try:
-            return parse_generate_response(await self._post("/generate", build_generate_request(prompt_ids, sampling_params, request_id)))
+            return parse_generate_response(await self._post("/generate", build_generate_request(prompt_ids, sampling_params, rid)))
         finally:
-            self._in_flight -= 1
+            self._rids_by_session[request_id].discard(rid)
+            if not self._rids_by_session[request_id]:
+                del self._rids_by_session[request_id]
 
     async def abort(self, request_id: str) -> int:
-        await self._post("/abort_request", {"rid": request_id})
-        return 1
+        rids = list(self._rids_by_session.get(request_id, ()))
+        await asyncio.gather(*(self._post("/abort_request", {"rid": rid}) for rid in rids))
+        return len(rids)
 
     @property
     def num_in_flight(self) -> int:
-        return self._in_flight
+        return sum(len(rids) for rids in self._rids_by_session.values())
 
     # ------------------------------------------------------------------ weights and memory
 
-    async def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
         """In-place update between ``begin_weight_update`` and ``end_weight_update``, then flush the cache.
 
         Tensors travel with SGLang's own serializer as CUDA IPC handles: they are copied to this
@@ -195,7 +251,7 @@ class SGLangEngine:
             await self._post("/update_weights_from_tensor", body)
         finally:
             await self._post("/end_weight_update", {})
-        await self._post("/flush_cache", {})
+        await self.flush_cache()
         return len(named_tensors)
 
     async def update_weights_from_disk(self, model_path: str) -> None:
@@ -205,6 +261,9 @@ class SGLangEngine:
             await self._post("/update_weights_from_disk", {"model_path": model_path})
         finally:
             await self._post("/end_weight_update", {})
+        await self.flush_cache()
+
+    async def flush_cache(self) -> None:
         await self._post("/flush_cache", {})
 
     async def sleep(self, tags: list[str] | None = None) -> None:

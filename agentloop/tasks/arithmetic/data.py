@@ -1,19 +1,17 @@
-"""Synthetic arithmetic task in verl's row format, solved with the calculator and submit_answer tools.
+"""Synthetic arithmetic problems in verl's row format, solved with the calculator and submit_answer tools.
 
-    python -m agentloop.data.arithmetic --out data/arithmetic --train 512 --test 64
+    python -m agentloop.tasks.arithmetic.data --out data/arithmetic --train 512 --test 64
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+from agentloop.models.cache import cache_root
+from agentloop.rows import write_rows
 
 SYSTEM = "Use the calculator tool to compute, then call submit_answer with the result."
 
@@ -45,21 +43,8 @@ def make_rows(count: int, seed: int = 0, split: str = "train", max_operand: int 
     return rows
 
 
-def write_rows(rows: list[dict[str, Any]], path: str) -> str:
-    """Write rows as parquet (``.parquet``) or JSON lines (anything else)."""
-    file = Path(path)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    if file.suffix == ".parquet":
-        pq.write_table(pa.Table.from_pylist(rows), file)
-    else:
-        file.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(file)
-
-
-def arithmetic_data_path(split: str, count: int, max_operand: int = 99, seed: int = 0) -> str:
+def cached_split(split: str, count: int, max_operand: int = 99, seed: int = 0) -> str:
     """A cached parquet of ``make_rows(count, seed, split, max_operand)``, written on first use."""
-    from agentloop.models.cache import cache_root
-
     path = cache_root() / "data" / f"arithmetic-{count}-{max_operand}-{seed}" / f"{split}.parquet"
     if not path.exists():
         staging = write_rows(make_rows(count, seed, split, max_operand), str(path.with_suffix(f".{os.getpid()}.parquet")))

@@ -1,4 +1,4 @@
-"""Built-in example tools for the synthetic arithmetic task: a calculator and an answer checker."""
+"""The arithmetic task's tools: a calculator and an answer checker."""
 
 from __future__ import annotations
 

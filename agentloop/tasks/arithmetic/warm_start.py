@@ -1,8 +1,8 @@
-"""The supervised warm start of the main job: the tiny model taught the arithmetic tool task, partly.
+"""The supervised warm start of the quick start: the tiny model taught the arithmetic tool task, partly.
 
 A random tiny model never calls a tool, so GRPO would see reward 0 everywhere and learn nothing. The
 warm start teaches both behaviours on the task's own prompts (same system prompt, same tool schemas
-from ``config/tools/arithmetic.yaml``): in a ``tool_share`` of the conversations the model calls
+from the job's ``multi_turn.tool_config_path``): in a ``tool_share`` of the conversations the model calls
 ``calculator``, then ``submit_answer`` with the result (reward 1); in the rest it answers in plain text
 without tools (reward 0). The starting policy uses the tools on a small share of the problems (5-12%
 measured with ``tool_share=0.25``; sampled copies of the operands are not always right either), and
@@ -18,16 +18,13 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from agentloop.config import CONFIG_DIR
-from agentloop.data.arithmetic import make_rows
 from agentloop.models.cache import cache_root
 from agentloop.models.sft import finetune
 from agentloop.models.tiny_qwen import tiny_model_path
-from agentloop.tools.calculator import evaluate
+from agentloop.tasks.arithmetic.data import make_rows
+from agentloop.tasks.arithmetic.tools import evaluate
 from agentloop.tools.parsers import format_hermes
 from agentloop.tools.toolset import load_tool_set
-
-TOOLS_PATH = CONFIG_DIR / "tools" / "arithmetic.yaml"
 
 
 def conversation(row: dict[str, Any], use_tools: bool, rng: random.Random) -> list[dict[str, Any]]:
@@ -46,9 +43,10 @@ def conversation(row: dict[str, Any], use_tools: bool, rng: random.Random) -> li
     ]
 
 
-def arithmetic_warm_start_path(max_operand: int = 9, tool_share: float = 0.25, seed: int = 0) -> str:
+def warm_start_path(tools_path: str, max_operand: int = 9, tool_share: float = 0.25, seed: int = 0) -> str:
     """Directory of the warm-started checkpoint, trained on first use and cached (deterministic).
 
+    ``tools_path`` is the job's tool YAML: the conversations render its schemas, as rollouts will.
     Two passes: first the tool protocol on every problem (copying operands into the call and the
     result into the answer takes a few hundred steps to click), then a short pass where each problem
     comes with tools in ``tool_share`` of its conversations, which sets how often the starting policy
@@ -56,7 +54,7 @@ def arithmetic_warm_start_path(max_operand: int = 9, tool_share: float = 0.25, s
     """
     base = tiny_model_path()
     tokenizer = AutoTokenizer.from_pretrained(base)
-    schemas = load_tool_set(str(TOOLS_PATH)).schemas
+    schemas = load_tool_set(tools_path).schemas
     rng = random.Random(seed)
     # problems of their own split: the warm start never sees the train or test rows
     rows = make_rows(512, seed, split="warm_start", max_operand=max_operand)
@@ -68,8 +66,14 @@ def arithmetic_warm_start_path(max_operand: int = 9, tool_share: float = 0.25, s
     skill = [render(row, True) for row in rows]
     mix = [render(row, i < round(tool_share * per_problem)) for row in rows[:128] for i in range(per_problem)]
     models = cache_root() / "models"
-    skilled = finetune(base, skill, str(models / f"arithmetic-tools-{_key(base, skill)}"), steps=600, lr=3e-3, batch_size=16, seed=seed)
-    return finetune(skilled, mix, str(models / f"arithmetic-warm-start-{_key(skilled, mix)}"), steps=100, lr=1e-3, batch_size=16, seed=seed)
+    skilled = finetune(
+        base, skill, str(models / f"arithmetic-tools-{_key(base, skill)}"), steps=600, lr=3e-3, batch_size=16, seed=seed,
+        desc="warm start 1/2 (first run only): the tool protocol",
+    )
+    return finetune(
+        skilled, mix, str(models / f"arithmetic-warm-start-{_key(skilled, mix)}"), steps=100, lr=1e-3, batch_size=16,
+        seed=seed, desc=f"warm start 2/2 (first run only): tools in {tool_share:.0%} of the conversations",
+    )
 
 
 def _key(*parts: Any) -> str:

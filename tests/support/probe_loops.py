@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from agentloop import AgentLoopBase, AgentLoopOutput, register
@@ -33,14 +32,3 @@ class MultiTurnProbe(AgentLoopBase):
             extra_fields={"servers": servers, "cached": cached, "observation": observation},
         )
 
-
-@register("probe_length")
-class LengthProbe(AgentLoopBase):
-    """Starts after ``extra_info.delay_s`` and generates exactly ``extra_info.length`` tokens."""
-
-    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
-        await asyncio.sleep(row["extra_info"].get("delay_s", 0.0))
-        prompt_ids = self.encode_prompt(row["prompt"])
-        params = {**sampling_params, "max_new_tokens": row["extra_info"]["length"], "ignore_eos": True}
-        output = await self.server_manager.generate(row["request_id"], prompt_ids, params)
-        return AgentLoopOutput(prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs)

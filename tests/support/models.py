@@ -1,8 +1,11 @@
-"""A tiny model fine-tuned to replay scripted tool-calling conversations under greedy decoding.
+"""The test models: the tiny model fine-tuned to replay scripted tool-calling conversations, or to say "ok".
 
-The model is real (same architecture, same engine); only its weights were taught the scripts, so the
-agent loop meets exactly the turns a test needs. Observations in the training text are produced by
-the real parser and tools, so the model sees at rollout time what it saw in training.
+The models are real (same architecture, same engine); only their weights were taught the scripts, so
+the agent loops meet exactly the turns a test needs under greedy decoding. Observations in the training
+text come from the real parser and tools, so the model sees at rollout time what it saw in training.
+
+Built once per test session before any test runs (``conftest.py`` runs this module as a bounded
+subprocess: ``python -m tests.support.models tiny scripted ok``), then read from the cache.
 """
 
 from __future__ import annotations
@@ -10,37 +13,24 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import random
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from transformers import AutoTokenizer
 
-from agentloop.models.sft import finetune
 from agentloop.models.cache import cache_root
+from agentloop.models.sft import finetune
 from agentloop.models.tiny_qwen import tiny_model_path
-from agentloop.tools.parsers import format_hermes as call, parse_hermes
+from agentloop.tools.parsers import format_hermes as call
+from agentloop.tools.parsers import parse_hermes
 from agentloop.tools.toolset import load_tool_set
 
-TOOLS_YAML = """tools:
-  - class_name: agentloop.tools.calculator.CalculatorTool
-    config: {timeout_s: 5}
-    tool_schema: {type: function, function: {name: calculator, description: Evaluate arithmetic.,
-      parameters: {type: object, properties: {expression: {type: string}}, required: [expression]}}}
-  - class_name: agentloop.tools.calculator.AnswerTool
-    config: {timeout_s: 5}
-    tool_schema: {type: function, function: {name: submit_answer, description: Submit the answer.,
-      parameters: {type: object, properties: {answer: {type: number}}, required: [answer]}}}
-  - class_name: probe_tools.ExplodingTool
-    config: {timeout_s: 5}
-    tool_schema: {type: function, function: {name: explode, description: Always fails.}}
-  - class_name: probe_tools.SleepyTool
-    config: {timeout_s: 0.3, sleep_s: 5}
-    tool_schema: {type: function, function: {name: sleepy, description: Too slow.}}
-  - class_name: probe_tools.EchoTool
-    config: {timeout_s: 5, max_concurrency: 2}
-    tool_schema: {type: function, function: {name: echo, description: Repeat text.,
-      parameters: {type: object, properties: {text: {type: string}, times: {type: integer}}, required: [text]}}}
-"""
+TOOLS_PATH = str(Path(__file__).with_name("scripted_tools.yaml"))
+# Training stops once greedy decoding replays every text with this lead (in logits) of each trained
+# token over the runner-up: far above the engine's numerical noise (~1e-5), and cheaper than a fixed step count.
+STOP_MARGIN = 2.0
 
 
 # script name -> the assistant turns the model must replay (tool results come from the real tools)
@@ -81,38 +71,49 @@ async def _conversation(name: str, tools_path: str) -> list[dict[str, Any]]:
     return messages
 
 
-def build_scripted_model(tools_path: str) -> tuple[str, dict[str, list[dict[str, Any]]]]:
-    """Return the fine-tuned model's directory and each script's full conversation."""
+class ScriptedModel(NamedTuple):
+    tools_path: str
+    path: str
+    conversations: dict[str, list[dict[str, Any]]]
+
+
+def build_scripted_model() -> ScriptedModel:
+    """The fine-tuned model's directory, the tool YAML it was trained with, and each script's conversation."""
     base = tiny_model_path()
     tokenizer = AutoTokenizer.from_pretrained(base)
-    schemas = load_tool_set(tools_path).schemas
-    conversations = {name: asyncio.run(_conversation(name, tools_path)) for name in SCRIPTS}
+    schemas = load_tool_set(TOOLS_PATH).schemas
+    conversations = {name: asyncio.run(_conversation(name, TOOLS_PATH)) for name in SCRIPTS}
     texts = [tokenizer.apply_chat_template(c, tools=schemas, tokenize=False) for c in conversations.values()]
-    key = hashlib.sha256(json.dumps([base, texts]).encode()).hexdigest()[:16]
-    path = finetune(base, texts, str(cache_root() / "models" / f"scripted-{key}"), steps=400)
-    return path, conversations
-
-
-def write_tools_yaml(directory: Path) -> str:
-    path = directory / "tools.yaml"
-    path.write_text(TOOLS_YAML)
-    return str(path)
+    key = hashlib.sha256(json.dumps([base, texts, STOP_MARGIN]).encode()).hexdigest()[:16]
+    path = finetune(
+        base, texts, str(cache_root() / "models" / f"scripted-{key}"), steps=400, stop_margin=STOP_MARGIN,
+        desc="scripted test model",
+    )
+    return ScriptedModel(TOOLS_PATH, path, conversations)
 
 
 def build_ok_model() -> str:
     """A model that answers every turn with "ok": short, eos-terminated turns for env and user loops."""
-    import random
-
     base = tiny_model_path()
     tokenizer = AutoTokenizer.from_pretrained(base)
     rng = random.Random(0)
     words = "keep going observation step try again history lots of text late reset start move left right".split()
     texts = []
-    for i in range(40):
+    for _ in range(40):
         messages = []
-        for turn in range(rng.randint(1, 4)):
+        for _ in range(rng.randint(1, 4)):
             content = " ".join(rng.choice(words) for _ in range(rng.randint(1, 12))) + f" {rng.randint(0, 50)}"
             messages += [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]
         texts.append(tokenizer.apply_chat_template(messages, tokenize=False))
-    key = hashlib.sha256(json.dumps([base, texts]).encode()).hexdigest()[:16]
-    return finetune(base, texts, str(cache_root() / "models" / f"ok-{key}"), steps=150)
+    key = hashlib.sha256(json.dumps([base, texts, STOP_MARGIN]).encode()).hexdigest()[:16]
+    return finetune(
+        base, texts, str(cache_root() / "models" / f"ok-{key}"), steps=150, stop_margin=STOP_MARGIN, desc='"ok" test model'
+    )
+
+
+BUILDERS = {"tiny": tiny_model_path, "scripted": build_scripted_model, "ok": build_ok_model}
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        BUILDERS[name]()

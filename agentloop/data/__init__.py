@@ -1,1 +1,0 @@
-"""Datasets built here (no downloads): synthetic tasks in verl's row format."""

@@ -1,0 +1,89 @@
+"""Every use the ``hf`` engine makes of transformers' continuous-batching internals, in one place.
+
+transformers' public continuous-batching API (``init_continuous_batching``, ``add_request``,
+``register_result_handler``, ``cancel_request``, ``pause``) lacks three things RL rollouts need: the
+count of prompt tokens served from the prefix cache, answering a cancelled request (the manager
+sends no output for it), and dropping cached prefixes after an in-place weight update. Those reach
+into private attributes, checked against transformers 5.23 (``CHECKED_WITH``); a version without
+them fails here, at engine start, with a message naming what is missing, rather than mid-rollout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import transformers
+
+CHECKED_WITH = "transformers 5.23"
+
+try:
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.continuous_api import (
+        ContinuousBatchingManager,
+        ContinuousBatchProcessor,
+    )
+    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+except ImportError as error:  # pragma: no cover - depends on the installed transformers
+    raise ImportError(
+        f"the hf engine needs transformers' continuous batching as in {CHECKED_WITH}; transformers "
+        f"{transformers.__version__} lacks it ({error}). Install transformers>=5.23,<6."
+    ) from error
+
+__all__ = ["ContinuousBatchingConfig", "GenerationOutput", "RequestStatus", "check_internals"]
+
+_REQUIRED = {
+    ContinuousBatchingManager: ("_create_batch_processor", "pause", "cancel_request", "register_result_handler"),
+    ContinuousBatchProcessor: ("has_pending_requests",),
+    PagedAttentionCache: ("search_prefix_match", "evict_cached_blocks"),
+}
+
+
+def check_internals() -> None:
+    """Fail with a clear message when the installed transformers lacks an internal relied on here."""
+    missing = [f"{cls.__name__}.{name}" for cls, names in _REQUIRED.items() for name in names if not hasattr(cls, name)]
+    if missing:
+        raise RuntimeError(
+            f"transformers {transformers.__version__} lacks {missing}, which agentloop's hf engine uses "
+            f"(checked with {CHECKED_WITH}); install transformers>=5.23,<6 or update agentloop/server/hf_batching.py"
+        )
+
+
+def observe_prefix_hits(manager: Any, record: Callable[[str, int], None]) -> None:
+    """Call ``record(request_id, matched_tokens)`` on every prefix-cache lookup of this manager.
+
+    The batch processor (and its cache) is created in the manager's thread when it starts, so the
+    factory is wrapped before ``start()``.
+    """
+    create_processor = manager._create_batch_processor
+
+    def create_and_observe() -> Any:
+        processor = create_processor()
+        search = processor.cache.search_prefix_match
+
+        def observed_search(request_id: str, prompt_ids: list[int]) -> int:
+            matched = search(request_id, prompt_ids)
+            record(request_id, matched)
+            return matched
+
+        processor.cache.search_prefix_match = observed_search
+        return processor
+
+    manager._create_batch_processor = create_and_observe
+
+
+def drop_result_handler(manager: Any, request_id: str) -> None:
+    """Forget a cancelled request's result callback (the manager never delivers one for it)."""
+    router = manager.output_router
+    with router._lock:
+        router.result_handlers.pop(request_id, None)
+
+
+def has_pending_requests(manager: Any) -> bool:
+    """Whether the batching loop still holds requests (cancelled ones included until it drops them)."""
+    return manager.batch_processor.has_pending_requests()
+
+
+def evict_cached_blocks(manager: Any) -> None:
+    """Drop every cached prefix block: KV computed under old weights must not be reused."""
+    manager.batch_processor.cache.evict_cached_blocks()

@@ -1,0 +1,57 @@
+"""The rollout server's FastAPI app: API-key check, ValueError → 400, the native and chat routes; and uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from transformers import PreTrainedTokenizerBase
+
+from agentloop.server.http.chat import chat_routes
+from agentloop.server.http.native import native_routes
+
+
+def build_app(server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: str, tool_format: str, api_key: str | None) -> FastAPI:
+    """The app over a ``RolloutServer`` (async ``generate``, ``abort``, weight, memory and cache controls)."""
+    app = FastAPI(title="agentloop rollout server")
+
+    async def authorize(request: Request) -> None:
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise HTTPException(status_code=401, detail="missing or wrong API key (Authorization: Bearer <key>)")
+
+    @app.exception_handler(ValueError)
+    async def bad_request(_: Request, error: ValueError) -> JSONResponse:
+        return JSONResponse(status_code=400, content={"error": {"message": str(error), "code": 400}})
+
+    # liveness probes carry no key, so /health stays outside the authorized routers
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    authorized = [Depends(authorize)]
+    app.include_router(native_routes(server, tokenizer), dependencies=authorized)
+    app.include_router(chat_routes(server, tokenizer, model_name=model_name, tool_format=tool_format), dependencies=authorized)
+    return app
+
+
+async def serve(app: FastAPI, host: str, port: int, timeout_s: float = 30.0) -> tuple[uvicorn.Server, int]:
+    """Start uvicorn on the running loop (port 0: any free port); return the server and its port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if task.done():
+            task.result()  # re-raises the start-up error
+            raise RuntimeError(f"the HTTP server on {host}:{port} stopped during start-up")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the HTTP server on {host}:{port} did not start within {timeout_s}s")
+        await asyncio.sleep(0.01)
+    return server, sock.getsockname()[1]

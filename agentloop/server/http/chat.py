@@ -1,0 +1,89 @@
+"""OpenAI ``/v1/chat/completions`` over a rollout server, with the exact prompt and completion token ids and
+logprobs as extra fields so external agent code can produce trainable trajectories."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict
+from transformers import PreTrainedTokenizerBase
+
+from agentloop.tools.parsers import get_parser
+
+
+class ChatBody(BaseModel):
+    """The subset of OpenAI's chat completion request that rollouts use."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int = 1
+    stream: bool = False
+
+
+def chat_routes(server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: str, tool_format: str) -> APIRouter:
+    """``POST /v1/chat/completions``; tool calls in the completion are parsed in ``tool_format``."""
+    router = APIRouter()
+    parse_tool_calls = get_parser(tool_format)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody) -> dict[str, Any]:
+        if body.stream or body.n != 1:
+            raise ValueError("only stream=false and n=1 are supported")
+        prompt = list(
+            tokenizer.apply_chat_template(
+                body.messages, tools=body.tools, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        params = {"temperature": body.temperature, "top_p": body.top_p}
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens:
+            params["max_new_tokens"] = max_tokens
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        output = await server.generate(prompt, params, request_id)
+        ids = output.token_ids[:-1] if output.finish_reason == "stop" else output.token_ids
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        content, calls = parse_tool_calls(text) if body.tools else (text, [])
+        tool_calls = [
+            {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            for c in calls
+            if c.error is None
+        ]
+        finish = "tool_calls" if tool_calls else ("length" if output.finish_reason == "length" else "stop")
+        logprobs = [
+            {"token": tokenizer.decode([token]), "logprob": lp, "bytes": None, "top_logprobs": []}
+            for token, lp in zip(output.token_ids, output.log_probs)
+        ]
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.model or model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content if (content or not tool_calls) else None, "tool_calls": tool_calls or None},
+                    "finish_reason": finish,
+                    "logprobs": {"content": logprobs},
+                    # exact tokens for training: what was sampled, with the engine's logprobs
+                    "token_ids": output.token_ids,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(output.token_ids),
+                "total_tokens": len(prompt) + len(output.token_ids),
+            },
+            "prompt_token_ids": prompt,
+        }
+
+    return router

@@ -1,0 +1,118 @@
+"""SGLang's native routes over a rollout server: token-in/token-out ``/generate`` (``input_ids``,
+``sampling_params``, ``rid``, ``return_logprob`` → ``output_ids``, ``meta_info``), abort, and the weight,
+cache and memory controls, so SGLang clients (our ``sglang`` backend included) can drive it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import PreTrainedTokenizerBase
+
+from agentloop.protocol import SAMPLING_DEFAULTS, TokenOutput
+
+# SGLang sampling keys accepted here; the text-only ones have no effect on token ids.
+TEXT_ONLY_KEYS = {"skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"}
+SGLANG_TOP_K_DISABLED = 1 << 30
+
+
+class GenerateBody(BaseModel):
+    """SGLang's ``/generate`` request, single-prompt form."""
+
+    model_config = ConfigDict(extra="ignore")
+    input_ids: list[int] | None = None
+    text: str | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    rid: str | None = None
+    return_logprob: bool = False
+    stream: bool = False
+
+
+def sglang_to_engine_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Map SGLang sampling params onto the engine's, rejecting keys neither knows."""
+    unknown = sorted(set(params) - set(SAMPLING_DEFAULTS) - TEXT_ONLY_KEYS)
+    if unknown:
+        raise ValueError(f"unsupported sampling_params {unknown}; supported: {sorted(set(SAMPLING_DEFAULTS) | TEXT_ONLY_KEYS)}")
+    mapped = {key: value for key, value in params.items() if key in SAMPLING_DEFAULTS}
+    # SGLang clients send 1 << 30 for "no top-k"; smaller values pass through, the engine clamps them to its vocabulary
+    if mapped.get("top_k") is not None and mapped["top_k"] >= SGLANG_TOP_K_DISABLED:
+        mapped["top_k"] = -1
+    return mapped
+
+
+def finish_reason_json(output: TokenOutput) -> dict[str, Any]:
+    """SGLang's ``meta_info.finish_reason`` for an engine output."""
+    if output.finish_reason == "stop":
+        return {"type": "stop", "matched": output.token_ids[-1] if output.token_ids else None}
+    if output.finish_reason == "length":
+        return {"type": "length", "length": len(output.token_ids)}
+    return {"type": "abort", "message": "aborted"}
+
+
+def native_routes(server: Any, tokenizer: PreTrainedTokenizerBase) -> APIRouter:
+    """Every SGLang-native route but ``/health``, which the app serves without the API key."""
+    router = APIRouter()
+
+    @router.get("/health_generate")
+    async def health_generate() -> dict[str, str]:
+        await server.generate([tokenizer.eos_token_id or 0], {"max_new_tokens": 1}, f"health-{uuid.uuid4()}")
+        return {"status": "ok"}
+
+    @router.post("/generate")
+    async def generate(body: GenerateBody) -> dict[str, Any]:
+        if body.stream:
+            raise ValueError("stream=true is not supported by this server; send stream=false")
+        if body.input_ids is None and body.text is None:
+            raise ValueError("send input_ids (token ids) or text")
+        ids = body.input_ids if body.input_ids is not None else tokenizer.encode(body.text, add_special_tokens=False)
+        rid = body.rid or uuid.uuid4().hex
+        start = time.perf_counter()
+        output = await server.generate(ids, sglang_to_engine_params(body.sampling_params), rid)
+        meta: dict[str, Any] = {
+            "id": rid,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(output.token_ids),
+            "finish_reason": finish_reason_json(output),
+            "cached_tokens": output.cached_tokens,
+            "e2e_latency": time.perf_counter() - start,
+        }
+        if body.return_logprob:
+            meta["output_token_logprobs"] = [[lp, token, None] for lp, token in zip(output.log_probs, output.token_ids)]
+        return {"text": tokenizer.decode(output.token_ids, skip_special_tokens=True), "output_ids": output.token_ids, "meta_info": meta}
+
+    @router.post("/abort_request")
+    async def abort_request(body: dict[str, Any]) -> dict[str, Any]:
+        return {"aborted": await server.abort(str(body.get("rid", "")))}
+
+    # Weight and memory control in SGLang's shapes, so the sglang backend's client can drive this server.
+    @router.post("/begin_weight_update")
+    @router.post("/end_weight_update")
+    async def weight_update_session() -> dict[str, Any]:
+        return {"success": True, "message": "weight updates here are atomic; no session to open or close"}
+
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: dict[str, Any]) -> dict[str, Any]:
+        if not body.get("model_path"):
+            raise ValueError("update_weights_from_disk needs model_path")
+        await server.update_weights_from_disk(body["model_path"])
+        return {"success": True, "message": f"loaded {body['model_path']}", "num_paused_requests": 0}
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> dict[str, Any]:
+        await server.flush_cache()
+        return {"success": True}
+
+    @router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation() -> dict[str, Any]:
+        await server.sleep()
+        return {"success": True}
+
+    @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation() -> dict[str, Any]:
+        await server.wake_up()
+        return {"success": True}
+
+    return router

@@ -1,0 +1,122 @@
+"""The seams hold: no import circle, no import from a lower layer up, `import agentloop` loads no task,
+small source files, and every engine behind one contract (a new one plugs in by name)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.utils import get_class
+
+from agentloop.server.engine import ENGINES, Engine, build_engine
+from tests.support.config import small_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Top layer first; a module imports only from its own layer or the ones below it.
+LAYERS = [
+    ["trainer", "agentloop.tasks"],
+    ["agentloop", "agentloop.config", "agentloop.testing"],
+    ["agentloop.manager"],
+    ["agentloop.worker", "agentloop.metrics", "agentloop.registry", "agentloop.postprocess"],
+    ["agentloop.agent_loop"],
+    ["agentloop.router"],
+    ["agentloop.server"],
+    ["agentloop.tools", "agentloop.interactions", "agentloop.envs", "agentloop.rewards", "agentloop.models"],
+    ["agentloop.protocol", "agentloop.batch", "agentloop.rows", "agentloop.waiting", "agentloop.yaml_entries"],
+]
+
+
+def module_files() -> dict[str, Path]:
+    files = {}
+    for package in ("agentloop", "trainer"):
+        for path in (REPO / package).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports (lazy imports inside functions included)."""
+    files = module_files()
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in files else node.module for alias in node.names}
+        graph[module] = {target for target in targets if target in files and target != module}
+    return graph
+
+
+def layer_of(module: str) -> int:
+    matches = [(len(prefix), index) for index, layer in enumerate(LAYERS) for prefix in layer
+               if module == prefix or (prefix != "agentloop" and module.startswith(prefix + "."))]
+    assert matches, f"{module} is in no layer of LAYERS: add it where it belongs"
+    return max(matches)[1]
+
+
+def test_no_import_runs_up_a_layer():
+    upward = [
+        f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
+        for module, targets in import_graph().items()
+        for target in targets
+        if layer_of(target) < layer_of(module)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_circle():
+    graph, state, cycles = import_graph(), {}, []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target):] + [module, target]) if target in path else f"{module} -> {target}")
+            elif target not in state:
+                visit(target, path + [module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_importing_agentloop_loads_no_task_and_no_model_builder():
+    code = "import sys, agentloop; print(sorted(m for m in sys.modules if m.startswith(('agentloop.tasks', 'agentloop.models'))))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
+def test_source_files_stay_small():
+    long = {str(path.relative_to(REPO)): n for path in module_files().values() if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, f"split these files (over 400 lines): {long}"
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_every_engine_implements_the_contract(name):
+    cls = get_class(ENGINES[name])
+    assert isinstance(inspect.getattr_static(cls, "from_config"), classmethod)
+    for member, declared in vars(Engine).items():
+        if inspect.iscoroutinefunction(declared):
+            assert inspect.iscoroutinefunction(getattr(cls, member, None)), f"{cls.__name__}.{member} must be `async def`"
+            declared_params = list(inspect.signature(declared).parameters)
+            assert list(inspect.signature(getattr(cls, member)).parameters)[: len(declared_params)] == declared_params
+        elif isinstance(declared, property):
+            assert isinstance(inspect.getattr_static(cls, member, None), property), f"{cls.__name__}.{member} must be a property"
+
+
+def test_unknown_backend_names_the_available_ones():
+    with pytest.raises(ValueError, match=r"rollout.name='vllm' is not a known backend; available: \['hf', 'sglang'\]"):
+        build_engine(small_config("actor_rollout_ref.rollout.name=vllm"), 0)
+    with pytest.raises(ValueError, match="'no_such.Engine' cannot be imported"):
+        build_engine(small_config("actor_rollout_ref.rollout.name=no_such.Engine"), 0)

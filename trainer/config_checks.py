@@ -1,0 +1,47 @@
+"""Configuration mistakes, named before anything starts; and the FSDP rank count they are checked against."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from trainer import algorithms
+
+
+def world_size(config: DictConfig) -> int:
+    """FSDP ranks: ``trainer.n_gpus_per_node x trainer.nnodes``."""
+    return int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+
+
+def check_config(config: DictConfig) -> None:
+    """Raise ``ValueError`` naming the first setting the trainer cannot run with."""
+    if config.actor_rollout_ref.rollout.mode != "async":
+        raise ValueError("actor_rollout_ref.rollout.mode must be 'async': rollouts run through AgentLoopManager")
+    if config.algorithm.adv_estimator not in ("grpo", "gae"):
+        raise ValueError(f"algorithm.adv_estimator={config.algorithm.adv_estimator!r}; choose grpo or gae")
+    if not config.data.train_files:
+        raise ValueError("data.train_files is empty: name one or more .parquet / .jsonl files")
+    ranks = world_size(config)
+    samples = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
+    if samples % ranks:
+        raise ValueError(
+            f"train_batch_size x rollout.n = {samples} samples do not split over {ranks} ranks "
+            "(trainer.n_gpus_per_node x trainer.nnodes)"
+        )
+    algorithm = config.algorithm
+    for key, estimator in (("algorithm.kl_penalty", algorithm.kl_penalty), ("actor_rollout_ref.actor.kl_loss_type", config.actor_rollout_ref.actor.kl_loss_type)):
+        if estimator not in algorithms.KL_ESTIMATORS:
+            raise ValueError(f"{key}={estimator!r}; choose one of {algorithms.KL_ESTIMATORS}")
+    control = algorithm.kl_ctrl
+    if control.type not in ("fixed", "adaptive"):
+        raise ValueError(f"algorithm.kl_ctrl.type={control.type!r}; choose fixed or adaptive")
+    if control.type == "adaptive" and not (float(control.target_kl) > 0 and float(control.horizon) > 0):
+        raise ValueError(f"algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0 (got {control.target_kl}, {control.horizon})")
+    if int(config.trainer.critic_warmup) > 0 and algorithm.adv_estimator != "gae":
+        raise ValueError("trainer.critic_warmup needs a critic to warm up: set algorithm.adv_estimator=gae, or critic_warmup=0")
+    for name, section in (("actor_rollout_ref.actor", config.actor_rollout_ref.actor), ("critic", config.critic)):
+        mini = section.ppo_mini_batch_size
+        if mini and (int(config.data.train_batch_size) % int(mini) or int(mini) * int(config.actor_rollout_ref.rollout.n) % ranks):
+            raise ValueError(
+                f"{name}.ppo_mini_batch_size={mini} must divide data.train_batch_size={config.data.train_batch_size}, "
+                f"and its {int(mini) * int(config.actor_rollout_ref.rollout.n)} samples (x rollout.n) must split over {ranks} ranks"
+            )
