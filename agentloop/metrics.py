@@ -1,4 +1,8 @@
-"""Per-step aggregates of a rollout batch: timings, router balance and cache hits, turns, end reasons."""
+"""Per-step aggregates of a rollout batch: timings, router balance and cache hits, turns, tool calls, end reasons.
+
+Named as verl names them where verl has a name (``num_turns/*``, ``tool_call_counts/*``,
+``timing_s/agent_loop/*``); the rest under ``rollout/`` and ``multi_turn/``.
+"""
 
 from __future__ import annotations
 
@@ -13,28 +17,27 @@ from agentloop.router import RouterStats
 
 def rollout_metrics(batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -> dict[str, Any]:
     """The ``meta_info`` of a finished batch: what its trajectories and the routers report."""
-    times = batch.non_tensor_batch["generate_time_s"].astype(float)
+    extra_fields = batch.non_tensor_batch["extra_fields"]
+    tool_seconds = [sum(turn.get("tool_latency_s", 0.0) for turn in extra.get("turns") or []) for extra in extra_fields]
     return {
-        "timing/generate_sequences_s": elapsed_s,
-        "timing/trajectory_min_s": float(times.min()),
-        "timing/trajectory_mean_s": float(times.mean()),
-        "timing/trajectory_max_s": float(times.max()),
+        "timing_s/generate_sequences": elapsed_s,
+        **spread("timing_s/agent_loop/generate_sequences", batch.non_tensor_batch["generate_time_s"]),
+        **spread("timing_s/agent_loop/tool_calls", tool_seconds),
         "rollout/requests_per_server": stats.requests_per_server,
         "rollout/cached_token_share": stats.cached_token_share,
         "rollout/in_flight_imbalance": stats.in_flight_imbalance,
         "rollout/response_tokens": int(batch.batch["response_mask"].sum()),
-        **turn_metrics(batch.non_tensor_batch["num_turns"], batch.non_tensor_batch["extra_fields"]),
+        **turn_metrics(batch.non_tensor_batch["num_turns"], extra_fields),
     }
 
 
 def turn_metrics(num_turns: np.ndarray, extra_fields: np.ndarray) -> dict[str, Any]:
-    """Aggregate a batch's per-trajectory fields: turns, end reasons, retries and errors by kind, scores."""
-    turns = np.asarray(num_turns, dtype=float)
+    """Aggregate a batch's per-trajectory fields: turns, tool calls, end reasons, retries and errors by kind, scores."""
+    calls = [sum(turn.get("tool_calls", 0) for turn in extra.get("turns") or []) for extra in extra_fields]
     metrics: dict[str, Any] = {
-        "multi_turn/num_turns_min": float(turns.min()),
-        "multi_turn/num_turns_mean": float(turns.mean()),
-        "multi_turn/num_turns_max": float(turns.max()),
-        "multi_turn/num_turns_histogram": dict(sorted(Counter(int(t) for t in turns).items())),
+        **spread("num_turns", num_turns),
+        "multi_turn/num_turns_histogram": dict(sorted(Counter(int(t) for t in num_turns).items())),
+        **spread("tool_call_counts", calls),
     }
     reasons: Counter[str] = Counter()
     counted: dict[str, Counter[str]] = {"env_retries": Counter(), "tool_errors": Counter()}
@@ -48,7 +51,16 @@ def turn_metrics(num_turns: np.ndarray, extra_fields: np.ndarray) -> dict[str, A
     metrics.update({f"multi_turn/finish_reason/{reason}": count for reason, count in sorted(reasons.items())})
     for key, counter in counted.items():
         metrics.update({f"multi_turn/{key}/{kind}": count for kind, count in sorted(counter.items())})
+    metrics["multi_turn/tool_error_rate"] = sum(counted["tool_errors"].values()) / sum(calls) if sum(calls) else 0.0
     metrics.update(
         {f"multi_turn/interaction_score/turn_{turn}": float(np.mean(s)) for turn, s in sorted(scores_by_turn.items())}
     )
     return metrics
+
+
+def spread(name: str, values: Any) -> dict[str, float]:
+    """``name/min``, ``/mean`` and ``/max`` of an array (0.0 each when it is empty), as verl logs them."""
+    array = np.asarray(values, dtype=float)
+    if not array.size:
+        return {f"{name}/{stat}": 0.0 for stat in ("min", "mean", "max")}
+    return {f"{name}/min": float(array.min()), f"{name}/mean": float(array.mean()), f"{name}/max": float(array.max())}

@@ -19,10 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Top layer first; a module imports only from its own layer or the ones below it.
 LAYERS = [
-    ["trainer", "agentloop.tasks"],
+    ["trainer", "agentloop.tasks", "agentloop.viewer"],
     ["agentloop", "agentloop.config", "agentloop.testing"],
     ["agentloop.manager"],
-    ["agentloop.worker", "agentloop.metrics", "agentloop.registry", "agentloop.postprocess"],
+    ["agentloop.worker", "agentloop.metrics", "agentloop.dumps", "agentloop.registry", "agentloop.postprocess"],
     ["agentloop.agent_loop"],
     ["agentloop.router"],
     ["agentloop.server"],

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from agentloop.dumps import read_rollout_dump
 from agentloop.rows import write_rows
 from agentloop.tasks.arithmetic.data import make_rows
 from tests.support.config import small_config
@@ -36,7 +37,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_grpo_steps_with_validation_loggers_and_rollout_dumps(local_ray, tmp_path):
+def test_grpo_steps_with_validation_loggers_and_rollout_dumps(local_ray, tmp_path, capsys):
     train = write_rows(make_rows(8), str(tmp_path / "train.jsonl"))
     val = write_rows(make_rows(2, split="test"), str(tmp_path / "val.parquet"))
     out = tmp_path / "run"
@@ -60,12 +61,22 @@ def test_grpo_steps_with_validation_loggers_and_rollout_dumps(local_ray, tmp_pat
         assert metrics["num_turns/mean"] >= 2
     # step 1 scores the engine's own rollouts with the very same weights
     assert history[1]["mismatch/abs_log_prob_diff"] < 1e-3
-    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    # the rollout's own metrics reach every logger: console, JSONL (above) and tensorboard
+    rollout_keys = {"num_turns/mean", "tool_call_counts/mean", "rollout/cached_token_share", "multi_turn/tool_error_rate",
+                    "timing_s/agent_loop/generate_sequences/max", "rollout/requests_per_server/0", "prompt_length/mean"}
+    assert rollout_keys <= set(history[1])
+    console = capsys.readouterr().out
+    assert all(f"{key}=" in console for key in rollout_keys)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert rollout_keys <= set(events.Tags()["scalars"])
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    dump = read_jsonl(tmp_path / "rollouts" / "1.jsonl")
+    dump = read_rollout_dump(tmp_path / "rollouts" / "step_000001.parquet")[1]
     assert len(dump) == 4 and all(record["input"].startswith("<|im_start|>system") for record in dump)
     order = next(iter(BatchSampler(8, 2, seed=0)))
-    assert sorted({record["index"] for record in dump}) == sorted(order)
+    assert sorted({int(record["index"]) for record in dump}) == sorted(order)
 
 
 def test_gae_with_critic_warmup_and_kl_in_reward_and_loss(local_ray, tmp_path):
@@ -163,7 +174,8 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
     batches = iter(BatchSampler(16, 2, seed=0))
     expected = [next(batches) for _ in range(4)]
     for step in (3, 4):
-        assert sorted({record["index"] for record in read_jsonl(dumps / f"{step}.jsonl")}) == sorted(expected[step - 1])
+        indices = {int(record["index"]) for record in read_rollout_dump(dumps / f"step_{step:06d}.parquet")[1]}
+        assert sorted(indices) == sorted(expected[step - 1])
 
 
 def test_config_and_data_errors_are_named(local_ray, tmp_path):

@@ -23,12 +23,13 @@ from transformers import AutoTokenizer
 
 from agentloop import AgentLoopManager
 from agentloop.config import CONFIG_DIR
+from agentloop.metrics import spread
 from agentloop.waiting import wait_for
 from trainer import algorithms, checkpoint
 from trainer.config_checks import check_config, world_size
 from trainer.data import BatchSampler, load_dataset
 from trainer.fsdp_workers import needs_reference, rank_gpus, start_workers
-from trainer.rollout_dump import dump_rollouts
+from trainer.rollout_dump import RolloutDumps
 from trainer.tracking import Tracking, plot
 
 
@@ -55,6 +56,7 @@ class RayPPOTrainer:
         self.output_dir = Path(config.trainer.default_local_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
+        self.dumps = RolloutDumps(config.trainer.rollout_data_dir, self.tokenizer) if config.trainer.rollout_data_dir else None
 
         with tqdm(total=2, desc="starting rollout servers and agent-loop workers", bar_format=STARTUP_BAR) as startup:
             self.manager = AgentLoopManager(config)
@@ -138,16 +140,23 @@ class RayPPOTrainer:
         _, mismatch = algorithms.rollout_importance_weights(
             batch["old_log_probs"], batch["rollout_log_probs"], mask, float(config.actor_rollout_ref.actor.rollout_is_threshold or 2.0)
         )
-        if config.trainer.rollout_data_dir:
-            dump_rollouts(config.trainer.rollout_data_dir, step, rollout, scores, self.tokenizer)
-        response_length = batch["attention_mask"][:, batch["prompts"].shape[1] :].sum(-1).float()
+        if self.dumps is not None:
+            arrays = {key: batch[key] for key in ("old_log_probs", "ref_log_probs", "advantages") if key in batch.keys()}
+            previous_dump_s = self.dumps.submit(step, rollout, **arrays)
+            if previous_dump_s is not None:  # the previous step's dump, written while this step ran
+                timing["rollout_dump"] = previous_dump_s
+        width = batch["prompts"].shape[1]
+        prompt_length = batch["attention_mask"][:, :width].sum(-1).float()
+        response_length = batch["attention_mask"][:, width:].sum(-1).float()
         metrics.update({
-            "critic/score/mean": float(scores.sum(-1).mean()),
-            "critic/rewards/mean": float(rewards.sum(-1).mean()),
-            "critic/advantages/mean": float(algorithms.masked_mean(batch["advantages"], mask)),
-            "response_length/mean": float(response_length.mean()),
+            **spread("critic/score", scores.sum(-1)),
+            **spread("critic/rewards", rewards.sum(-1)),
+            **spread("critic/advantages", batch["advantages"][mask.bool()]),
+            **spread("response_length", response_length),
             "response_length/clip_ratio": float((response_length >= batch["responses"].shape[1]).float().mean()),
-            "num_turns/mean": float(np.mean(rollout.non_tensor_batch["num_turns"])),
+            **spread("prompt_length", prompt_length),
+            "prompt_length/clip_ratio": float((prompt_length >= width).float().mean()),
+            **rollout.meta_info,
             **{key: float(value) for key, value in mismatch.items()},
             **{f"timing_s/{key}": value for key, value in timing.items()},
             "timing_s/step": time.perf_counter() - start,
@@ -193,6 +202,8 @@ class RayPPOTrainer:
         """Train until ``trainer.total_training_steps``; return every logged line (metrics by step)."""
         trainer = self.config.trainer
         done = self.resume()
+        if self.dumps is not None:
+            self.dumps.drop_after(done)
         progress = tqdm(total=self.total_steps, initial=done, desc="training steps", dynamic_ncols=True)
         tracking = Tracking(self.config, self.output_dir, progress.write, resume_step=done)
         try:
@@ -213,6 +224,8 @@ class RayPPOTrainer:
         finally:
             progress.close()
             tracking.close()
+            if self.dumps is not None:
+                self.dumps.close()
         if tracking.history:
             _summarize(tracking.history, plot(tracking.history, self.output_dir / "training_curves.png"))
         return tracking.history

@@ -12,6 +12,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 BACKENDS = ("console", "tensorboard", "wandb")
@@ -52,7 +53,8 @@ class Tracking:
             )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Record one step's metrics (numbers) everywhere."""
+        """Record one step's metrics everywhere; nested values are flattened (``{"a": [1, 2]}``: ``a/0``, ``a/1``)."""
+        metrics = flatten(metrics)
         line = {"step": step, **metrics}
         self.history.append(line)
         with open(self.path, "a") as file:
@@ -71,6 +73,20 @@ class Tracking:
             self.tensorboard.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float | int]:
+    """Numbers only, one level: dicts and lists become ``key/sub`` entries; anything else is dropped."""
+    flat: dict[str, float | int] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}/"))
+        elif isinstance(value, (list, tuple)):
+            flat.update(flatten(dict(enumerate(value)), f"{name}/"))
+        elif isinstance(value, (bool, int, float, np.number)):
+            flat[name] = value.item() if isinstance(value, np.number) else value
+    return flat
 
 
 def plot(history: list[dict[str, Any]], path: Path, keys: tuple[str, ...] = ("critic/score/mean", "response_length/mean")) -> Path:

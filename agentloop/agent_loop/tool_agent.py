@@ -109,6 +109,11 @@ class ToolAgentLoop(AgentLoopBase):
                     tool_errors=sum(result.error is not None for result in results),
                     tool_latency_s=max(result.latency_s for result in results),
                     step_reward=sum(result.step_reward for result in results),
+                    calls=[
+                        {"name": call.name, "arguments": call.arguments, "result": result.text,
+                         "latency_s": result.latency_s, "error": result.error}
+                        for call, result in zip(calls, results)
+                    ],
                 )
                 for result in results:
                     if result.error:

@@ -64,6 +64,7 @@ class Trajectory:
         self.response_ids: list[int] = []
         self.response_mask: list[int] = []
         self.response_logprobs: list[float] = []
+        self.observation_roles: list[str] = []  # per observation span, for readers of the trajectory
 
     @property
     def ids(self) -> list[int]:
@@ -121,6 +122,7 @@ class Trajectory:
         self.response_mask += [0] * len(ids)
         self.response_logprobs += [0.0] * len(ids)
         self.messages += messages
+        self.observation_roles.append(",".join(dict.fromkeys(message["role"] for message in messages)))
 
     def sanity_check(self, mode: str) -> int:
         """Compare the incremental ids with one full re-render; return the number of mismatching spans.
@@ -150,12 +152,14 @@ class Trajectory:
         )
         return len(spans)
 
-    def to_output(self, **fields: Any) -> AgentLoopOutput:
+    def to_output(self, extra_fields: dict[str, Any] | None = None, **fields: Any) -> AgentLoopOutput:
+        """The finished trajectory; ``extra_fields`` also gets ``observation_roles`` (who spoke in each masked span)."""
         return AgentLoopOutput(
             prompt_ids=self.prompt_ids,
             response_ids=self.response_ids,
             response_mask=self.response_mask,
             response_logprobs=self.response_logprobs,
+            extra_fields={"observation_roles": self.observation_roles, **(extra_fields or {})},
             **fields,
         )
 

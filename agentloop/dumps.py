@@ -1,0 +1,224 @@
+"""Rollout dumps: one Parquet file per step holding every sample's tokens, turns, rewards and tool calls.
+
+The trainer writes one per step into ``trainer.rollout_data_dir``; any ``generate_sequences`` caller can
+write one with ``write_rollout_dump``. ``agentloop.viewer`` reads them. A step's file is written under a
+hidden temporary name and renamed when complete, so a reader of a running job's directory never sees
+half of a step.
+
+Columns per sample: verl's ``step``, ``input``, ``output`` and ``score``; the sample's position, GRPO
+group (``uid``), dataset ``index`` and row fields (``row``, JSON); ``finish_reason``, ``num_turns`` and
+counts for tables; the exact ``prompt_ids``, ``response_ids``, ``response_mask``, one decoded string per
+response token (``token_text``) and per-token float arrays (``rollout_log_probs``, plus what the caller
+adds: the trainer adds ``old_log_probs``, ``advantages`` and, when computed, ``ref_log_probs``);
+``turns`` (JSON: role, token span, text and tool calls with arguments, result, latency and error per
+turn); ``reward_parts`` and ``extra`` (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from agentloop.batch import RolloutBatch
+
+FORMAT = "agentloop-rollouts/1"
+LEGACY_FORMAT = "verl-jsonl (text only)"
+STEP_FILE = re.compile(r"^step_(\d+)\.parquet$")
+# what the loops report about a trajectory's reward, shown apart from the rest of extra_fields
+REWARD_PARTS = ("tool_rewards", "interaction_score", "turn_scores", "reward_extra_info")
+
+COLUMNS = pa.schema([
+    ("step", pa.int64()), ("sample", pa.int32()), ("uid", pa.string()), ("index", pa.string()),
+    ("data_source", pa.string()), ("agent_name", pa.string()), ("request_id", pa.string()),
+    ("input", pa.string()), ("output", pa.string()), ("score", pa.float64()), ("advantage", pa.float64()),
+    ("finish_reason", pa.string()), ("num_turns", pa.int32()), ("response_length", pa.int32()),
+    ("model_tokens", pa.int32()), ("tool_calls", pa.int32()), ("tool_errors", pa.int32()),
+    ("generate_time_s", pa.float64()), ("row", pa.string()),
+    ("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32())),
+    ("response_mask", pa.list_(pa.int8())), ("token_text", pa.list_(pa.string())),
+    ("turns", pa.string()), ("reward_parts", pa.string()), ("extra", pa.string()),
+])
+
+
+def write_rollout_dump(
+    directory: str | Path, step: int, batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase, **token_arrays: torch.Tensor
+) -> Path:
+    """Write ``directory/step_NNNNNN.parquet`` for a finished batch; return its path.
+
+    ``token_arrays`` are extra per-token tensors of shape (B, response_length), e.g. the trainer's
+    ``old_log_probs`` and ``advantages``; each becomes a column cut to the sample's response.
+    """
+    arrays = {"rollout_log_probs": batch.batch["rollout_log_probs"], **token_arrays}
+    records = [_sample_record(batch, i, step, tokenizer, arrays) for i in range(len(batch))]
+    schema = COLUMNS
+    for name in arrays:
+        schema = schema.append(pa.field(name, pa.list_(pa.float32())))
+    table = pa.Table.from_pylist(records, schema=schema.with_metadata({"format": FORMAT}))
+    path = Path(directory) / f"step_{step:06d}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, temporary, compression="zstd")
+    os.replace(temporary, path)
+    return path
+
+
+def _sample_record(
+    batch: RolloutBatch, i: int, step: int, tokenizer: PreTrainedTokenizerBase, arrays: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    tensors, fields = batch.batch, batch.non_tensor_batch
+    prompt_width = tensors["prompts"].shape[1]
+    attention = tensors["attention_mask"][i].bool()
+    prompt_ids = tensors["prompts"][i][attention[:prompt_width]].tolist()
+    length = int(attention[prompt_width:].sum())
+    response_ids = tensors["responses"][i, :length].tolist()
+    mask = tensors["response_mask"][i, :length].tolist()
+    extra = dict(_field(fields, "extra_fields", i) or {})
+    loop_turns = extra.pop("turns", None) or []
+    roles = extra.pop("observation_roles", None) or []
+    row = {key: _field(fields, key, i) for key in fields if key not in _PER_SAMPLE_OUTPUTS}
+    arrays_i = {name: tensor[i, :length].float().tolist() for name, tensor in arrays.items()}
+    advantage = None
+    if "advantages" in arrays_i and sum(mask):
+        advantage = float(np.dot(arrays_i["advantages"], mask) / sum(mask))
+    return {
+        "step": step,
+        "sample": i,
+        "uid": _text(row.get("uid")),
+        "index": _text(row.get("index")),
+        "data_source": _text(row.get("data_source")),
+        "agent_name": _text(row.get("agent_name")),
+        "request_id": _text(row.get("request_id")),
+        "input": tokenizer.decode(prompt_ids),
+        "output": tokenizer.decode(response_ids),
+        "score": float(tensors["rm_scores"][i].sum()),
+        "advantage": advantage,
+        "finish_reason": extra.get("finish_reason"),
+        "num_turns": _field(fields, "num_turns", i),
+        "response_length": length,
+        "model_tokens": int(sum(mask)),
+        "tool_calls": sum(len(turn.get("calls") or []) for turn in loop_turns),
+        "tool_errors": sum(1 for turn in loop_turns for call in turn.get("calls") or [] if call.get("error")),
+        "generate_time_s": _field(fields, "generate_time_s", i),
+        "row": _json(row),
+        "prompt_ids": prompt_ids,
+        "response_ids": response_ids,
+        "response_mask": mask,
+        "token_text": tokenizer.batch_decode([[token] for token in response_ids]),
+        "turns": _json(_turns(tokenizer, response_ids, mask, roles, loop_turns)),
+        "reward_parts": _json({"reward_score": _field(fields, "reward_score", i), **{k: extra.pop(k) for k in REWARD_PARTS if k in extra}}),
+        "extra": _json({**extra, "metrics": _field(fields, "metrics", i)}),
+        **arrays_i,
+    }
+
+
+# non_tensor_batch entries the worker adds; everything else there is a row field
+_PER_SAMPLE_OUTPUTS = {"num_turns", "reward_score", "metrics", "extra_fields", "generate_time_s"}
+
+
+def _turns(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], mask: list[int], roles: list[str], loop_turns: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Split the response into runs of model tokens and of observation tokens, one turn each.
+
+    Model runs take the loop's own record of that turn (tool calls) in order; observation runs take
+    the roles the trajectory recorded (``tool``, ``user``), else ``observation``.
+    """
+    model_turns = iter([turn for turn in loop_turns if turn.get("model_tokens", 1)])
+    observation_roles = iter(roles)
+    turns, start = [], 0
+    while start < len(ids):
+        end = start
+        while end < len(ids) and mask[end] == mask[start]:
+            end += 1
+        if mask[start]:
+            record = next(model_turns, {})
+            turn = {"role": "assistant", "tool_calls": record.get("calls") or []}
+        else:
+            turn = {"role": next(observation_roles, "observation"), "tool_calls": []}
+        turns.append({**turn, "start": start, "end": end, "text": tokenizer.decode(ids[start:end])})
+        start = end
+    return turns
+
+
+def _field(fields: dict[str, np.ndarray], key: str, i: int) -> Any:
+    value = fields[key][i] if key in fields else None
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, default=_jsonable, ensure_ascii=False)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return repr(value)
+
+
+def list_step_files(directory: str | Path) -> dict[int, Path]:
+    """Step number -> dump file in ``directory``: this format's files, and verl's ``<step>.jsonl``."""
+    found: dict[int, Path] = {}
+    for path in sorted(Path(directory).iterdir()) if Path(directory).is_dir() else []:
+        match = STEP_FILE.match(path.name)
+        if match:
+            found[int(match.group(1))] = path
+        elif path.suffix == ".jsonl" and path.stem.isdigit():
+            found.setdefault(int(path.stem), path)
+    return dict(sorted(found.items()))
+
+
+def dump_format(path: str | Path) -> str:
+    """A dump file's format, read from its footer only; raises ``ValueError`` naming the problem for a file that
+    cannot be read (half-written, another format or version)."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        _read_jsonl(path)
+        return LEGACY_FORMAT
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except (pa.ArrowException, OSError) as error:
+        raise ValueError(f"{path.name}: could not read it as Parquet ({error}); still being written?") from error
+    written_as = metadata.get(b"format", b"").decode()
+    if written_as != FORMAT:
+        raise ValueError(f"{path.name}: written as {written_as or 'an unknown format'!r}; this version reads {FORMAT!r}")
+    return FORMAT
+
+
+def read_rollout_dump(path: str | Path) -> tuple[str, list[dict[str, Any]]]:
+    """(format, one dict per sample) of a dump file, JSON columns decoded; raises like ``dump_format``.
+
+    verl's text-only ``<step>.jsonl`` reads as format ``verl-jsonl (text only)``.
+    """
+    path = Path(path)
+    if dump_format(path) == LEGACY_FORMAT:
+        return LEGACY_FORMAT, _read_jsonl(path)
+    try:
+        records = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as error:
+        raise ValueError(f"{path.name}: could not read it as Parquet ({error}); still being written?") from error
+    for record in records:
+        for key in ("row", "turns", "reward_parts", "extra"):
+            record[key] = json.loads(record[key]) if record.get(key) else None
+    return FORMAT, records
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path.name}: not valid JSON lines ({error}); still being written?") from error
