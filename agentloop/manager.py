@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from agentloop.batch import RolloutBatch
 from agentloop.metrics import rollout_metrics
+from agentloop.protocol import is_failed
 from agentloop.registry import check_agent_names, resolve_agent_loops
 from agentloop.router import RouterStats
 from agentloop.rows import check_row
@@ -116,8 +117,19 @@ class AgentLoopManager:
         )
         elapsed = time.perf_counter() - start
         batch = RolloutBatch.concat([part for part, _ in parts])
+        self._check_failures(batch)
         batch.meta_info = rollout_metrics(batch, RouterStats.merge([stats for _, stats in parts]), elapsed)
         return batch
+
+    def _check_failures(self, batch: RolloutBatch) -> None:
+        """Raise with the first traceback when more than ``rollout.max_failed_sample_ratio`` of the samples failed."""
+        failures = [extra["failure"] for extra in batch.non_tensor_batch["extra_fields"] if is_failed(extra)]
+        limit = float(self.rollout.max_failed_sample_ratio)
+        if len(failures) > limit * len(batch):
+            raise RuntimeError(
+                f"{len(failures)} of {len(batch)} samples failed, more than actor_rollout_ref.rollout.max_failed_sample_ratio"
+                f"={limit:g} allows; the first failure:\n{failures[0]['traceback']}"
+            )
 
     def _agent_loops(self) -> dict[str, dict[str, Any]]:
         # Resolved per call, so loops registered after the manager started are found too.

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from agentloop.batch import RolloutBatch
+from agentloop.protocol import is_failed
 from agentloop.router import RouterStats
 
 
@@ -27,6 +28,7 @@ def rollout_metrics(batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -
         "rollout/cached_token_share": stats.cached_token_share,
         "rollout/in_flight_imbalance": stats.in_flight_imbalance,
         "rollout/response_tokens": int(batch.batch["response_mask"].sum()),
+        "rollout/failed_samples": sum(is_failed(extra) for extra in extra_fields),
         **turn_metrics(batch.non_tensor_batch["num_turns"], extra_fields),
     }
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import traceback
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -11,8 +14,9 @@ FinishReason = Literal["stop", "length", "abort"]
 # Why a trajectory ended, in every loop: ``stop`` the model answered and nothing continues the
 # conversation; ``done`` the environment ended the episode; ``length`` the next turn or observation
 # would not fit in rollout.response_length; ``max_turns`` a turn limit; ``tool_error_budget`` too many
-# failed tool calls; ``env_error`` an env step kept failing; ``aborted`` the engine aborted the request.
-EndReason = Literal["stop", "done", "length", "max_turns", "tool_error_budget", "env_error", "aborted"]
+# failed tool calls; ``env_error`` an env step kept failing; ``aborted`` the engine aborted the request;
+# ``failed`` the loop raised (the sample is kept, empty, and left out of training: see ``failed_output``).
+EndReason = Literal["stop", "done", "length", "max_turns", "tool_error_budget", "env_error", "aborted", "failed"]
 
 
 def end_after(finish_reason: FinishReason) -> EndReason | None:
@@ -31,22 +35,62 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
 
 
 def validate_sampling_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Fill defaults and reject unknown keys or out-of-range values, naming the valid ones."""
+    """Fill defaults and reject unknown keys, wrong types or out-of-range values, naming the valid ones."""
+    if not isinstance(params, dict):
+        raise ValueError(f"sampling params must be a mapping, got {type(params).__name__}")
     unknown = sorted(set(params) - set(SAMPLING_DEFAULTS))
     if unknown:
         raise ValueError(
             f"unknown sampling parameter(s) {unknown}; valid keys are {sorted(SAMPLING_DEFAULTS)}"
         )
     merged = {**SAMPLING_DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
-    if int(merged["max_new_tokens"]) < 1:
+    for key in ("max_new_tokens", "top_k"):
+        merged[key] = _number(merged, key, int)
+    for key in ("temperature", "top_p"):
+        merged[key] = _number(merged, key, float)
+    if merged["max_new_tokens"] < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {merged['max_new_tokens']}")
-    if float(merged["temperature"]) < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {merged['temperature']}")
-    if not 0 < float(merged["top_p"]) <= 1:
+    if not 0 <= merged["temperature"] < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {merged['temperature']}")
+    if not 0 < merged["top_p"] <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {merged['top_p']}")
-    if int(merged["top_k"]) == 0 or int(merged["top_k"]) < -1:
+    if merged["top_k"] == 0 or merged["top_k"] < -1:
         raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {merged['top_k']}")
+    stop = merged["stop_token_ids"]
+    if stop is not None and not (isinstance(stop, list) and all(_is_int(token) for token in stop)):
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {stop!r}")
+    if not isinstance(merged["ignore_eos"], bool):
+        raise ValueError(f"ignore_eos must be true or false, got {merged['ignore_eos']!r}")
     return merged
+
+
+def validate_prompt(prompt_ids: Any, max_new_tokens: int, vocab_size: int, max_model_len: int) -> list[int]:
+    """Reject a prompt an engine must never see: empty, not token ids, ids outside the vocabulary, or too long
+    to generate ``max_new_tokens`` after it within ``max_model_len`` tokens. One bad request fails alone."""
+    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+        raise ValueError("prompt_ids is empty" if isinstance(prompt_ids, (list, tuple)) else "prompt_ids must be a list of token ids")
+    if not all(_is_int(token) for token in prompt_ids):
+        raise ValueError("prompt_ids must be a list of integer token ids")
+    outside = [token for token in prompt_ids if not 0 <= token < vocab_size]
+    if outside:
+        raise ValueError(f"token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})")
+    if len(prompt_ids) + max_new_tokens > max_model_len:
+        raise ValueError(
+            f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds this engine's "
+            f"limit of {max_model_len} tokens; shorten the prompt or lower max_new_tokens"
+        )
+    return list(prompt_ids)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _number(params: dict[str, Any], key: str, kind: type) -> Any:
+    value = params[key]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or (kind is int and value != int(value)):
+        raise ValueError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    return kind(value)
 
 
 @dataclass
@@ -87,3 +131,24 @@ class AgentLoopOutput:
                 "AgentLoopOutput: response_ids, response_mask and response_logprobs must have the same "
                 f"length, got {len(self.response_ids)}, {len(self.response_mask)}, {len(self.response_logprobs)}"
             )
+
+
+def failed_output(error: BaseException, pad_token_id: int) -> AgentLoopOutput:
+    """The sample of a loop that raised: one pad token of prompt, no response (nothing to train on, no
+    reward), and the error with its traceback in ``extra_fields["failure"]``."""
+    return AgentLoopOutput(
+        prompt_ids=[pad_token_id],
+        response_ids=[],
+        response_mask=[],
+        response_logprobs=[],
+        num_turns=1,
+        extra_fields={
+            "finish_reason": "failed",
+            "failure": {"error": f"{type(error).__name__}: {error}", "traceback": "".join(traceback.format_exception(error))},
+        },
+    )
+
+
+def is_failed(extra_fields: dict[str, Any]) -> bool:
+    """Whether a sample's ``extra_fields`` mark it failed (its loop raised)."""
+    return extra_fields.get("failure") is not None

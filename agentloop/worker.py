@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -12,9 +13,11 @@ from transformers import AutoTokenizer
 
 from agentloop.batch import RolloutBatch, object_array
 from agentloop.postprocess import pad_outputs
-from agentloop.protocol import AgentLoopOutput
+from agentloop.protocol import AgentLoopOutput, failed_output
 from agentloop.registry import build_agent_loop
 from agentloop.router import Router, RouterStats
+
+logger = logging.getLogger(__name__)
 
 
 @ray.remote
@@ -26,6 +29,7 @@ class AgentLoopWorker:
         self.rollout = config.actor_rollout_ref.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         self.router = Router(servers, request_timeout_s=self.rollout.request_timeout_s)
+        self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     async def generate_sequences(
         self, rows: list[dict[str, Any]], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
@@ -36,8 +40,7 @@ class AgentLoopWorker:
         """
         results = await asyncio.gather(*(self._run_one(row, sampling_params, agent_loops) for row in rows))
         outputs = [output for output, _ in results]
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        batch = pad_outputs(outputs, self.rollout.prompt_length, self.rollout.response_length, pad_id)
+        batch = pad_outputs(outputs, self.rollout.prompt_length, self.rollout.response_length, self._pad_id)
         non_tensor = {key: object_array([row.get(key) for row in rows]) for key in rows[0]}
         non_tensor["num_turns"] = object_array([output.num_turns for output in outputs])
         non_tensor["reward_score"] = object_array([output.reward_score for output in outputs])
@@ -50,14 +53,13 @@ class AgentLoopWorker:
         self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
     ) -> tuple[AgentLoopOutput, float]:
         start = time.perf_counter()
-        loop = build_agent_loop(
-            agent_loops[row["agent_name"]], server_manager=self.router, tokenizer=self.tokenizer, config=self.config
-        )
         try:
+            loop = build_agent_loop(
+                agent_loops[row["agent_name"]], server_manager=self.router, tokenizer=self.tokenizer, config=self.config
+            )
             output = await loop.run(dict(sampling_params), **row)
-        except Exception as error:
-            raise RuntimeError(
-                f"agent loop {row['agent_name']!r} failed on sample {row['request_id']} "
-                f"(dataset index {row['index']}): {type(error).__name__}: {error}"
-            ) from error
+        except Exception as error:  # one sample's fault (a loop's bug, a reward function that raises) stays its own
+            logger.warning("agent loop %r failed on sample %s (dataset index %s): %s: %s",
+                           row["agent_name"], row["request_id"], row["index"], type(error).__name__, error)
+            output = failed_output(error, self._pad_id)
         return output, time.perf_counter() - start

@@ -153,3 +153,27 @@ def test_update_weights_rejects_wrong_names_and_shapes(engine):
     with pytest.raises(ValueError, match="shape"):
         run(engine.update_weights({name: torch.zeros(tensor.numel() + 1)}))
     assert run(engine.generate(PROMPT, {"max_new_tokens": 2}, "alive")).token_ids
+
+
+def test_bad_prompts_fail_alone_and_a_dead_generation_thread_is_replaced(engine):
+    greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    expected = run(engine.generate(PROMPT, greedy, "before")).token_ids
+    bad = (([engine.vocab_size], "outside the vocabulary"), ([-1], "outside the vocabulary"), ([], "empty"),
+           (["7"], "integer token ids"), ([1] * 5000, "exceeds this engine's limit of 4096 tokens"))
+    for prompt, message in bad:
+        with pytest.raises(ValueError, match=message):
+            run(engine.generate(prompt, {"max_new_tokens": 4}, "bad"))
+    assert run(engine.generate(PROMPT, greedy, "after-bad")).token_ids == expected
+
+    # a fault no check foresaw, raised inside the generation thread: it fails the request it touched only
+    original = engine.model.forward
+
+    def fails_once(*args, **kwargs):
+        engine.model.forward = original
+        raise RuntimeError("injected fault")
+
+    engine.model.forward = fails_once
+    with pytest.raises(RuntimeError, match="injected fault|generation thread died"):
+        run(asyncio.wait_for(engine.generate(PROMPT, greedy, "victim"), timeout=60))
+    assert run(asyncio.wait_for(engine.generate(PROMPT, greedy, "after-fault"), timeout=60)).token_ids == expected
+    assert engine.num_in_flight == 0

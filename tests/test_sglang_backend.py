@@ -61,7 +61,7 @@ def test_abort(client, hf_manager):
     server = hf_manager.servers[0]
 
     async def scenario():
-        task = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 20000, "ignore_eos": True}, "long"))
+        task = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 4000, "ignore_eos": True}, "long"))
         # abort once the request is in the engine (an abort that arrives first finds nothing to abort)
         deadline = time.monotonic() + 30
         while await server.in_flight.remote() == 0:

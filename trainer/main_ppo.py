@@ -22,8 +22,10 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from agentloop import AgentLoopManager
+from agentloop.batch import RolloutBatch
 from agentloop.config import CONFIG_DIR
 from agentloop.metrics import spread
+from agentloop.protocol import is_failed
 from agentloop.waiting import wait_for
 from trainer import algorithms, checkpoint
 from trainer.config_checks import check_config, world_size
@@ -127,7 +129,7 @@ class RayPPOTrainer:
             metrics["critic/returns/mean"] = float(algorithms.masked_mean(batch["returns"], mask))
         else:
             batch["advantages"], _ = algorithms.grpo_outcome_advantage(
-                rewards, mask, list(rollout.non_tensor_batch["uid"]), bool(config.algorithm.norm_adv_by_std_in_grpo)
+                rewards, mask, grpo_groups(rollout), bool(config.algorithm.norm_adv_by_std_in_grpo)
             )
         if step >= int(config.trainer.critic_warmup):  # verl's rule: the actor starts at step critic_warmup
             updates = self._on_ranks("update_policy", batch)
@@ -245,6 +247,13 @@ class RayPPOTrainer:
         for worker in self.workers:
             ray.kill(worker)
         self.manager.shutdown()
+
+
+def grpo_groups(rollout: RolloutBatch) -> list[str]:
+    """Each sample's GRPO group: its ``uid``, except that a failed sample leaves its group (a group of one,
+    advantage 0) so the others are normalised among themselves."""
+    fields = rollout.non_tensor_batch
+    return [f"{uid}/failed/{i}" if is_failed(extra) else uid for i, (uid, extra) in enumerate(zip(fields["uid"], fields["extra_fields"]))]
 
 
 def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float) -> None:

@@ -72,6 +72,11 @@ def observe_prefix_hits(manager: Any, record: Callable[[str, int], None]) -> Non
     manager._create_batch_processor = create_and_observe
 
 
+def is_healthy(manager: Any) -> bool:
+    """The manager's thread runs and takes requests: not stopping, as it does after a fatal error."""
+    return manager.is_running() and manager.background_thread_status.can_accept_new_requests() is None
+
+
 def drop_result_handler(manager: Any, request_id: str) -> None:
     """Forget a cancelled request's result callback (the manager never delivers one for it)."""
     router = manager.output_router

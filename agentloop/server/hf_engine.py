@@ -21,11 +21,14 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from agentloop.protocol import TokenOutput, validate_sampling_params
+from agentloop.protocol import TokenOutput, validate_prompt, validate_sampling_params
 from agentloop.server import hf_batching
 from agentloop.server.hf_batching import ContinuousBatchingConfig, GenerationOutput, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+# how often a waiting request checks that the generation thread is still alive
+WATCHDOG_S = 1.0
 
 
 def resolve_device(device: str) -> torch.device:
@@ -61,6 +64,8 @@ class HFEngine:
             model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
         ).to(self.device)
         self.vocab_size = self.model.config.vocab_size
+        # what one request may span: the model's positions, and the whole paged KV cache
+        self.max_model_len = min(int(self.model.config.max_position_embeddings), page_size * num_blocks)
         self.eos_token_ids = _as_list(self.model.generation_config.eos_token_id or self.model.config.eos_token_id)
         self._cb_config = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
         self._seed, self._starts = seed, itertools.count()
@@ -132,9 +137,12 @@ class HFEngine:
         """Generate from exact prompt ids; return the sampled ids, their logprobs and why it stopped."""
         if self._manager is None:
             raise RuntimeError("engine is asleep: call wake_up() before generate()")
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty")
         params = validate_sampling_params(sampling_params)
+        # checked before the request enters the batch: a bad id would fail the batch's forward pass
+        prompt_ids = validate_prompt(prompt_ids, int(params["max_new_tokens"]), self.vocab_size, self.max_model_len)
+        if any(not 0 <= int(token) < self.vocab_size for token in params["stop_token_ids"] or []):
+            raise ValueError(f"stop_token_ids must be ids in [0, {self.vocab_size})")
+        self._restart_if_dead()
         stop_ids = list(params["stop_token_ids"] or [])
         if not params["ignore_eos"]:
             stop_ids += self.eos_token_ids
@@ -155,9 +163,9 @@ class HFEngine:
             except RuntimeError as error:
                 future.set_exception(error)
 
-        try:
+        def submit() -> Any:
             self._manager.register_result_handler(engine_id, on_result)
-            accepted = self._manager.add_request(
+            return self._manager.add_request(
                 input_ids=list(prompt_ids),
                 request_id=engine_id,
                 max_new_tokens=max_new_tokens,
@@ -167,14 +175,39 @@ class HFEngine:
                 top_k=1 if greedy else top_k,
                 top_p=1.0 if greedy else float(params["top_p"]),
             )
-            if accepted is None:
+
+        try:
+            if submit() is None:
                 raise RuntimeError("the continuous-batching manager refused the request (it is stopping)")
-            return await future
+            return await self._result(future)
         finally:
             self._pending.pop(engine_id, None)
             self._by_session[request_id].discard(engine_id)
             if not self._by_session[request_id]:
                 del self._by_session[request_id]
+
+    async def _result(self, future: asyncio.Future[TokenOutput]) -> TokenOutput:
+        # the manager's thread can die on an error no check foresaw: its requests would never be answered
+        while not future.done():
+            await asyncio.wait({future}, timeout=WATCHDOG_S)
+            if not future.done():
+                self._restart_if_dead()
+        return future.result()
+
+    def _restart_if_dead(self) -> None:
+        """Fail the requests of a manager whose generation thread died (or met a fatal error and is stopping),
+        and start a fresh one."""
+        manager = self._manager
+        if manager is None or hf_batching.is_healthy(manager):
+            return
+        logger.error("the continuous-batching thread died; failing its %d request(s) and restarting it", len(self._pending))
+        for engine_id, future in list(self._pending.items()):
+            if not future.done():
+                future.set_exception(RuntimeError(f"request {engine_id} failed: the engine's generation thread died"))
+        self._manager = None
+        with contextlib.suppress(Exception):  # dead or dying: stopping only waits for it and releases what is left
+            manager.stop(block=True, timeout=30)
+        self._start_manager()
 
     def _to_token_output(self, output: GenerationOutput, stop_ids: list[int], max_new_tokens: int) -> TokenOutput:
         cached = self._cached_tokens.pop(output.request_id, 0)

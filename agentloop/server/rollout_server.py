@@ -85,6 +85,7 @@ class RolloutServer:
             model_name=str(self.config.actor_rollout_ref.model.path),
             tool_format=self.config.actor_rollout_ref.rollout.multi_turn.format,
             api_key=http.api_key,
+            max_body_bytes=int(http.max_body_bytes),
         )
         self.http_server, port = await serve(app, http.host, int(http.port) + self.rank if http.port else 0)
         # a wildcard bind is reached through this node's address

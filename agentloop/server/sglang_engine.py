@@ -196,10 +196,10 @@ class SGLangEngine:
             self._http_loop = loop
         return self._http
 
-    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+    async def _post(self, path: str, body: dict[str, Any], accept: tuple[int, ...] = (200,)) -> Any:
         async with self._session().post(self.http_url + path, json=body) as response:
             text = await response.text()
-            if response.status != 200:
+            if response.status not in accept:
                 raise RuntimeError(f"SGLang {path} answered {response.status}: {text[:500]}")
             return await response.json(content_type=None) if text else None
 
@@ -217,7 +217,8 @@ class SGLangEngine:
 
     async def abort(self, request_id: str) -> int:
         rids = list(self._rids_by_session.get(request_id, ()))
-        await asyncio.gather(*(self._post("/abort_request", {"rid": rid}) for rid in rids))
+        # 404: the request finished meanwhile (agentloop's HTTP front says so; SGLang answers 200)
+        await asyncio.gather(*(self._post("/abort_request", {"rid": rid}, accept=(200, 404)) for rid in rids))
         return len(rids)
 
     @property

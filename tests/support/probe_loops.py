@@ -32,3 +32,15 @@ class MultiTurnProbe(AgentLoopBase):
             extra_fields={"servers": servers, "cached": cached, "observation": observation},
         )
 
+
+
+@register("probe_fails")
+class FailingProbe(AgentLoopBase):
+    """One model turn, or a bug: raises when the row's ``extra_info.fail`` is set (after its first turn)."""
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        prompt_ids = self.encode_prompt(row["prompt"])
+        output = await self.server_manager.generate(row["request_id"], prompt_ids, sampling_params)
+        if (row.get("extra_info") or {}).get("fail"):
+            raise ValueError(f"probe bug on dataset index {row['index']}")
+        return AgentLoopOutput(prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs)

@@ -16,9 +16,17 @@ from agentloop.server.http.chat import chat_routes
 from agentloop.server.http.native import native_routes
 
 
-def build_app(server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: str, tool_format: str, api_key: str | None) -> FastAPI:
-    """The app over a ``RolloutServer`` (async ``generate``, ``abort``, weight, memory and cache controls)."""
+def build_app(
+    server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: str, tool_format: str, api_key: str | None,
+    max_body_bytes: int = 32 << 20,
+) -> FastAPI:
+    """The app over a ``RolloutServer`` (async ``generate``, ``abort``, weight, memory and cache controls).
+
+    Bodies over ``max_body_bytes`` get 413 before they are read; malformed or mistyped bodies 422, bad
+    values 400; a missing or wrong API key 401.
+    """
     app = FastAPI(title="agentloop rollout server")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     async def authorize(request: Request) -> None:
         if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
@@ -37,6 +45,42 @@ def build_app(server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: st
     app.include_router(native_routes(server, tokenizer), dependencies=authorized)
     app.include_router(chat_routes(server, tokenizer, model_name=model_name, tool_format=tool_format), dependencies=authorized)
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over ``max_bytes`` (declared, or counted as it streams in)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _BodyTooLarge:
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
+        message = f"request body over the limit of {self.max_bytes} bytes (actor_rollout_ref.rollout.http.max_body_bytes)"
+        await JSONResponse(status_code=413, content={"error": {"message": message, "code": 413}})(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
 
 
 async def serve(app: FastAPI, host: str, port: int, timeout_s: float = 30.0) -> tuple[uvicorn.Server, int]:

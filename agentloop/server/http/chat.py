@@ -6,21 +6,36 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.tools.parsers import get_parser
 
 
-class ChatBody(BaseModel):
-    """The subset of OpenAI's chat completion request that rollouts use."""
+class ChatMessage(BaseModel):
+    """One message; ``content`` is text, a list of text parts, or null (an assistant turn of tool calls)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, name, reasoning_content ride along
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list) and any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+            raise ValueError("content parts must be {type: text, text: ...}; this server's model reads text only")
+        return content
+
+
+class ChatBody(BaseModel):
+    """The subset of OpenAI's chat completion request that rollouts use; any other field is an error."""
+
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -28,6 +43,9 @@ class ChatBody(BaseModel):
     max_completion_tokens: int | None = None
     n: int = 1
     stream: bool = False
+    # accepted for OpenAI clients that always send them; the answer carries logprobs either way
+    logprobs: bool | None = None
+    user: str | None = None
 
 
 def chat_routes(server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: str, tool_format: str) -> APIRouter:
@@ -39,11 +57,13 @@ def chat_routes(server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: 
     async def chat_completions(body: ChatBody) -> dict[str, Any]:
         if body.stream or body.n != 1:
             raise ValueError("only stream=false and n=1 are supported")
-        prompt = list(
-            tokenizer.apply_chat_template(
-                body.messages, tools=body.tools, add_generation_prompt=True, tokenize=True, return_dict=False
+        messages = [message.model_dump(exclude_none=True) for message in body.messages]
+        try:
+            prompt = list(
+                tokenizer.apply_chat_template(messages, tools=body.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
             )
-        )
+        except Exception as error:  # the template's own checks (jinja raise_exception, bad tool schemas): the client's input
+            raise ValueError(f"the chat template cannot render these messages: {type(error).__name__}: {error}") from error
         params = {"temperature": body.temperature, "top_p": body.top_p}
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens:

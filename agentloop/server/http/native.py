@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
@@ -22,13 +24,23 @@ SGLANG_TOP_K_DISABLED = 1 << 30
 class GenerateBody(BaseModel):
     """SGLang's ``/generate`` request, single-prompt form."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")  # a misspelt field fails loudly instead of sampling with defaults
     input_ids: list[int] | None = None
     text: str | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     rid: str | None = None
     return_logprob: bool = False
     stream: bool = False
+
+
+class AbortBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rid: str
+
+
+class WeightsFromDiskBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # SGLang's load_format and flush_cache change nothing here
+    model_path: str
 
 
 def sglang_to_engine_params(params: dict[str, Any]) -> dict[str, Any]:
@@ -38,7 +50,7 @@ def sglang_to_engine_params(params: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"unsupported sampling_params {unknown}; supported: {sorted(set(SAMPLING_DEFAULTS) | TEXT_ONLY_KEYS)}")
     mapped = {key: value for key, value in params.items() if key in SAMPLING_DEFAULTS}
     # SGLang clients send 1 << 30 for "no top-k"; smaller values pass through, the engine clamps them to its vocabulary
-    if mapped.get("top_k") is not None and mapped["top_k"] >= SGLANG_TOP_K_DISABLED:
+    if isinstance(mapped.get("top_k"), int) and mapped["top_k"] >= SGLANG_TOP_K_DISABLED:
         mapped["top_k"] = -1
     return mapped
 
@@ -84,8 +96,12 @@ def native_routes(server: Any, tokenizer: PreTrainedTokenizerBase) -> APIRouter:
         return {"text": tokenizer.decode(output.token_ids, skip_special_tokens=True), "output_ids": output.token_ids, "meta_info": meta}
 
     @router.post("/abort_request")
-    async def abort_request(body: dict[str, Any]) -> dict[str, Any]:
-        return {"aborted": await server.abort(str(body.get("rid", "")))}
+    async def abort_request(body: AbortBody) -> JSONResponse:
+        aborted = await server.abort(body.rid)
+        if not aborted:  # SGLang answers 200 here; a client that aborts a finished request learns so
+            message = f"no request with rid {body.rid!r} is in flight (finished, already aborted, or never sent)"
+            return JSONResponse(status_code=404, content={"aborted": 0, "error": {"message": message, "code": 404}})
+        return JSONResponse({"aborted": aborted})
 
     # Weight and memory control in SGLang's shapes, so the sglang backend's client can drive this server.
     @router.post("/begin_weight_update")
@@ -94,11 +110,14 @@ def native_routes(server: Any, tokenizer: PreTrainedTokenizerBase) -> APIRouter:
         return {"success": True, "message": "weight updates here are atomic; no session to open or close"}
 
     @router.post("/update_weights_from_disk")
-    async def update_weights_from_disk(body: dict[str, Any]) -> dict[str, Any]:
-        if not body.get("model_path"):
-            raise ValueError("update_weights_from_disk needs model_path")
-        await server.update_weights_from_disk(body["model_path"])
-        return {"success": True, "message": f"loaded {body['model_path']}", "num_paused_requests": 0}
+    async def update_weights_from_disk(body: WeightsFromDiskBody) -> dict[str, Any]:
+        if not body.model_path or not Path(body.model_path).is_dir():
+            raise ValueError(f"model_path {body.model_path!r} is not a directory on the server")
+        try:
+            await server.update_weights_from_disk(body.model_path)
+        except (FileNotFoundError, KeyError) as error:  # no weights there, or another model's: the model is unchanged
+            raise ValueError(f"cannot load weights from {body.model_path!r}: {error}") from error
+        return {"success": True, "message": f"loaded {body.model_path}", "num_paused_requests": 0}
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> dict[str, Any]:
