@@ -23,6 +23,10 @@ from agentloop.rewards import reward_for_row
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.toolset import ToolResult, load_tool_set
 
+# Far more characters than any token spans: a window of limit x this many characters holds more than
+# `limit` tokens (when it does not, the whole text is tokenized instead).
+CHARS_PER_TOKEN_BOUND = 16
+
 
 class ToolAgentLoop(AgentLoopBase):
     """Multi-turn tool calling with exact tokens; observation tokens get loss mask 0."""
@@ -100,28 +104,38 @@ class ToolAgentLoop(AgentLoopBase):
                     turn["observation_tokens"] = added
                     user_turns += 1
                     continue
-                calls = calls[: int(self.multi_turn.max_parallel_calls)]
+                max_calls = int(self.multi_turn.max_parallel_calls)
+                calls, dropped = calls[:max_calls], calls[max_calls:]
                 results: list[ToolResult] = await asyncio.gather(
                     *(self.tool_set.call(call, request_id, created, create_kwargs) for call in calls)
                 )
+                # Calls past the limit are not run, but the model made them: each is a counted fault, and
+                # one tool message (not one per call: a turn can hold hundreds) tells the model.
+                notice = ToolResult(
+                    f"Error: {len(dropped)} more tool call(s) were not run: at most {max_calls} run per turn",
+                    error="too_many_calls",
+                )
+                outcomes = results + [notice] * len(dropped)
                 turn.update(
                     tool_calls=len(calls),
-                    tool_errors=sum(result.error is not None for result in results),
-                    tool_latency_s=max(result.latency_s for result in results),
+                    dropped_calls=len(dropped),
+                    tool_errors=sum(result.error is not None for result in outcomes),
+                    tool_latency_s=max((result.latency_s for result in results), default=0.0),
                     step_reward=sum(result.step_reward for result in results),
                     calls=[
                         {"name": call.name, "arguments": call.arguments, "result": result.text,
                          "latency_s": result.latency_s, "error": result.error}
-                        for call, result in zip(calls, results)
+                        for call, result in zip(calls + dropped, outcomes)
                     ],
                 )
-                for result in results:
+                for result in outcomes:
                     if result.error:
                         errors_by_kind[result.error] = errors_by_kind.get(result.error, 0) + 1
                 if error_budget is not None and sum(errors_by_kind.values()) > int(error_budget):
                     reason = "tool_error_budget"
                     break
-                messages = [{"role": "tool", "content": self._truncate(result.text)} for result in results]
+                shown = results + ([notice] if dropped else [])
+                messages = [{"role": "tool", "content": self._truncate(result.text)} for result in shown]
                 added = trajectory.add_observation_within(messages, budget)
                 if added is None:
                     reason = "length"  # no room left for a model turn after this observation
@@ -156,18 +170,42 @@ class ToolAgentLoop(AgentLoopBase):
         limit = self.multi_turn.max_tool_response_length
         if not limit:
             return text
+        # Tokenizing a megabyte takes about a second, and this loop shares its worker's event loop with
+        # every other trajectory there: of a long text only the ends that can be kept are tokenized.
+        window = limit * CHARS_PER_TOKEN_BOUND
+        if len(text) > 2 * window:
+            head = self.tokenizer.encode(text[:window], add_special_tokens=False)
+            tail = self.tokenizer.encode(text[-window:], add_special_tokens=False)
+            if len(head) > limit and len(tail) > limit:  # else tokens are unusually long: tokenize it all
+                return self._cut(text, head, tail, limit)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) <= limit:
-            return text
+        return text if len(ids) <= limit else self._cut(text, ids, ids, limit)
+
+    def _cut(self, text: str, head: list[int], tail: list[int], limit: int) -> str:
+        """The text cut to ``limit`` tokens; ``head`` and ``tail`` are the ids of its start and end (or of all of it)."""
         side = self.multi_turn.tool_response_truncate_side
         if side == "left":
-            return "...(truncated)" + self.tokenizer.decode(ids[-limit:])
+            return "...(truncated)" + self._whole_characters(text, tail[-limit:], at_end=True)
         if side == "right":
-            return self.tokenizer.decode(ids[:limit]) + "...(truncated)"
+            return self._whole_characters(text, head[:limit], at_end=False) + "...(truncated)"
         if side == "middle":
-            head = self.tokenizer.decode(ids[: limit // 2])
-            return head + "...(truncated)..." + self.tokenizer.decode(ids[len(ids) - (limit - limit // 2) :])
+            return (
+                self._whole_characters(text, head[: limit // 2], at_end=False) + "...(truncated)..."
+                + self._whole_characters(text, tail[len(tail) - (limit - limit // 2) :], at_end=True)
+            )
         raise ValueError(f"multi_turn.tool_response_truncate_side={side!r}; choose left, right or middle")
+
+    def _whole_characters(self, text: str, ids: list[int], at_end: bool) -> str:
+        """Decode ids kept from one end of ``text``, less the tokens at the cut that hold part of a character.
+
+        Byte-level tokens can split a character (up to 4 bytes); decoded alone, its part becomes U+FFFD,
+        which is not the tool's text and re-encodes to more tokens than the limit allowed for.
+        """
+        for drop in range(4):
+            decoded = self.tokenizer.decode(ids[drop:] if at_end else ids[: len(ids) - drop])
+            if text.endswith(decoded) if at_end else text.startswith(decoded):
+                return decoded
+        return self.tokenizer.decode(ids)  # a tokenizer whose decoding is not byte-exact: keep what it gives
 
     def _reward(
         self, row: dict[str, Any], trajectory: Trajectory, tool_rewards: dict[str, float], interaction_score: float | None

@@ -136,9 +136,18 @@ class Trajectory:
             return 0
         incremental = self.ids
         full = _render(self.tokenizer, self.messages, tools=self.tools)[: len(incremental)]
-        spans = [op for op in difflib.SequenceMatcher(a=incremental, b=full, autojunk=False).get_opcodes() if op[0] != "equal"]
-        if not spans:
+        if incremental == full:
             return 0
+        # Diff from the first difference on, letting difflib skip tokens that fill over 1% of the text
+        # (autojunk): an exact diff of a long repetitive turn (thousands of one token, as degenerate or
+        # hostile models write) took seconds per trajectory, blocking the worker's event loop.
+        start = next((i for i, (a, b) in enumerate(zip(incremental, full)) if a != b), len(full))
+        matcher = difflib.SequenceMatcher(a=incremental[start:], b=full[start:], autojunk=True)
+        spans = [
+            (tag, a0 + start, a1 + start, b0 + start, b1 + start)
+            for tag, a0, a1, b0, b1 in matcher.get_opcodes()
+            if tag != "equal"
+        ]
         if mode == "ignore_strippable" and _normalized(self.tokenizer.decode(incremental)) == _normalized(
             self.tokenizer.decode(full)
         ):

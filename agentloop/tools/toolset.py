@@ -1,7 +1,8 @@
 """Loading tools from YAML and running calls with timeouts, concurrency limits and argument checks.
 
 Every fault a call can meet (unknown tool, unparsable call, arguments that fail the schema, a tool
-that raises or times out) becomes an error text for the model and an error kind for metrics.
+that raises or times out) becomes an error text for the model and an error kind for metrics. Error
+texts quote what the model sent only in bounded excerpts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jsonschema
 from pydantic import ValidationError
 
 from agentloop.tools.base import BaseTool
+from agentloop.tools.parsers import valid_utf8
 from agentloop.tools.schema import OpenAIFunctionToolSchema, ToolCall
 from agentloop.yaml_entries import entry_class, read_entries
 
@@ -27,7 +29,9 @@ class ToolResult:
     text: str
     step_reward: float = 0.0
     latency_s: float = 0.0
-    error: str | None = None  # kind: unknown_tool | parse_error | invalid_arguments | exception | timeout
+    # kind: unknown_tool | parse_error | invalid_arguments | exception | timeout; the agent loop adds
+    # too_many_calls for calls past multi_turn.max_parallel_calls
+    error: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
@@ -51,17 +55,27 @@ class ToolSet:
         ``created`` is the trajectory's record of tool instances: the first call of a tool starts its
         ``create`` and parallel calls of the same tool wait for that one creation.
         """
+        result = await self._call(call, instance_id, created, create_kwargs)
+        result.text = valid_utf8(result.text)  # a tool may return lone surrogates; the tokenizer would raise
+        return result
+
+    async def _call(
+        self, call: ToolCall, instance_id: str, created: dict[str, asyncio.Future], create_kwargs: dict
+    ) -> ToolResult:
         if call.error is not None:
-            return ToolResult(f"Error: could not parse the tool call: {call.error}", error="parse_error")
+            return ToolResult(f"Error: could not parse the tool call: {_excerpt(call.error)}", error="parse_error")
         tool = self.tools.get(call.name or "")
         if tool is None:
-            return ToolResult(
-                f"Error: unknown tool {call.name!r}; available tools: {sorted(self.tools)}", error="unknown_tool"
+            return ToolResult(  # the name is the model's and may be a megabyte long
+                f"Error: unknown tool {_excerpt(repr(call.name), 200)}; available tools: {sorted(self.tools)}",
+                error="unknown_tool",
             )
         try:
             jsonschema.validate(call.arguments, tool.tool_schema.function.parameters.model_dump(exclude_none=True))
         except jsonschema.ValidationError as error:
-            return ToolResult(f"Error: invalid arguments for {tool.name}: {error.message}", error="invalid_arguments")
+            return ToolResult(
+                f"Error: invalid arguments for {tool.name}: {_excerpt(error.message)}", error="invalid_arguments"
+            )
 
         timeout = float(tool.config.get("timeout_s", 30))
         semaphore = self._semaphores.setdefault(tool.name, asyncio.Semaphore(int(tool.config.get("max_concurrency", 64))))
@@ -80,7 +94,7 @@ class ToolSet:
             )
         except Exception as error:  # a tool's bug is an observation for the model, not a crashed rollout
             return ToolResult(
-                f"Error: tool {tool.name} failed: {type(error).__name__}: {error}",
+                f"Error: tool {tool.name} failed: {type(error).__name__}: {_excerpt(str(error))}",
                 latency_s=time.perf_counter() - start,
                 error="exception",
             )
@@ -97,6 +111,16 @@ class ToolSet:
             finally:
                 await asyncio.wait_for(tool.release(instance_id), timeout)
         return rewards
+
+
+def _excerpt(text: str, limit: int = 500) -> str:
+    """At most ``limit`` characters of an error message.
+
+    Messages quote what the model sent (jsonschema repeats the rejected value, a tool's exception its
+    input) and the model may send a megabyte, which every record of the call (the trajectory's turns,
+    rollout dumps) would then carry.
+    """
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"
 
 
 @functools.lru_cache(maxsize=None)
