@@ -53,7 +53,9 @@ def turn_metrics(num_turns: np.ndarray, extra_fields: np.ndarray) -> dict[str, A
     metrics.update({f"multi_turn/finish_reason/{reason}": count for reason, count in sorted(reasons.items())})
     for key, counter in counted.items():
         metrics.update({f"multi_turn/{key}/{kind}": count for kind, count in sorted(counter.items())})
-    metrics["multi_turn/tool_error_rate"] = sum(counted["tool_errors"].values()) / sum(calls) if sum(calls) else 0.0
+    # calls the model made: those run plus those dropped past max_parallel_calls (each counted as an error)
+    made = sum(calls) + sum(turn.get("dropped_calls", 0) for extra in extra_fields for turn in extra.get("turns") or [])
+    metrics["multi_turn/tool_error_rate"] = sum(counted["tool_errors"].values()) / made if made else 0.0
     metrics.update(
         {f"multi_turn/interaction_score/turn_{turn}": float(np.mean(s)) for turn, s in sorted(scores_by_turn.items())}
     )
