@@ -12,8 +12,7 @@ import numpy as np
 import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.exceptions import RayActorError
 
 from agentloop.batch import RolloutBatch
 from agentloop.metrics import rollout_metrics
@@ -21,7 +20,7 @@ from agentloop.protocol import is_failed
 from agentloop.registry import check_agent_names, resolve_agent_loops
 from agentloop.router import RouterStats
 from agentloop.rows import check_row
-from agentloop.server.rollout_server import RolloutServer
+from agentloop.server_pool import ServerPool
 from agentloop.server.weights import PackedWeights
 from agentloop.waiting import wait_for
 from agentloop.worker import AgentLoopWorker
@@ -50,39 +49,28 @@ class AgentLoopManager:
         timeout = float(self.rollout.server_startup_timeout_s)
         check_agent_names({self.rollout.agent.default_agent_loop}, self._agent_loops())
 
-        self.servers, self.placement_group = self._start_servers(timeout)
-        self.server_addresses: list[str] = (
-            wait_for([server.start_http.remote() for server in self.servers], timeout, "HTTP servers to start")
-            if self.rollout.http.enable
-            else []
-        )
-        self.workers = [
-            AgentLoopWorker.options(num_cpus=0).remote(config, self.servers)
-            for _ in range(int(self.rollout.agent.num_workers))
-        ]
+        self.pool = ServerPool(config, self._give_workers)
+        self.worker_restarts = 0
+        self.workers = [self._start_worker() for _ in range(int(self.rollout.agent.num_workers))]
         wait_for([worker.__ray_ready__.remote() for worker in self.workers], timeout, "agent loop workers to start")
 
-    def _start_servers(self, timeout: float) -> tuple[list[ray.actor.ActorHandle], Any]:
-        size = int(self.rollout.data_parallel_size)
-        bundle = {key: float(value) for key, value in self.rollout.resources_per_server.items() if value}
-        group = placement_group([dict(bundle) for _ in range(size)], strategy=self.rollout.placement_strategy)
-        wait_for(
-            [group.ready()],
-            timeout,
-            f"resources for {size} rollout server(s) of {bundle} each "
-            f"(cluster has {ray.cluster_resources()}; lower actor_rollout_ref.rollout.resources_per_server "
-            "or data_parallel_size)",
-        )
-        servers = [
-            RolloutServer.options(
-                num_cpus=bundle.get("CPU", 0),
-                num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
-            ).remote(self.config, rank)
-            for rank in range(size)
-        ]
-        wait_for([server.__ray_ready__.remote() for server in servers], timeout, "rollout servers to load their engines")
-        return servers, group
+    @property
+    def servers(self) -> list[ray.actor.ActorHandle]:
+        """The current server of each data-parallel rank (a replaced one's successor)."""
+        return self.pool.servers
+
+    @property
+    def server_addresses(self) -> list[str]:
+        """Each server's HTTP base URL (``rollout.http``; empty when off)."""
+        return self.pool.addresses
+
+    def _start_worker(self) -> ray.actor.ActorHandle:
+        return AgentLoopWorker.options(num_cpus=0).remote(self.config, self.servers)
+
+    def _give_workers(self, rank: int, server: ray.actor.ActorHandle) -> None:
+        # a replacement server is handed to every router; a worker that died meanwhile is replaced later
+        for worker in getattr(self, "workers", []):
+            worker.replace_server.remote(rank, server)
 
     # ------------------------------------------------------------------ rollout
 
@@ -104,21 +92,23 @@ class AgentLoopManager:
         agent_loops = {name: registered[name] for name in names}
         sampling_params = self._sampling_params(validate)
 
+        self.pool.check()  # a server that died since the last call is replaced before this one starts
         start = time.perf_counter()
-        chunks = np.array_split(np.arange(len(samples)), min(len(self.workers), len(samples)))
-        refs = [
-            worker.generate_sequences.remote([samples[i] for i in chunk], sampling_params, agent_loops)
-            for worker, chunk in zip(self.workers, chunks)
-        ]
+        chunks = [[samples[i] for i in chunk] for chunk in np.array_split(np.arange(len(samples)), min(len(self.workers), len(samples)))]
         # Each trajectory's turns are individually bounded by request_timeout_s; the batch as a whole
         # is bounded by generate_timeout_s.
-        parts: list[tuple[RolloutBatch, RouterStats]] = wait_for(
-            refs, float(self.rollout.generate_timeout_s), f"{len(samples)} trajectories to finish"
-        )
+        parts = self._run_chunks(chunks, sampling_params, agent_loops, time.monotonic() + float(self.rollout.generate_timeout_s))
+        self.pool.check()  # servers that died during the rollout (their sessions were re-homed) are replaced now
         elapsed = time.perf_counter() - start
         batch = RolloutBatch.concat([part for part, _ in parts])
         self._check_failures(batch)
         batch.meta_info = rollout_metrics(batch, RouterStats.merge([stats for _, stats in parts]), elapsed)
+        # supervision so far (cumulative): replaced and given-up servers, replaced workers
+        batch.meta_info.update({
+            "supervision/server_restarts": sum(event.kind == "restarted" for event in self.pool.events),
+            "supervision/servers_given_up": len(self.pool.given_up),
+            "supervision/worker_restarts": self.worker_restarts,
+        })
         return batch
 
     def _check_failures(self, batch: RolloutBatch) -> None:
@@ -130,6 +120,39 @@ class AgentLoopManager:
                 f"{len(failures)} of {len(batch)} samples failed, more than actor_rollout_ref.rollout.max_failed_sample_ratio"
                 f"={limit:g} allows; the first failure:\n{failures[0]['traceback']}"
             )
+
+    def _run_chunks(
+        self, chunks: list[list[dict[str, Any]]], sampling_params: dict[str, Any], agent_loops: dict[str, Any], deadline: float
+    ) -> list[tuple[RolloutBatch, RouterStats]]:
+        """Each chunk on its worker; a worker that dies has its chunk rerun on a replacement (twice at most)."""
+        def submit(index: int) -> ray.ObjectRef:
+            return self.workers[index].generate_sequences.remote(chunks[index], sampling_params, agent_loops)
+
+        pending = {submit(index): index for index in range(len(chunks))}
+        results: dict[int, tuple[RolloutBatch, RouterStats]] = {}
+        reruns = 0
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                for ref in pending:
+                    ray.cancel(ref)
+                total = sum(len(chunk) for chunk in chunks)
+                raise TimeoutError(
+                    f"timed out after {self.rollout.generate_timeout_s}s waiting for {total} trajectories to finish "
+                    "(actor_rollout_ref.rollout.generate_timeout_s)"
+                )
+            index = pending.pop(ready[0])
+            try:
+                results[index] = ray.get(ready[0])
+            except RayActorError as error:
+                reruns += 1
+                if reruns > 2 * len(chunks):
+                    raise
+                logger.warning("agent-loop worker %d died (%s); rerunning its %d samples on a replacement", index, error, len(chunks[index]))
+                self.workers[index] = self._start_worker()
+                self.worker_restarts += 1
+                pending[submit(index)] = index
+        return [results[index] for index in range(len(chunks))]
 
     def _agent_loops(self) -> dict[str, dict[str, Any]]:
         # Resolved per call, so loops registered after the manager started are found too.
@@ -162,7 +185,8 @@ class AgentLoopManager:
     # ------------------------------------------------------------------ servers
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor] | PackedWeights | ray.ObjectRef) -> None:
-        """Push new weights to every server (in place; prefix caches flushed).
+        """Push new weights to every server (in place; prefix caches flushed); a server that died is replaced
+        and gets them too.
 
         ``state_dict`` may also be the ``ObjectRef`` of one (plain or packed) that a trainer rank returned:
         the servers then read it from the object store, and it never passes through this process.
@@ -172,33 +196,25 @@ class AgentLoopManager:
         else:
             # Packed once here, the bytes are stored once and every server maps them without unpickling.
             ref = ray.put(state_dict if isinstance(state_dict, PackedWeights) else PackedWeights.pack(state_dict))
-        wait_for([server.update_weights.remote(ref) for server in self.servers], self._control_timeout, "weight update")
+        self.pool.update_weights(ref)
 
     def sleep(self) -> None:
         """Free every server's KV cache."""
-        wait_for([server.sleep.remote() for server in self.servers], self._control_timeout, "servers to sleep")
+        self.pool.sleep()
 
     def wake_up(self) -> None:
         """Re-allocate every server's KV cache."""
-        wait_for([server.wake_up.remote() for server in self.servers], self._control_timeout, "servers to wake up")
+        self.pool.wake_up()
 
     def server_info(self) -> list[dict[str, Any]]:
-        """Where each server runs (node id, host, pid)."""
-        return wait_for([server.node_info.remote() for server in self.servers], self._control_timeout, "server info")
-
-    @property
-    def _control_timeout(self) -> float:
-        return float(self.rollout.server_startup_timeout_s)
+        """Where each live server runs (node id, host, pid)."""
+        return self.pool.node_info()
 
     def shutdown(self) -> None:
         """Stop workers and servers and release their resources (a server's engine is asked to stop first)."""
-        try:
-            wait_for([server.shutdown.remote() for server in self.servers], self._control_timeout, "servers to shut down")
-        except Exception as error:  # a dead or stuck server: killing it below is all that is left
-            logger.warning("rollout servers did not shut down cleanly (%s); killing them", error)
-        for actor in [*self.workers, *self.servers]:
-            ray.kill(actor)
-        remove_placement_group(self.placement_group)
+        for worker in self.workers:
+            ray.kill(worker)
+        self.pool.shutdown()
 
 
 def _absolute_paths(config: DictConfig) -> None:

@@ -111,6 +111,12 @@ class Router:
             self.stats.cached_tokens += output.cached_tokens
             return output
 
+    def replace(self, index: int, server: ray.actor.ActorHandle) -> None:
+        """A new server for ``index`` (its predecessor died): live again, nothing in flight; its sessions stay pinned."""
+        self.servers[index] = server
+        self.alive[index] = True
+        self.in_flight[index] = 0
+
     def _dispatched(self, index: int) -> None:
         self.in_flight[index] += 1
         self.stats.requests_per_server[index] += 1

@@ -49,6 +49,10 @@ class AgentLoopWorker:
         non_tensor["generate_time_s"] = object_array([seconds for _, seconds in results])
         return RolloutBatch(batch, non_tensor), self.router.take_stats()
 
+    def replace_server(self, rank: int, server: ray.actor.ActorHandle) -> None:
+        """Route to ``server`` for ``rank`` from now on (the manager replaced a dead one)."""
+        self.router.replace(rank, server)
+
     async def _run_one(
         self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
     ) -> tuple[AgentLoopOutput, float]:

@@ -184,3 +184,6 @@ def test_dead_server_loses_no_sample(one_router_manager):
     # the dead server's sessions were re-sent to the live one
     per_server = batch.meta_info["rollout/requests_per_server"]
     assert per_server[1] == 16 and per_server[0] + per_server[1] > 16
+    # and once the batch is done, the dead server is replaced on its rank
+    assert [(event.rank, event.kind) for event in one_router_manager.pool.events] == [(0, "restarted")]
+    assert batch.meta_info["supervision/server_restarts"] == 1

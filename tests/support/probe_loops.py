@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from agentloop import AgentLoopBase, AgentLoopOutput, register
@@ -43,4 +44,19 @@ class FailingProbe(AgentLoopBase):
         output = await self.server_manager.generate(row["request_id"], prompt_ids, sampling_params)
         if (row.get("extra_info") or {}).get("fail"):
             raise ValueError(f"probe bug on dataset index {row['index']}")
+        return AgentLoopOutput(prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs)
+
+
+@register("probe_exits_once")
+class WorkerKillingProbe(AgentLoopBase):
+    """One model turn; the first sample whose row names a marker file that does not exist yet creates it and
+    kills its own worker process (a worker dying mid-batch), once."""
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        prompt_ids = self.encode_prompt(row["prompt"])
+        output = await self.server_manager.generate(row["request_id"], prompt_ids, sampling_params)
+        marker = (row.get("extra_info") or {}).get("exit_marker")
+        if marker and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)
         return AgentLoopOutput(prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs)

@@ -1,0 +1,173 @@
+"""The rollout servers, supervised: one per data-parallel rank, replaced when it dies.
+
+A server is dead when its actor is gone or when it does not answer a probe within
+``rollout.supervision.health_timeout_s``. The pool then starts a replacement on the same rank (the same
+placement-group bundle), loads the latest pushed weights into it (not the initial checkpoint), puts it
+to sleep if the others sleep, starts its HTTP front, and hands it to ``on_replaced`` (the manager gives it
+to every worker's router). A rank restarted more than ``max_restarts`` times within ``window_s`` is given
+up: it stays dead, and every later control call skips it and says why. Weight pushes, sleep, wake and
+shutdown never raise because one server died; they fail only when no server is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import ray
+from omegaconf import DictConfig
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from agentloop.server.rollout_server import RolloutServer
+from agentloop.waiting import wait_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerEvent:
+    """What supervision did to one rank: ``restarted`` (with the seconds until it served again) or ``given_up``."""
+
+    rank: int
+    kind: str
+    cause: str
+    seconds: float = 0.0
+
+
+class ServerPool:
+    """Starts, probes, replaces and controls the rollout servers of one manager."""
+
+    def __init__(self, config: DictConfig, on_replaced: Callable[[int, ray.actor.ActorHandle], None]) -> None:
+        self.config = config
+        self.rollout = config.actor_rollout_ref.rollout
+        self.on_replaced = on_replaced
+        self.supervision = self.rollout.supervision
+        self.startup_timeout_s = float(self.rollout.server_startup_timeout_s)
+        size = int(self.rollout.data_parallel_size)
+        self.bundle = {key: float(value) for key, value in self.rollout.resources_per_server.items() if value}
+        self.placement_group = placement_group([dict(self.bundle) for _ in range(size)], strategy=self.rollout.placement_strategy)
+        wait_for(
+            [self.placement_group.ready()],
+            self.startup_timeout_s,
+            f"resources for {size} rollout server(s) of {self.bundle} each "
+            f"(cluster has {ray.cluster_resources()}; lower actor_rollout_ref.rollout.resources_per_server "
+            "or data_parallel_size)",
+        )
+        self.servers = [self._spawn(rank) for rank in range(size)]
+        wait_for([server.__ray_ready__.remote() for server in self.servers], self.startup_timeout_s, "rollout servers to load their engines")
+        self.addresses: list[str] = self._start_http(self.servers) if self.rollout.http.enable else []
+        self.weights: ray.ObjectRef | None = None  # the latest push: what a replacement must serve
+        self.asleep = False
+        self.given_up: dict[int, str] = {}
+        self.events: list[ServerEvent] = []
+        self._restarts: dict[int, deque[float]] = {rank: deque() for rank in range(size)}
+
+    def _spawn(self, rank: int) -> ray.actor.ActorHandle:
+        return RolloutServer.options(
+            num_cpus=self.bundle.get("CPU", 0),
+            num_gpus=self.bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank),
+        ).remote(self.config, rank)
+
+    def _start_http(self, servers: list[ray.actor.ActorHandle]) -> list[str]:
+        return wait_for([server.start_http.remote() for server in servers], self.startup_timeout_s, "HTTP servers to start")
+
+    @property
+    def live_ranks(self) -> list[int]:
+        return [rank for rank in range(len(self.servers)) if rank not in self.given_up]
+
+    # ------------------------------------------------------------------ supervision
+
+    def check(self) -> list[int]:
+        """Probe every live server; replace the dead or unresponsive. Returns the ranks replaced."""
+        results = self._call("in_flight", (), float(self.supervision.health_timeout_s), replace=False)
+        failed = [rank for rank, outcome in results.items() if isinstance(outcome, BaseException)]
+        for rank in failed:
+            self.replace(rank, f"{type(results[rank]).__name__}: {results[rank]}")
+        return failed
+
+    def replace(self, rank: int, cause: str) -> None:
+        """Start a new server on ``rank`` with the current weights and state, unless its restart budget is spent."""
+        now = time.monotonic()
+        recent = self._restarts[rank]
+        while recent and now - recent[0] > float(self.supervision.window_s):
+            recent.popleft()
+        if len(recent) >= int(self.supervision.max_restarts):
+            self.given_up[rank] = cause
+            self.events.append(ServerEvent(rank, "given_up", cause))
+            logger.error(
+                "rollout server %d died again (%s) after %d restarts within %ss (rollout.supervision); no longer restarting it",
+                rank, cause, len(recent), self.supervision.window_s,
+            )
+            if not self.live_ranks:
+                raise RuntimeError(f"every rollout server has died and was given up; the last cause: {cause}")
+            return
+        recent.append(now)
+        logger.warning("rollout server %d is dead (%s); starting a replacement", rank, cause)
+        ray.kill(self.servers[rank])  # a hung server holds its bundle until it is gone
+        server = self._spawn(rank)
+        wait_for([server.__ray_ready__.remote()], self.startup_timeout_s, f"the replacement of rollout server {rank} to start")
+        if self.weights is not None:
+            wait_for([server.update_weights.remote(self.weights)], self.startup_timeout_s, f"the latest weights on server {rank}")
+        if self.asleep:
+            wait_for([server.sleep.remote()], self.startup_timeout_s, f"the replacement of server {rank} to sleep")
+        if self.addresses:
+            self.addresses[rank] = self._start_http([server])[0]
+        self.servers[rank] = server
+        self.on_replaced(rank, server)
+        self.events.append(ServerEvent(rank, "restarted", cause, time.monotonic() - now))
+
+    # ------------------------------------------------------------------ control of every server
+
+    def _call(self, method: str, args: tuple, timeout_s: float, replace: bool = True) -> dict[int, Any]:
+        """``method(*args)`` on every live server; a server that dies or times out is replaced (``replace``),
+        which leaves the replacement in the state the call was for. Returns rank -> result or exception."""
+        refs = {rank: getattr(self.servers[rank], method).remote(*args) for rank in self.live_ranks}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        results: dict[int, Any] = {}
+        for rank, ref in refs.items():
+            if ref not in ready:
+                ray.cancel(ref)
+                results[rank] = TimeoutError(f"server {rank} did not answer {method} within {timeout_s:.0f}s")
+                continue
+            try:
+                results[rank] = ray.get(ref)
+            except (RayActorError, GetTimeoutError) as error:
+                results[rank] = error
+        if replace:
+            for rank, outcome in results.items():
+                if isinstance(outcome, BaseException):
+                    self.replace(rank, f"{method}: {type(outcome).__name__}: {outcome}")
+        return results
+
+    def update_weights(self, ref: ray.ObjectRef) -> None:
+        """Load ``ref`` (the pushed weights) into every server; a replacement started now loads it too."""
+        self.weights = ref
+        self._call("update_weights", (ref,), self.startup_timeout_s)
+
+    def sleep(self) -> None:
+        self.asleep = True
+        self._call("sleep", (), self.startup_timeout_s)
+
+    def wake_up(self) -> None:
+        self.asleep = False
+        self._call("wake_up", (), self.startup_timeout_s)
+
+    def node_info(self) -> list[dict[str, Any]]:
+        results = self._call("node_info", (), self.startup_timeout_s).values()
+        return [result for result in results if not isinstance(result, BaseException)]
+
+    def shutdown(self) -> None:
+        """Ask every engine to stop (bounded), then kill the actors and release their resources."""
+        results = self._call("shutdown", (), self.startup_timeout_s, replace=False)
+        stuck = [rank for rank, outcome in results.items() if isinstance(outcome, BaseException)]
+        if stuck:
+            logger.warning("rollout servers %s did not shut down cleanly; killing them", stuck)
+        for server in self.servers:
+            ray.kill(server)
+        remove_placement_group(self.placement_group)

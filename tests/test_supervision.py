@@ -1,0 +1,87 @@
+"""Supervised servers and workers: a dead rollout server is replaced on its rank with the latest pushed
+weights (weight pushes, sleep and wake never raise because of it), a rank that keeps dying is given up,
+and a worker that dies mid-batch has its samples rerun."""
+
+from __future__ import annotations
+
+import ray
+import torch
+from transformers import AutoModelForCausalLM
+
+from agentloop import AgentLoopManager
+from tests.support.config import small_config
+
+PROMPT = list(range(3, 30))
+GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+
+
+def greedy(server) -> list[int]:
+    return ray.get(server.generate.remote(PROMPT, GREEDY, "probe"), timeout=120).token_ids
+
+
+def perturbed(model_path: str, seed: int) -> dict[str, torch.Tensor]:
+    state = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+    generator = torch.Generator().manual_seed(seed)
+    return {name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator) for name, tensor in state.items()}
+
+
+def test_dead_servers_are_replaced_with_the_latest_weights_until_the_budget_is_spent(local_ray, model_path):
+    import tests.support.probe_loops  # noqa: F401
+
+    manager = AgentLoopManager(small_config(
+        "actor_rollout_ref.rollout.data_parallel_size=2", "actor_rollout_ref.rollout.supervision.max_restarts=2",
+    ))
+    try:
+        original = greedy(manager.servers[0])
+        manager.update_weights(perturbed(model_path, 1))
+        pushed = greedy(manager.servers[0])
+        assert pushed != original
+
+        # dies between steps: replaced before the next rollout, serving the latest push
+        ray.kill(manager.servers[1])
+        batch = manager.generate_sequences([{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(4)])
+        assert len(batch) == 4 and all(count > 0 for count in batch.meta_info["rollout/requests_per_server"])
+        assert [(e.rank, e.kind) for e in manager.pool.events] == [(1, "restarted")]
+        assert greedy(manager.servers[1]) == pushed
+
+        # dies before a push: the push does not raise, and the replacement gets the new weights
+        ray.kill(manager.servers[1])
+        manager.update_weights(perturbed(model_path, 2))
+        assert greedy(manager.servers[1]) == greedy(manager.servers[0]) != pushed
+        manager.sleep()
+        manager.wake_up()
+
+        # a third death within the window: given up, said so, and the rest keeps working
+        ray.kill(manager.servers[1])
+        manager.update_weights(perturbed(model_path, 3))
+        given_up = manager.pool.events[-1]
+        assert (given_up.rank, given_up.kind) == (1, "given_up") and "killed by `ray.kill`" in given_up.cause
+        manager.sleep()
+        manager.wake_up()
+        batch = manager.generate_sequences([{"prompt": [{"role": "user", "content": "after"}]}])
+        assert len(batch) == 1 and batch.meta_info["rollout/requests_per_server"] == [1, 0]
+        restarts = [e.seconds for e in manager.pool.events if e.kind == "restarted"]
+        assert len(restarts) == 2 and all(seconds > 0 for seconds in restarts)
+        print(f"replacement servers serving again after {', '.join(f'{s:.1f}' for s in restarts)} s")
+    finally:
+        manager.shutdown()
+
+
+def test_a_worker_that_dies_mid_batch_has_its_samples_rerun(local_ray, tmp_path):
+    import tests.support.probe_loops  # noqa: F401
+
+    manager = AgentLoopManager(small_config("actor_rollout_ref.rollout.agent.num_workers=2"))
+    try:
+        marker = tmp_path / "worker_exited"
+        rows = [
+            {"prompt": [{"role": "user", "content": f"q{i}"}], "agent_name": "probe_exits_once",
+             "extra_info": {"index": i, "exit_marker": str(marker) if i == 3 else None}}
+            for i in range(4)
+        ]
+        batch = manager.generate_sequences(rows)
+        assert marker.exists() and manager.worker_restarts == 1
+        assert len(batch) == 4 and sorted(batch.non_tensor_batch["index"]) == [0, 1, 2, 3]
+        assert all(batch.batch["response_mask"][i].sum() > 0 for i in range(4))
+        assert len(manager.generate_sequences(rows)) == 4  # the replacement keeps serving
+    finally:
+        manager.shutdown()
