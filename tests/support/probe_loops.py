@@ -60,3 +60,28 @@ class WorkerKillingProbe(AgentLoopBase):
             open(marker, "w").close()
             os._exit(1)
         return AgentLoopOutput(prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs)
+
+
+@register("probe_chaos")
+class ChaosProbe(AgentLoopBase):
+    """Two model turns; between them, once per marker file, a row's ``extra_info.chaos`` kills the server its
+    session is on (``server``) or its own worker process (``worker``)."""
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        import ray
+
+        prompt_ids = self.encode_prompt(row["prompt"])
+        params = {**sampling_params, "max_new_tokens": 4}
+        first = await self.server_manager.generate(row["request_id"], prompt_ids, params)
+        extra = row.get("extra_info") or {}
+        marker = extra.get("chaos_marker")
+        if extra.get("chaos") and marker and not os.path.exists(marker):
+            open(marker, "w").close()
+            if extra["chaos"] == "worker":
+                os._exit(1)
+            ray.kill(self.server_manager.servers[self.server_manager.server_for(row["request_id"])])
+        second = await self.server_manager.generate(row["request_id"], prompt_ids + first.token_ids, params)
+        ids = first.token_ids + second.token_ids
+        # a reward the policy can chase in a few steps: the share of even token ids
+        reward = sum(token % 2 == 0 for token in ids) / max(1, len(ids))
+        return AgentLoopOutput(prompt_ids, ids, [1] * len(ids), first.log_probs + second.log_probs, num_turns=3, reward_score=reward)
