@@ -9,11 +9,17 @@ import signal
 import time
 
 import psutil
+import pytest
 
 from agentloop.tools.mcp import MCPServerClient
 from agentloop.tools.schema import ToolCall
 from agentloop.tools.toolset import load_tool_set
-from tests.test_mcp_tools import mcp_tools_yaml as _shared_fixture  # noqa: F401 -- registers `mcp_tools_yaml` here
+from tests.test_mcp_tools import tools_yaml_writer
+
+
+@pytest.fixture(scope="module")
+def mcp_tools_yaml(tmp_path_factory):
+    return tools_yaml_writer(tmp_path_factory.mktemp("mcp-sessions"))
 
 
 def call(tool_set, name: str, **arguments):

@@ -15,9 +15,8 @@ from agentloop.tools.toolset import load_tool_set
 SERVER = Path(__file__).parent / "support" / "mcp_server.py"
 
 
-@pytest.fixture(scope="module")
-def mcp_tools_yaml(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("mcp")
+def tools_yaml_writer(directory: Path):
+    """``write(selected, name, **config)``: a tool YAML of every (or the selected) tool of the test server."""
     servers = {"mcpServers": {"arith": {"command": sys.executable, "args": [str(SERVER)]}}}
     (directory / "servers.json").write_text(json.dumps(servers))
 
@@ -31,6 +30,11 @@ def mcp_tools_yaml(tmp_path_factory):
         return str(path)
 
     return write
+
+
+@pytest.fixture(scope="module")
+def mcp_tools_yaml(tmp_path_factory):
+    return tools_yaml_writer(tmp_path_factory.mktemp("mcp"))
 
 
 def test_discovery_and_calls(mcp_tools_yaml):
