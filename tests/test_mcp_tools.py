@@ -5,48 +5,24 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 
 from agentloop.tools.schema import ToolCall
 from agentloop.tools.toolset import load_tool_set
 
-SERVER = textwrap.dedent(
-    """
-    from mcp.server.mcpserver import MCPServer
-
-    server = MCPServer("arith")
-
-    @server.tool()
-    def add(a: int, b: int) -> int:
-        '''Add two integers.'''
-        return a + b
-
-    @server.tool()
-    def shout(text: str) -> str:
-        '''Upper-case a text.'''
-        return text.upper()
-
-    @server.tool()
-    def fail(reason: str) -> str:
-        '''Always fails.'''
-        raise ValueError(reason)
-
-    server.run()
-    """
-)
+SERVER = Path(__file__).parent / "support" / "mcp_server.py"
 
 
-@pytest.fixture(scope="module")
-def mcp_tools_yaml(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("mcp")
-    (directory / "server.py").write_text(SERVER)
-    servers = {"mcpServers": {"arith": {"command": sys.executable, "args": [str(directory / "server.py")]}}}
+def tools_yaml_writer(directory: Path):
+    """``write(selected, name, **config)``: a tool YAML of every (or the selected) tool of the test server."""
+    servers = {"mcpServers": {"arith": {"command": sys.executable, "args": [str(SERVER)]}}}
     (directory / "servers.json").write_text(json.dumps(servers))
 
-    def write(selected: list[str] | None, name: str) -> str:
+    def write(selected: list[str] | None, name: str, **options) -> str:
         config = {"type": "mcp", "mcp_servers_config_path": str(directory / "servers.json"), "timeout_s": 30, "rate_limit": 20}
+        config.update(options)
         if selected:
             config["tool_selected_list"] = selected
         path = directory / name
@@ -56,10 +32,15 @@ def mcp_tools_yaml(tmp_path_factory):
     return write
 
 
+@pytest.fixture(scope="module")
+def mcp_tools_yaml(tmp_path_factory):
+    return tools_yaml_writer(tmp_path_factory.mktemp("mcp"))
+
+
 def test_discovery_and_calls(mcp_tools_yaml):
     tool_set = load_tool_set(mcp_tools_yaml(None, "all.yaml"))
     schemas = {schema["function"]["name"]: schema["function"] for schema in tool_set.schemas}
-    assert set(schemas) == {"add", "shout", "fail"}
+    assert {"add", "shout", "fail", "pid", "slow", "freeze"} == set(schemas)
     assert schemas["add"]["description"] == "Add two integers."
     assert schemas["add"]["parameters"]["required"] == ["a", "b"]
 

@@ -3,9 +3,11 @@
 The servers are listed in a JSON file (``config.mcp_servers_config_path``) in the common
 ``{"mcpServers": {name: {"command", "args", "env"} | {"url"}}}`` shape: stdio servers are launched as
 subprocesses, URLs are reached over streamable HTTP. ``config.tool_selected_list`` keeps only the named
-tools; ``config.rate_limit`` (calls per second) and ``config.timeout_s`` apply per server. A session is
-opened per call, which keeps calls independent across event loops and processes at the price of a
-connection (for stdio: a process start) per call.
+tools; ``config.rate_limit`` (calls per second), ``config.timeout_s`` (per call) and
+``config.max_concurrency`` (calls in flight, default 16) apply per server. Each server gets one
+long-lived session per worker process (``agentloop.tools.mcp_session``), restarted when its process
+dies or stops answering; ``config.ping_timeout_s`` (default min(5, timeout_s)) bounds the ping that
+decides the latter and ``config.max_starts_per_minute`` (default 10) caps restarts.
 """
 
 from __future__ import annotations
@@ -17,13 +19,18 @@ from pathlib import Path
 from typing import Any
 
 from agentloop.tools.base import BaseTool
+from agentloop.tools.mcp_session import MCPSession
 from agentloop.tools.schema import OpenAIFunctionToolSchema, ToolResponse
 
 
 class MCPServerClient:
-    """One MCP server: how to reach it, and its per-server rate limit and timeout."""
+    """One MCP server: how to reach it, and one long-lived ``MCPSession`` per event loop that calls it.
 
-    def __init__(self, name: str, spec: dict[str, Any], rate_limit: float | None, timeout_s: float) -> None:
+    A worker has one loop, so one session (one server process); several loops (tests, ``asyncio.run``
+    in turn) get one each, and a session ends with its loop.
+    """
+
+    def __init__(self, name: str, spec: dict[str, Any], config: dict[str, Any]) -> None:
         from mcp import StdioServerParameters
 
         self.name = name
@@ -33,37 +40,39 @@ class MCPServerClient:
             self.target = StdioServerParameters(command=spec["command"], args=list(spec.get("args") or []), env=spec.get("env"))
         else:
             raise ValueError(f"mcpServers.{name}: needs 'command' (stdio) or 'url' (HTTP)")
-        self.interval = 1.0 / rate_limit if rate_limit else 0.0
-        self.timeout_s = timeout_s
-        self._next_slot = 0.0
-        self._lock: asyncio.Lock | None = None
+        self.timeout_s = float(config.get("timeout_s", 30))
+        self.session_options = {
+            "max_concurrency": int(config.get("max_concurrency", 16)),
+            "rate_limit": config.get("rate_limit"),
+            "ping_timeout_s": config.get("ping_timeout_s"),
+            "max_starts_per_minute": int(config.get("max_starts_per_minute", 10)),
+        }
+        self._sessions: dict[asyncio.AbstractEventLoop, MCPSession] = {}
 
-    async def _wait_for_slot(self) -> None:
-        if not self.interval:
-            return
-        self._lock = self._lock or asyncio.Lock()
-        async with self._lock:
-            now = asyncio.get_running_loop().time()
-            if self._next_slot > now:
-                await asyncio.sleep(self._next_slot - now)
-            self._next_slot = max(now, self._next_slot) + self.interval
+    def session(self) -> MCPSession:
+        """This loop's session (created on first use; sessions of closed loops are dropped)."""
+        loop = asyncio.get_running_loop()
+        for closed in [other for other in self._sessions if other.is_closed()]:
+            del self._sessions[closed]
+        if loop not in self._sessions:
+            self._sessions[loop] = MCPSession(self.name, self.target, self.timeout_s, **self.session_options)
+        return self._sessions[loop]
 
     async def list_tools(self) -> list[Any]:
+        """The server's tools, over a connection of its own (discovery runs once, in a helper loop)."""
         from mcp import Client
 
         async with Client(self.target, read_timeout_seconds=self.timeout_s) as client:
             return list((await client.list_tools()).tools)
 
     async def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
-        from mcp import Client
+        return await self.session().call_tool(name, arguments)
 
-        await self._wait_for_slot()
-
-        async def call() -> Any:
-            async with Client(self.target, read_timeout_seconds=self.timeout_s) as client:
-                return await client.call_tool(name, arguments)
-
-        return await asyncio.wait_for(call(), self.timeout_s)
+    async def aclose(self) -> None:
+        """Shut this loop's server process down (it would also end with the loop)."""
+        session = self._sessions.pop(asyncio.get_running_loop(), None)
+        if session is not None:
+            await session.close()
 
 
 class MCPTool(BaseTool):
@@ -93,7 +102,7 @@ def discover_mcp_tools(cls: type[MCPTool], config: dict[str, Any], where: str) -
     if not isinstance(servers, dict) or not servers:
         raise ValueError(f"{path}: expected a non-empty 'mcpServers' mapping")
     timeout = float(config.get("timeout_s", 30))
-    clients = [MCPServerClient(name, spec, config.get("rate_limit"), timeout) for name, spec in servers.items()]
+    clients = [MCPServerClient(name, spec, config) for name, spec in servers.items()]
 
     async def list_all() -> list[tuple[MCPServerClient, Any]]:
         listed = await asyncio.gather(*(client.list_tools() for client in clients))
