@@ -134,19 +134,25 @@ def _turns(
     """
     model_turns = iter([turn for turn in loop_turns if turn.get("model_tokens", 1)])
     observation_roles = iter(roles)
-    turns, start = [], 0
-    while start < len(ids):
-        end = start
-        while end < len(ids) and mask[end] == mask[start]:
-            end += 1
-        if mask[start]:
+    turns = []
+    for value, start, end in mask_runs(mask):
+        if value:
             record = next(model_turns, {})
             turn = {"role": "assistant", "tool_calls": record.get("calls") or []}
         else:
             turn = {"role": next(observation_roles, "observation"), "tool_calls": []}
         turns.append({**turn, "start": start, "end": end, "text": tokenizer.decode(ids[start:end])})
-        start = end
     return turns
+
+
+def mask_runs(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each run of equal values in a response mask: model turns and observations."""
+    runs, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            runs.append((mask[start], start, i))
+            start = i
+    return runs
 
 
 def _field(fields: dict[str, np.ndarray], key: str, i: int) -> Any:

@@ -69,7 +69,7 @@ class AgentLoopManager:
 
     def _give_workers(self, rank: int, server: ray.actor.ActorHandle) -> None:
         # a replacement server is handed to every router; a worker that died meanwhile is replaced later
-        for worker in getattr(self, "workers", []):
+        for worker in self.workers:
             worker.replace_server.remote(rank, server)
 
     # ------------------------------------------------------------------ rollout

@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 from agentloop import AgentLoopManager
 from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
+from agentloop.dumps import mask_runs
 from agentloop.dumps import write_rollout_dump
 from agentloop.protocol import AgentLoopOutput
 from agentloop.router import Router
@@ -181,7 +182,7 @@ def check_trajectory(case: HostileOutput, output: AgentLoopOutput, tokenizer, to
     if any(lp != (LOG_PROB if m else 0.0) for lp, m in zip(output.response_logprobs, mask)):
         problems.append("log-probs do not follow the mask")
     # observations: one span per turn that ran tools, each within the limit per tool message
-    spans = runs(mask)
+    spans = mask_runs(mask)
     observed = [end - start for value, start, end in spans if value == 0]
     with_observation = [turn for turn in turns if "observation_tokens" in turn]
     if observed != [turn["observation_tokens"] for turn in with_observation]:
@@ -216,16 +217,6 @@ def check_trajectory(case: HostileOutput, output: AgentLoopOutput, tokenizer, to
     if Counter(extra["tool_errors"]) != counted or output.metrics["tool_errors"] != sum(counted.values()):
         problems.append(f"tool_errors {extra['tool_errors']} vs per-call records {dict(counted)}")
     return problems
-
-
-def runs(mask: list[int]) -> list[tuple[int, int, int]]:
-    """(value, start, end) runs of equal mask values."""
-    spans, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            spans.append((mask[start], start, i))
-            start = i
-    return spans
 
 
 def test_tool_loop_survives_every_hostile_output(replay_server, tokenizer, model_path):

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agentloop import AgentLoopManager
 from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
+from agentloop.dumps import mask_runs
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
 from tests.support.config import small_config
@@ -56,16 +57,6 @@ def run_loop(server, tokenizer, scripted, name, *overrides, sampling=GREEDY, **f
     return asyncio.run(loop.run(dict(sampling), **row))
 
 
-def spans(mask: list[int]) -> list[tuple[int, int, int]]:
-    """(value, start, end) runs of equal mask values."""
-    runs, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            runs.append((mask[start], start, i))
-            start = i
-    return runs
-
-
 def test_multi_turn_tokens_mask_and_reward_through_the_manager(local_ray, scripted, tokenizer):
     _, _, conversations = scripted
     manager = AgentLoopManager(tool_config(scripted))
@@ -80,7 +71,7 @@ def test_multi_turn_tokens_mask_and_reward_through_the_manager(local_ray, script
         logprobs = batch.batch["rollout_log_probs"][0, :length]
         prompt = batch.batch["prompts"][0][batch.batch["attention_mask"][0, :768].bool()].tolist()
 
-        runs = spans(mask)
+        runs = mask_runs(mask)
         assert [value for value, _, _ in runs] == [1, 0, 1, 0, 1]
         # model spans: exactly the scripted turns, each ending in the end-of-turn token
         model_texts = [tokenizer.decode(response[a:b]) for value, a, b in runs if value == 1]

@@ -13,7 +13,7 @@ from typing import Any
 
 from cachetools import LRUCache
 
-from agentloop.dumps import LEGACY_FORMAT, dump_format, list_step_files, read_rollout_dump
+from agentloop.dumps import FORMAT, LEGACY_FORMAT, dump_format, list_step_files, read_rollout_dump
 
 TABLE_FIELDS = (
     "sample", "uid", "group", "index", "data_source", "agent_name", "reward", "advantage", "finish_reason",
@@ -64,9 +64,15 @@ class RunStore:
         key = self._key(path)
         if key not in self._parsed:
             try:
-                self._parsed[key] = read_rollout_dump(path)
+                format_name, records = read_rollout_dump(path)
             except ValueError as error:
                 self._parsed[key] = str(error)
+            else:
+                # GRPO groups numbered in order of first appearance, once per file version
+                numbers: dict[Any, int] = {}
+                for record in records:
+                    record["group"] = numbers.setdefault(record.get("uid"), len(numbers)) if format_name == FORMAT else None
+                self._parsed[key] = format_name, records
         parsed = self._parsed[key]
         if isinstance(parsed, str):
             raise ValueError(parsed)
@@ -127,7 +133,7 @@ class RunStore:
     def step(self, step: int) -> dict[str, Any]:
         """The step's sample table."""
         format_name, records = self._records(step)
-        samples = [self._sample(record, position, records, format_name) for position, record in enumerate(records)]
+        samples = [self._sample(record, position, format_name) for position, record in enumerate(records)]
         return {
             "step": step, "format": format_name, "problems": [],
             "samples": [{key: sample.get(key) for key in TABLE_FIELDS} for sample in samples],
@@ -138,21 +144,20 @@ class RunStore:
         format_name, records = self._records(step)
         if not 0 <= sample < len(records):
             raise StepNotFound(f"step {step} has samples 0..{len(records) - 1}, not {sample}")
-        return self._sample(records[sample], sample, records, format_name)
+        return self._sample(records[sample], sample, format_name)
 
     def group(self, step: int, uid: str) -> dict[str, Any]:
         """Every sample of one GRPO group (samples sharing ``uid``)."""
         format_name, records = self._records(step)
-        members = [self._sample(r, i, records, format_name) for i, r in enumerate(records) if r.get("uid") == uid]
+        members = [self._sample(r, i, format_name) for i, r in enumerate(records) if r.get("uid") == uid]
         if not members:
             raise StepNotFound(f"step {step} has no group {uid!r}")
         return {"step": step, "uid": uid, "samples": members}
 
     @staticmethod
-    def _sample(record: dict[str, Any], position: int, records: list[dict[str, Any]], format_name: str) -> dict[str, Any]:
+    def _sample(record: dict[str, Any], position: int, format_name: str) -> dict[str, Any]:
         if format_name == LEGACY_FORMAT:
             return _legacy_sample(record, position)
-        groups = list(dict.fromkeys(r.get("uid") for r in records))
         row = record.get("row") or {}
         tokens = {
             "text": record["token_text"],
@@ -162,7 +167,6 @@ class RunStore:
         return {
             **{key: record.get(key) for key in TABLE_FIELDS},
             "sample": position,
-            "group": groups.index(record.get("uid")),
             "reward": record.get("score"),
             "prompt_text": record.get("input"),
             "prompt_messages": row.get("prompt"),
