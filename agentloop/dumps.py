@@ -34,7 +34,7 @@ FORMAT = "agentloop-rollouts/1"
 LEGACY_FORMAT = "verl-jsonl (text only)"
 STEP_FILE = re.compile(r"^step_(\d+)\.parquet$")
 # what the loops report about a trajectory's reward, shown apart from the rest of extra_fields
-REWARD_PARTS = ("tool_rewards", "interaction_score", "turn_scores", "reward_extra_info")
+REWARD_PARTS = ("reward_source", "reward_parts", "tool_rewards", "interaction_score", "env_reward", "turn_scores", "reward_extra_info")
 
 COLUMNS = pa.schema([
     ("step", pa.int64()), ("sample", pa.int32()), ("uid", pa.string()), ("index", pa.string()),

@@ -19,7 +19,7 @@ from agentloop.metrics import rollout_metrics
 from agentloop.protocol import is_failed
 from agentloop.registry import check_agent_names, resolve_agent_loops
 from agentloop.router import RouterStats
-from agentloop.rows import check_row
+from agentloop.rows import check_row, verl_row_fields
 from agentloop.server_pool import ServerPool
 from agentloop.server.weights import PackedWeights
 from agentloop.waiting import wait_for
@@ -169,7 +169,7 @@ class AgentLoopManager:
             for _ in range(repeats):
                 sample = {key: row.get(key) for key in keys}
                 sample["agent_name"] = sample["agent_name"] or self.rollout.agent.default_agent_loop
-                sample.update(index=(row.get("extra_info") or {}).get("index"), uid=uid, request_id=str(uuid.uuid4()))
+                sample.update(verl_row_fields(row), uid=uid, request_id=str(uuid.uuid4()))
                 samples.append(sample)
         return samples
 

@@ -105,6 +105,9 @@ class TokenOutput:
     log_probs: list[float]
     finish_reason: FinishReason
     cached_tokens: int = 0
+    # verl's TokenOutput fields that loops written for verl read; not produced by these engines
+    num_preempted: int | None = None
+    routed_experts: Any = None
 
 
 @dataclass
@@ -112,19 +115,30 @@ class AgentLoopOutput:
     """One finished trajectory, ready to be padded into the trainer's batch.
 
     ``response_mask`` is 1 on tokens the model produced and 0 on observation tokens (tool results,
-    user turns); ``response_logprobs`` is the engine's logprob on model tokens and 0.0 elsewhere.
+    user turns); ``response_logprobs`` is the engine's logprob on model tokens and 0.0 elsewhere, or
+    None when the loop did not keep them (as verl allows: the batch then has 0.0 there and
+    ``extra_fields["rollout_log_probs_missing"]``, and the trainer refuses to correct against them).
+    ``reward_score`` set by the loop is kept; otherwise the worker computes it (``agentloop.rewards``).
+    ``multi_modal_data`` and ``routed_experts`` are accepted as verl's loops pass them.
     """
 
     prompt_ids: list[int]
     response_ids: list[int]
     response_mask: list[int]
-    response_logprobs: list[float]
+    response_logprobs: list[float] | None = None
     num_turns: int = 2
     reward_score: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     extra_fields: dict[str, Any] = field(default_factory=dict)
+    multi_modal_data: dict[str, Any] | None = None
+    routed_experts: Any = None
 
     def __post_init__(self) -> None:
+        if hasattr(self.metrics, "model_dump"):  # verl's AgentLoopMetrics
+            self.metrics = self.metrics.model_dump()
+        if self.response_logprobs is None:
+            self.response_logprobs = [0.0] * len(self.response_ids)
+            self.extra_fields["rollout_log_probs_missing"] = True
         lengths = {len(self.response_ids), len(self.response_mask), len(self.response_logprobs)}
         if len(lengths) != 1:
             raise ValueError(

@@ -8,30 +8,19 @@ Loops are built per sample with ``hydra.utils.instantiate``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 from hydra.utils import get_class, instantiate
 
-# The built-in loops are named by dotted path: this module imports no loop, so loops never import it back.
+from agentloop.agent_loop.base import _REGISTRY, register  # noqa: F401  (register: agentloop.registry.register)
+
+# The built-in loops are named by dotted path, as a YAML entry names a user's loop.
 BUILTIN_AGENT_LOOPS: dict[str, dict[str, Any]] = {
     "single_turn_agent": {"_target_": "agentloop.agent_loop.single_turn.SingleTurnAgentLoop"},
     "tool_agent": {"_target_": "agentloop.agent_loop.tool_agent.ToolAgentLoop"},
     "env_agent": {"_target_": "agentloop.agent_loop.env_agent.EnvAgentLoop"},
 }
-
-# name -> {"_target_": class or dotted path, **extra constructor kwargs}
-_REGISTRY: dict[str, dict[str, Any]] = {}
-
-
-def register(name: str) -> Callable[[type], type]:
-    """Class decorator: make an agent loop selectable by rows whose ``agent_name`` is ``name``."""
-
-    def decorator(cls: type) -> type:
-        _REGISTRY[name] = {"_target_": cls}
-        return cls
-
-    return decorator
 
 
 def load_agent_loop_file(path: str) -> dict[str, dict[str, Any]]:

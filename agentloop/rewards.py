@@ -1,46 +1,135 @@
-"""Reward functions chosen by a row's ``data_source`` (``custom_reward_function`` in config).
+"""The reward of a finished sample, computed as verl computes it, for every agent loop.
 
-A reward function is ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``; a dict
-carries its score under ``"score"`` and any other keys as per-sample extras.
+The rule, in order:
+
+1. A loop that set ``AgentLoopOutput.reward_score`` itself keeps it (verl: e.g. an SWE agent that runs
+   its own tests).
+2. Otherwise the reward function for the row's ``data_source`` scores the whole response, decoded with
+   ``skip_special_tokens=True`` (tool observations included, as verl decodes it): the dotted path in
+   ``custom_reward_function.by_data_source[data_source]``, else ``custom_reward_function.path`` (a
+   ``.py`` file or ``pkg://module``) with ``.name`` and ``.reward_kwargs``, else the built-in scorer for
+   the data source (``agentloop.reward_score``).
+3. Otherwise the loop's own reward parts add up: the tools' ``calc_reward``, the interaction's
+   ``calculate_score`` and the environment's ``info["reward"]`` values (a task whose tools judge the
+   answer, such as the quick start's). With no parts either, the reward is 0.
+
+The parts are always reported (``extra_fields["reward_parts"]``) and handed to the reward function in
+``extra_info["rollout_reward_scores"]``, with ``extra_info["num_turns"]``, so a function can combine
+them. A function is ``fn(data_source, solution_str, ground_truth, extra_info, **reward_kwargs) -> float |
+dict`` (a dict has the score under ``"score"``; every key goes to ``reward_extra_info``, and a plain
+float is recorded as ``acc``, as verl does), sync or ``async``. Sync functions run in a thread, off the
+worker's event loop; every call is bounded by ``custom_reward_function.timeout_s``, past which the
+sample fails (see ``rollout.max_failed_sample_ratio``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import importlib
+import importlib.util
+import inspect
+from pathlib import Path
 from typing import Any, Callable
 
 from hydra.utils import get_method
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+from agentloop.protocol import AgentLoopOutput
+from agentloop.reward_score import default_compute_score, has_scorer
 
 
 @functools.lru_cache(maxsize=None)
-def _load(path: str) -> Callable[..., Any]:
+def _load_dotted(path: str) -> Callable[..., Any]:
     try:
         return get_method(path)
     except Exception as error:
-        raise ValueError(f"custom_reward_function: {path!r} cannot be imported: {error}") from error
+        raise ValueError(f"custom_reward_function.by_data_source: {path!r} cannot be imported: {error}") from error
+
+
+@functools.lru_cache(maxsize=None)
+def _load_named(path: str, name: str) -> Callable[..., Any]:
+    """``name`` from a ``.py`` file (verl's convention) or from ``pkg://package.module``."""
+    where = f"custom_reward_function.path={path!r}"
+    if path.startswith("pkg://"):
+        module = importlib.import_module(path[len("pkg://"):])
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"{where}: no such file; name a .py file or pkg://package.module")
+        spec = importlib.util.spec_from_file_location(f"custom_reward_{abs(hash(str(file.resolve())))}", file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise AttributeError(f"{where} has no function custom_reward_function.name={name!r}")
+    return getattr(module, name)
 
 
 def reward_function_for(config: DictConfig, data_source: str | None) -> Callable[..., Any] | None:
-    """The function named for this data source, else the default one, else None."""
+    """The function that scores samples of ``data_source`` (rule 2 above), or None."""
     section = config.get("custom_reward_function") or {}
-    path = (section.get("by_data_source") or {}).get(data_source) or section.get("default")
-    return _load(path) if path else None
+    dotted = (section.get("by_data_source") or {}).get(data_source)
+    if dotted:
+        return _load_dotted(dotted)
+    if section.get("path"):
+        function = _load_named(str(section.path), str(section.get("name") or "compute_score"))
+        kwargs = OmegaConf.to_container(section.get("reward_kwargs") or {}) if isinstance(section, DictConfig) else dict(section.get("reward_kwargs") or {})
+        return functools.partial(function, **kwargs) if kwargs else function
+    return default_compute_score if has_scorer(data_source) else None
 
 
-def score(function: Callable[..., Any], data_source: str | None, solution: str, ground_truth: Any, extra_info: Any):
-    """Call a reward function; return ``(score, extras)``."""
-    result = function(data_source, solution, ground_truth, extra_info)
+def reward_parts(extra_fields: dict[str, Any]) -> dict[str, float]:
+    """The loop's own rewards by source: ``tool/<name>``, ``interaction`` and ``env``."""
+    parts = {f"tool/{name}": float(value) for name, value in (extra_fields.get("tool_rewards") or {}).items()}
+    for source, key in (("interaction", "interaction_score"), ("env", "env_reward")):
+        if extra_fields.get(key) is not None:
+            parts[source] = float(extra_fields[key])
+    return parts
+
+
+async def call_reward_function(function: Callable[..., Any], timeout_s: float, **arguments: Any) -> tuple[float, dict[str, Any]]:
+    """Run a reward function off the event loop within ``timeout_s``; return ``(score, reward_extra_info)``."""
+    target = function.func if isinstance(function, functools.partial) else function
+    try:
+        if inspect.iscoroutinefunction(target):
+            result = await asyncio.wait_for(function(**arguments), timeout_s)
+        else:
+            # a thread cannot be stopped: past the timeout the sample fails and the call is left to finish
+            result = await asyncio.wait_for(asyncio.to_thread(function, **arguments), timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(
+            f"reward function {getattr(target, '__qualname__', target)!r} took longer than "
+            f"custom_reward_function.timeout_s={timeout_s:g}s"
+        ) from None
     if isinstance(result, dict):
-        extras = {key: value for key, value in result.items() if key != "score"}
-        return float(result["score"]), extras
-    return float(result), {}
+        if "score" not in result:
+            raise ValueError(f"reward function {getattr(target, '__qualname__', target)!r} returned a dict without 'score': {sorted(result)}")
+        return float(result["score"]), dict(result)
+    return float(result), {"acc": float(result)}
 
 
-def reward_for_row(config: DictConfig, row: dict[str, Any], final_text: str) -> tuple[float, dict[str, Any]] | None:
-    """Score the final answer with the function configured for the row's data source, if any."""
+async def score_output(config: DictConfig, tokenizer: Any, row: dict[str, Any], output: AgentLoopOutput) -> None:
+    """Set ``output.reward_score`` (and ``reward_parts``, ``reward_source``, ``reward_extra_info`` in its
+    ``extra_fields``) for a finished sample, by the rule in this module's docstring."""
+    fields = output.extra_fields
+    parts = fields["reward_parts"] = reward_parts(fields)
+    if output.reward_score is not None:
+        fields["reward_source"] = "agent_loop"
+        return
     function = reward_function_for(config, row.get("data_source"))
     if function is None:
-        return None
-    ground_truth = (row.get("reward_model") or {}).get("ground_truth")
-    return score(function, row.get("data_source"), final_text, ground_truth, row.get("extra_info"))
+        fields["reward_source"] = "reward_parts" if parts else "none"
+        output.reward_score = sum(parts.values()) if parts else None
+        return
+    # what the trainer sees of the response: cut to the batch's response length, as in the padded batch
+    response = output.response_ids[: int(config.actor_rollout_ref.rollout.response_length)]
+    score, extras = await call_reward_function(
+        function,
+        float((config.get("custom_reward_function") or {}).get("timeout_s") or 60),
+        data_source=row.get("data_source"),
+        solution_str=tokenizer.decode(response, skip_special_tokens=True),
+        ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
+        extra_info={**(row.get("extra_info") or {}), "num_turns": output.num_turns, "rollout_reward_scores": parts},
+    )
+    output.reward_score = score
+    fields.update(reward_source="reward_function", reward_extra_info=extras)

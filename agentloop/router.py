@@ -84,9 +84,19 @@ class Router:
         return index
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data: list[Any] | None = None,
+        video_data: list[Any] | None = None,
     ) -> TokenOutput:
-        """Token-in/token-out generation for one turn of the session ``request_id``."""
+        """Token-in/token-out generation for one turn of the session ``request_id``.
+
+        ``image_data`` / ``video_data`` are verl's arguments; text-only engines take none.
+        """
+        if image_data or video_data:
+            raise ValueError("image_data / video_data given, but the rollout servers serve a text-only model")
         while True:
             index = self.server_for(request_id)
             self._dispatched(index)

@@ -2,6 +2,7 @@
 
 A row has ``prompt`` (chat messages) and optionally ``agent_name``, ``data_source``, ``reward_model``
 and ``extra_info`` (``index``, ``tools_kwargs``, ``interaction_kwargs``, ...); other fields ride along.
+Before its loop runs, a row also gets verl's derived fields (``verl_row_fields``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,19 @@ def check_row(row: Any, where: str) -> None:
     for position, message in enumerate(prompt):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
             raise ValueError(f"{where}: prompt[{position}] must be a {{role, content}} message, got {message!r:.200}")
+
+
+def verl_row_fields(row: dict[str, Any]) -> dict[str, Any]:
+    """The fields verl's dataset adds to every row before its agent loop runs: ``raw_prompt`` (the chat
+    messages), ``index`` (``extra_info.index``), and ``tools_kwargs`` / ``interaction_kwargs`` lifted
+    from ``extra_info``. A row that already has one of them keeps its own."""
+    extra_info = row.get("extra_info") or {}
+    return {
+        "raw_prompt": row.get("raw_prompt") or row["prompt"],
+        "index": extra_info.get("index"),
+        "tools_kwargs": row.get("tools_kwargs") or extra_info.get("tools_kwargs") or {},
+        "interaction_kwargs": row.get("interaction_kwargs") or extra_info.get("interaction_kwargs") or {},
+    }
 
 
 def write_rows(rows: list[dict[str, Any]], path: str) -> str:

@@ -11,10 +11,12 @@ import ray
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
+from agentloop.agent_loop.base import DictConfigWrap
 from agentloop.batch import RolloutBatch, object_array
 from agentloop.postprocess import pad_outputs
 from agentloop.protocol import AgentLoopOutput, failed_output
 from agentloop.registry import build_agent_loop
+from agentloop.rewards import score_output
 from agentloop.router import Router, RouterStats
 
 logger = logging.getLogger(__name__)
@@ -59,9 +61,16 @@ class AgentLoopWorker:
         start = time.perf_counter()
         try:
             loop = build_agent_loop(
-                agent_loops[row["agent_name"]], server_manager=self.router, tokenizer=self.tokenizer, config=self.config
+                agent_loops[row["agent_name"]],
+                trainer_config=DictConfigWrap(self.config),
+                server_manager=self.router,
+                tokenizer=self.tokenizer,
+                processor=None,
+                dataset_cls=None,
+                dataset_config=DictConfigWrap(self.config.data),
             )
             output = await loop.run(dict(sampling_params), **row)
+            await score_output(self.config, self.tokenizer, row, output)
         except Exception as error:  # one sample's fault (a loop's bug, a reward function that raises) stays its own
             logger.warning("agent loop %r failed on sample %s (dataset index %s): %s: %s",
                            row["agent_name"], row["request_id"], row["index"], type(error).__name__, error)

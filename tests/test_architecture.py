@@ -22,11 +22,11 @@ LAYERS = [
     ["trainer", "agentloop.tasks", "agentloop.viewer"],
     ["agentloop", "agentloop.config", "agentloop.testing"],
     ["agentloop.manager"],
-    ["agentloop.worker", "agentloop.metrics", "agentloop.dumps", "agentloop.registry", "agentloop.postprocess", "agentloop.server_pool"],
+    ["agentloop.worker", "agentloop.metrics", "agentloop.dumps", "agentloop.registry", "agentloop.postprocess", "agentloop.server_pool", "agentloop.preflight"],
     ["agentloop.agent_loop"],
     ["agentloop.router"],
     ["agentloop.server"],
-    ["agentloop.tools", "agentloop.interactions", "agentloop.envs", "agentloop.rewards", "agentloop.models"],
+    ["agentloop.tools", "agentloop.interactions", "agentloop.envs", "agentloop.rewards", "agentloop.reward_score", "agentloop.models"],
     ["agentloop.protocol", "agentloop.batch", "agentloop.rows", "agentloop.waiting", "agentloop.yaml_entries"],
 ]
 

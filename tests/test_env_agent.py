@@ -12,6 +12,7 @@ from agentloop import AgentLoopManager
 from agentloop.agent_loop.env_agent import EnvAgentLoop
 from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
+from agentloop.rewards import score_output
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
 from tests.support.config import small_config
@@ -91,7 +92,10 @@ def test_env_done_at_turn_two(server, tokenizer, ok_model, interactions_yaml):
     output = run_env(server, tokenizer, ok_model, interactions_yaml, "DoneAtTurn2Env")
     assert output.extra_fields["finish_reason"] == "done"
     assert output.metrics["env_steps"] == 2 and output.num_turns == 4
-    assert output.reward_score == 1.0  # two steps of info["reward"] = 0.5
+    assert output.extra_fields["env_reward"] == 1.0  # two steps of info["reward"] = 0.5
+    # without a reward function for the row's data source, the env's rewards are the reward
+    asyncio.run(score_output(config(ok_model, interactions_yaml), tokenizer, {"data_source": "games"}, output))
+    assert output.reward_score == 1.0 and output.extra_fields["reward_parts"] == {"env": 1.0}
     assert_exact(output, tokenizer, ["observation 1"])
 
 
@@ -142,7 +146,7 @@ def test_interaction_terminates_after_k_turns(server, tokenizer, ok_model, inter
     output = asyncio.run(loop.run(dict(GREEDY), **row))
     assert output.extra_fields["finish_reason"] == "stop"
     assert output.extra_fields["turn_scores"] == [0.5, 0.5, 1.0]
-    assert output.reward_score == 3.0 and output.num_turns == 6
+    assert output.extra_fields["interaction_score"] == 3.0 and output.num_turns == 6
     assert_exact(output, tokenizer, ["try again (1)", "try again (2)"])
     with pytest.raises(KeyError, match=r"interaction_kwargs.name='nope' is not among .*\['counter'\]"):
         asyncio.run(loop.run(dict(GREEDY), **{**row, "extra_info": {"interaction_kwargs": {"name": "nope"}}}))

@@ -32,7 +32,7 @@ from agentloop.router import Router
 from agentloop.server.engine import Engine
 from agentloop.server.rollout_server import RolloutServer
 from agentloop.tools.parsers import get_parser
-from agentloop.tools.schema import ToolCall
+from agentloop.tools.schemas import ToolCall
 from agentloop.tools.toolset import load_tool_set
 from tests.support.config import small_config
 from tests.support.hostile_outputs import HostileOutput, hostile_outputs

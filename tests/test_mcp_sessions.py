@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from agentloop.tools.mcp import MCPServerClient
-from agentloop.tools.schema import ToolCall
+from agentloop.tools.schemas import ToolCall
 from agentloop.tools.toolset import load_tool_set
 from tests.test_mcp_tools import tools_yaml_writer
 

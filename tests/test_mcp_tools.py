@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentloop.tools.schema import ToolCall
+from agentloop.tools.schemas import ToolCall
 from agentloop.tools.toolset import load_tool_set
 
 SERVER = Path(__file__).parent / "support" / "mcp_server.py"

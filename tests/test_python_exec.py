@@ -17,7 +17,7 @@ import pytest
 
 from agentloop.tools.python_exec import PythonExecTool
 from agentloop.tools.sandbox import SandboxLimits, run_sandboxed
-from agentloop.tools.schema import OpenAIFunctionToolSchema, ToolCall
+from agentloop.tools.schemas import OpenAIFunctionToolSchema, ToolCall
 from agentloop.tools.toolset import load_tool_set
 
 REPO = Path(__file__).resolve().parent.parent

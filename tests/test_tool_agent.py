@@ -13,6 +13,7 @@ from agentloop import AgentLoopManager
 from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.dumps import mask_runs
+from agentloop.rewards import score_output
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
 from tests.support.config import small_config
@@ -110,13 +111,13 @@ def test_logprobs_of_sampled_multi_turn_match_teacher_forcing(server, tokenizer,
 
 
 def test_reward_function_by_data_source(server, tokenizer, scripted):
-    output = run_loop(
-        server, tokenizer, scripted, "multi",
-        "+custom_reward_function.by_data_source.arith=agentloop.tasks.arithmetic.reward.arithmetic_score",
-        data_source="arith", reward_model={"ground_truth": "5"},
-    )
-    assert output.reward_score == 1.0
-    assert output.extra_fields["reward_extra_info"] == {"answer_found": 1.0}
+    reward = "+custom_reward_function.by_data_source.arith=agentloop.tasks.arithmetic.reward.arithmetic_score"
+    fields = {"data_source": "arith", "reward_model": {"ground_truth": "5"}}
+    output = run_loop(server, tokenizer, scripted, "multi", reward, **fields)
+    assert output.reward_score is None  # the loop leaves the reward to the worker's scoring step
+    asyncio.run(score_output(tool_config(scripted, reward), tokenizer, script_row("multi", **fields), output))
+    assert output.reward_score == 1.0 and output.extra_fields["reward_source"] == "reward_function"
+    assert output.extra_fields["reward_extra_info"] == {"score": 1.0, "answer_found": 1.0}
 
 
 def test_calls_inside_think_are_not_executed(server, tokenizer, scripted):

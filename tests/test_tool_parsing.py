@@ -15,7 +15,7 @@ from agentloop.rows import write_rows
 from agentloop.tasks.arithmetic.data import make_rows
 from agentloop.tasks.arithmetic.tools import evaluate
 from agentloop.tools.parsers import get_parser, parse_hermes, parse_qwen3_coder
-from agentloop.tools.schema import ToolCall
+from agentloop.tools.schemas import ToolCall
 from agentloop.tools.toolset import load_tool_set
 
 TOOLS = [
@@ -113,7 +113,7 @@ def test_delta_tokens_equal_the_full_render_and_sanity_check_modes(tokenizer):
     [
         ("tools:\n  - config: {}\n", r"tools\[0\]: missing field 'class_name'"),
         ("tools:\n  - class_name: no.such.Tool\n", r"tools\[0\].class_name = 'no.such.Tool' cannot be imported"),
-        ("tools:\n  - class_name: agentloop.protocol.TokenOutput\n", r"is not a subclass of agentloop.tools.base.BaseTool"),
+        ("tools:\n  - class_name: agentloop.protocol.TokenOutput\n", r"is not a subclass of agentloop.tools.base_tool.BaseTool"),
         (
             "tools:\n  - class_name: agentloop.tasks.arithmetic.tools.CalculatorTool\n    tool_schema: {type: function, function: {description: x}}\n",
             r"tools\[0\].tool_schema.function.name: Field required",

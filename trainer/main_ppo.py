@@ -25,7 +25,9 @@ from agentloop import AgentLoopManager
 from agentloop.batch import RolloutBatch
 from agentloop.config import CONFIG_DIR
 from agentloop.metrics import spread
+from agentloop.preflight import check_job
 from agentloop.protocol import is_failed
+from agentloop.tools.toolset import load_tool_set
 from agentloop.waiting import wait_for
 from trainer import algorithms, checkpoint
 from trainer.config_checks import check_config, world_size
@@ -51,6 +53,7 @@ class RayPPOTrainer:
         # data errors surface before any server starts
         self.rows = self._load(config.data.train_files)
         self.val_rows = self._load(config.data.val_files) if config.data.val_files else []
+        check_job(config, {"train": self.rows, "validation": self.val_rows})
         self.sampler = BatchSampler(len(self.rows), int(config.data.train_batch_size), shuffle=config.data.shuffle, seed=config.data.seed)
         self.total_steps = int(config.trainer.total_training_steps or self.sampler.batches_per_epoch * int(config.trainer.total_epochs))
         self.world_size = world_size(config)
@@ -76,10 +79,17 @@ class RayPPOTrainer:
         data = self.config.data
         return load_dataset(
             list(files) if not isinstance(files, str) else files,
-            prompt_length=lambda row: len(self.tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)),
+            prompt_length=self._rendered_prompt_length,
             max_prompt_length=int(data.max_prompt_length),
             filter_overlong_prompts=bool(data.filter_overlong_prompts),
         )
+
+    def _rendered_prompt_length(self, row: dict[str, Any]) -> int:
+        """The prompt's length as a loop renders it: with the tool schemas whenever a tool config is set."""
+        tool_config = self.config.actor_rollout_ref.rollout.multi_turn.tool_config_path
+        tools = load_tool_set(tool_config).schemas or None if tool_config else None
+        ids = self.tokenizer.apply_chat_template(row["prompt"], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return len(ids)
 
     def _wait(self, refs: list[Any], what: str) -> list[Any]:
         return wait_for(refs, float(self.config.trainer.step_timeout_s), what)

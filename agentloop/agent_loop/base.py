@@ -1,8 +1,15 @@
-"""``AgentLoopBase``: what every agent loop gets at hand and the one method it must write."""
+"""``AgentLoopBase``: what every agent loop gets at hand and the one method it must write.
+
+The constructor takes verl's arguments too (``trainer_config``, ``processor``, ``dataset_cls``,
+``dataset_config``), in verl's order, so a loop written for verl runs with its imports renamed.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
@@ -11,27 +18,95 @@ from agentloop.protocol import AgentLoopOutput
 from agentloop.router import Router
 
 
+# name -> {"_target_": class or dotted path, **extra constructor kwargs}; agentloop.registry reads it
+_REGISTRY: dict[str, dict[str, Any]] = {}
+
+
+def register(name: str) -> Callable[[type], type]:
+    """Class decorator: make an agent loop selectable by rows whose ``agent_name`` is ``name``."""
+
+    def decorator(cls: type) -> type:
+        _REGISTRY[name] = {"_target_": cls}
+        return cls
+
+    return decorator
+
+
+@dataclass
+class DictConfigWrap:
+    """A config handed to a loop without hydra's ``instantiate`` resolving it (verl's wrapper)."""
+
+    config: DictConfig
+
+
 class AgentLoopBase:
     """Base of all agent loops. Subclasses implement ``run``; one instance serves one sample.
 
     Attributes:
         server_manager: the worker's ``Router``; call ``await self.server_manager.generate(request_id,
             prompt_ids, sampling_params)`` for each model turn.
-        tokenizer: the model's tokenizer (chat template included).
-        config: the full composed config; ``self.rollout`` is ``config.actor_rollout_ref.rollout``.
+        tokenizer: the model's tokenizer (chat template included); ``processor`` is None for text models.
+        config: the full composed config; ``self.rollout`` is ``config.actor_rollout_ref.rollout`` and
+            ``self.dataset_config`` is ``config.data``.
     """
 
     def __init__(
-        self, *, server_manager: Router, tokenizer: PreTrainedTokenizerBase, config: DictConfig, **kwargs: Any
+        self,
+        trainer_config: DictConfigWrap | None = None,
+        server_manager: Router | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        processor: Any = None,
+        dataset_cls: Any = None,
+        dataset_config: DictConfigWrap | None = None,
+        *,
+        config: DictConfig | None = None,
+        **kwargs: Any,
     ) -> None:
+        self.config = config if config is not None else trainer_config.config
         self.server_manager = server_manager
         self.tokenizer = tokenizer
-        self.config = config
-        self.rollout = config.actor_rollout_ref.rollout
+        self.processor = processor
+        self.dataset_cls = dataset_cls
+        self.dataset_config = dataset_config.config if dataset_config is not None else self.config.data
+        self.rollout = self.config.actor_rollout_ref.rollout
+        self.apply_chat_template_kwargs = dict(self.dataset_config.get("apply_chat_template_kwargs") or {})
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         """Roll out one trajectory for a dataset row and return its tokens, mask and logprobs."""
         raise NotImplementedError(f"{type(self).__name__} must implement `async def run(self, sampling_params, **row)`")
+
+    async def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None = None,
+        images: list[Any] | None = None,
+        videos: list[Any] | None = None,
+        remove_system_prompt: bool = False,
+    ) -> list[int]:
+        """verl's helper: the ids of ``messages`` rendered with the generation prompt (``data.apply_chat_template_kwargs``
+        applied), rendered off the event loop; ``remove_system_prompt`` drops the template's default system
+        prompt, for a delta appended to a conversation. Unlike ``encode_prompt``, nothing is truncated."""
+        if images or videos:
+            raise ValueError("images and videos need a vision-language model's processor; this loop has a text tokenizer")
+        render = functools.partial(
+            self.tokenizer.apply_chat_template, messages, tools=tools, add_generation_prompt=True, tokenize=True,
+            return_dict=False, **self.apply_chat_template_kwargs,
+        )
+        ids = list(await asyncio.get_running_loop().run_in_executor(None, render))
+        if remove_system_prompt:
+            default_system = self._default_system_prompt()
+            if ids[: len(default_system)] == default_system:
+                ids = ids[len(default_system) :]
+        return ids
+
+    def _default_system_prompt(self) -> list[int]:
+        """What the template renders for an empty conversation: the system prompt it adds on its own."""
+        try:
+            return list(self.tokenizer.apply_chat_template(
+                [{}], add_generation_prompt=False, tokenize=True, return_dict=False, **self.apply_chat_template_kwargs
+            ))
+        except Exception:  # a template that cannot render an empty message adds no system prompt of its own
+            return []
 
     def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         """Render chat messages with the generation prompt and fit them to ``rollout.prompt_length``.

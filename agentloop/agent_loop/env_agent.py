@@ -21,7 +21,6 @@ from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.envs import BaseEnv
 from agentloop.protocol import AgentLoopOutput, EndReason
-from agentloop.rewards import reward_for_row
 
 
 async def _call(function: Any, *args: Any) -> Any:
@@ -87,18 +86,16 @@ class EnvAgentLoop(AgentLoopBase):
                 reason = "length"
                 break
 
-        scored = reward_for_row(self.config, row, trajectory.final_reply)
-        reward, extras = scored if scored is not None else (env_reward, {})
+        # the reward is the worker's (agentloop.rewards): the row's reward function, else env_reward
         return trajectory.to_output(
             num_turns=1 + len(trajectory.messages) - len(row["prompt"]),  # prompt + model turns + observations
-            reward_score=reward,
             metrics={
                 "env_steps": float(len(actions)),
                 "env_retries": float(sum(retries.values())),
                 "model_tokens": float(sum(trajectory.response_mask)),
                 "observation_tokens": float(len(trajectory.response_mask) - sum(trajectory.response_mask)),
             },
-            extra_fields={"finish_reason": reason, "env_retries": retries, "reward_extra_info": extras},
+            extra_fields={"finish_reason": reason, "env_retries": retries, "env_reward": env_reward},
         )
 
     async def _step_with_retries(

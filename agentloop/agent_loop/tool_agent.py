@@ -19,7 +19,6 @@ from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.interactions import BaseInteraction, load_interactions
 from agentloop.protocol import AgentLoopOutput, EndReason
-from agentloop.rewards import reward_for_row
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.toolset import ToolResult, load_tool_set
 
@@ -38,12 +37,14 @@ class ToolAgentLoop(AgentLoopBase):
         self.parse = get_parser(self.multi_turn.format)
 
     def _interaction(self, kwargs: dict[str, Any]) -> BaseInteraction | None:
-        if not kwargs:
+        # verl's preprocessing writes interaction_kwargs for tool-only jobs too: without an interaction
+        # config they mean nothing (the trainer checks every row's name against the config before it starts)
+        if not kwargs or not self.multi_turn.interaction_config_path:
             return None
         available = load_interactions(self.multi_turn.interaction_config_path)
         if kwargs.get("name") not in available:
             raise KeyError(
-                f"extra_info.interaction_kwargs.name={kwargs.get('name')!r} is not among the interactions of "
+                f"interaction_kwargs.name={kwargs.get('name')!r} is not among the interactions of "
                 f"multi_turn.interaction_config_path: {sorted(available)}"
             )
         return available[kwargs["name"]]
@@ -51,16 +52,16 @@ class ToolAgentLoop(AgentLoopBase):
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         request_id = row["request_id"]
         extra_info = row.get("extra_info") or {}
-        create_kwargs = {
-            name: (spec or {}).get("create_kwargs", {}) for name, spec in (extra_info.get("tools_kwargs") or {}).items()
-        }
+        # top-level as verl's dataset passes them; rows handed to run() directly may keep them in extra_info
+        tools_kwargs = row.get("tools_kwargs") or extra_info.get("tools_kwargs") or {}
+        create_kwargs = {name: (spec or {}).get("create_kwargs", {}) for name, spec in tools_kwargs.items()}
         tools = self.tool_set.schemas or None
         trajectory = Trajectory(self.tokenizer, row["prompt"], self.encode_prompt(row["prompt"], tools=tools), tools)
         budget = int(self.rollout.response_length)
         max_assistant = self.multi_turn.max_assistant_turns
         max_user = self.multi_turn.max_user_turns
         error_budget = self.multi_turn.tool_error_budget
-        interaction_kwargs = dict(extra_info.get("interaction_kwargs") or {})
+        interaction_kwargs = dict(row.get("interaction_kwargs") or extra_info.get("interaction_kwargs") or {})
         interaction = self._interaction(interaction_kwargs)
         if interaction is not None:
             await interaction.start_interaction(request_id, **interaction_kwargs)
@@ -149,16 +150,14 @@ class ToolAgentLoop(AgentLoopBase):
                 await interaction.finalize_interaction(request_id, **interaction_kwargs)
 
         mismatches = trajectory.sanity_check(self.multi_turn.tokenization_sanity_check_mode)
-        reward, reward_extras = self._reward(row, trajectory, tool_rewards, interaction_score)
+        # the reward is the worker's (agentloop.rewards): the row's reward function, else these parts
         return trajectory.to_output(
             num_turns=1 + assistant_turns + user_turns,  # the prompt counts as a turn, as in verl
-            reward_score=reward,
             metrics=self._metrics(turns, errors_by_kind, mismatches),
             extra_fields={
                 "finish_reason": reason,
                 "turns": turns,
                 "tool_rewards": tool_rewards,
-                "reward_extra_info": reward_extras,
                 "tool_errors": errors_by_kind,
                 "turn_scores": turn_scores,
                 "interaction_score": interaction_score,
@@ -206,17 +205,6 @@ class ToolAgentLoop(AgentLoopBase):
             if text.endswith(decoded) if at_end else text.startswith(decoded):
                 return decoded
         return self.tokenizer.decode(ids)  # a tokenizer whose decoding is not byte-exact: keep what it gives
-
-    def _reward(
-        self, row: dict[str, Any], trajectory: Trajectory, tool_rewards: dict[str, float], interaction_score: float | None
-    ):
-        """A reward function for the row's data_source wins; otherwise tool rewards and the interaction's score add up."""
-        scored = reward_for_row(self.config, row, trajectory.final_reply)
-        if scored is not None:
-            return scored
-        if tool_rewards or interaction_score is not None:
-            return sum(tool_rewards.values()) + (interaction_score or 0.0), {}
-        return None, {}
 
     @staticmethod
     def _metrics(turns: list[dict[str, Any]], errors: dict[str, int], mismatches: int) -> dict[str, float]:

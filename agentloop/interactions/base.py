@@ -44,3 +44,12 @@ def load_interactions(path: str | None) -> dict[str, BaseInteraction]:
         name = entry.get("name") or cls.__name__
         interactions[name] = cls({**(entry.get("config") or {}), "name": name})
     return interactions
+
+
+def check_interaction_config(path: str) -> set[str]:
+    """Every interaction's class importable, without building one; returns their names."""
+    names = set()
+    for where, entry in read_entries(path, "interaction", "multi_turn.interaction_config_path"):
+        cls = entry_class(entry, where, BaseInteraction)
+        names.add(entry.get("name") or cls.__name__)
+    return names

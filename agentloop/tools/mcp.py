@@ -18,9 +18,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from agentloop.tools.base import BaseTool
+from agentloop.tools.base_tool import BaseTool
 from agentloop.tools.mcp_session import MCPSession
-from agentloop.tools.schema import OpenAIFunctionToolSchema, ToolResponse
+from agentloop.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 
 class MCPServerClient:

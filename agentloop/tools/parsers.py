@@ -11,7 +11,7 @@ import re
 import reprlib
 from typing import Any, Callable
 
-from agentloop.tools.schema import ToolCall
+from agentloop.tools.schemas import ToolCall
 
 Parser = Callable[[str], tuple[str, list[ToolCall]]]
 _PARSERS: dict[str, Parser] = {}

@@ -8,10 +8,10 @@ import signal
 import weakref
 from typing import Any
 
-from agentloop.tools.base import BaseTool
+from agentloop.tools.base_tool import BaseTool
 from agentloop.tools.sandbox import SandboxLimits, SandboxRun, run_sandboxed
 from agentloop.tools.sandbox.child import guard
-from agentloop.tools.schema import OpenAIFunctionToolSchema, ToolResponse
+from agentloop.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 logger = logging.getLogger(__name__)
 

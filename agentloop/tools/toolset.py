@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,9 +17,9 @@ from typing import Any
 import jsonschema
 from pydantic import ValidationError
 
-from agentloop.tools.base import BaseTool
+from agentloop.tools.base_tool import BaseTool
 from agentloop.tools.parsers import valid_utf8
-from agentloop.tools.schema import OpenAIFunctionToolSchema, ToolCall
+from agentloop.tools.schemas import OpenAIFunctionToolSchema, ToolCall
 from agentloop.yaml_entries import entry_class, read_entries
 
 
@@ -70,8 +71,9 @@ class ToolSet:
                 f"Error: unknown tool {_excerpt(repr(call.name), 200)}; available tools: {sorted(self.tools)}",
                 error="unknown_tool",
             )
+        parameters = tool.tool_schema.function.parameters.model_dump(exclude_none=True)
         try:
-            jsonschema.validate(call.arguments, tool.tool_schema.function.parameters.model_dump(exclude_none=True))
+            arguments = checked_arguments(call.arguments, parameters)
         except jsonschema.ValidationError as error:
             return ToolResult(
                 f"Error: invalid arguments for {tool.name}: {_excerpt(error.message)}", error="invalid_arguments"
@@ -86,7 +88,7 @@ class ToolSet:
                     created[tool.name] = asyncio.ensure_future(tool.create(instance_id, **create_kwargs.get(tool.name, {})))
                 await asyncio.wait_for(asyncio.shield(created[tool.name]), timeout)
                 response, step_reward, metrics = await asyncio.wait_for(
-                    tool.execute(instance_id, call.arguments), timeout
+                    tool.execute(instance_id, arguments), timeout
                 )
         except asyncio.TimeoutError:
             return ToolResult(
@@ -111,6 +113,45 @@ class ToolSet:
             finally:
                 await asyncio.wait_for(tool.release(instance_id), timeout)
         return rewards
+
+
+def checked_arguments(arguments: dict[str, Any], parameters: dict[str, Any]) -> dict[str, Any]:
+    """The arguments if they fit the schema; else with each top-level value that fails only by a lossless
+    type converted (``105`` for a string is ``"105"``, ``"3"`` for an integer is ``3``, ``"true"`` for a
+    boolean is ``True``). Raises the schema's error when conversion does not make them fit."""
+    try:
+        jsonschema.validate(arguments, parameters)
+        return arguments
+    except jsonschema.ValidationError as error:
+        properties = parameters.get("properties") or {}
+        converted = {name: _lossless(value, (properties.get(name) or {}).get("type")) for name, value in arguments.items()}
+        if converted == arguments:
+            raise
+        try:
+            jsonschema.validate(converted, parameters)
+        except jsonschema.ValidationError:
+            raise error from None
+        return converted
+
+
+_INTEGER = re.compile(r"-?(0|[1-9][0-9]*)")
+_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
+
+
+def _lossless(value: Any, wanted: Any) -> Any:
+    """``value`` as JSON type ``wanted`` when the conversion loses nothing, else ``value`` unchanged."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if wanted == "string" and number:
+        return str(value)
+    if wanted == "integer" and isinstance(value, str) and _INTEGER.fullmatch(value):
+        return int(value)
+    if wanted == "integer" and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if wanted == "number" and isinstance(value, str) and _NUMBER.fullmatch(value):
+        return float(value) if any(mark in value for mark in ".eE") else int(value)
+    if wanted == "boolean" and value in ("true", "false"):
+        return value == "true"
+    return value
 
 
 def _excerpt(text: str, limit: int = 500) -> str:
@@ -139,15 +180,41 @@ def load_tool_set(path: str | None) -> ToolSet:
                 raise ValueError(f"{where}.class_name: a tool with config.type mcp must subclass agentloop.tools.mcp.MCPTool")
             tools += discover_mcp_tools(cls, config, where)
             continue
+        schema = _entry_schema(entry, where, cls)
         try:
-            schema = OpenAIFunctionToolSchema.model_validate(entry.get("tool_schema"))
-        except ValidationError as error:
-            first = error.errors()[0]
-            location = ".".join(str(part) for part in first["loc"])
-            raise ValueError(f"{where}.tool_schema.{location}: {first['msg']}") from error
-        tools.append(cls(config=config, tool_schema=schema))
+            tools.append(cls(config=config, tool_schema=schema))
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
     names = [tool.name for tool in tools]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ValueError(f"{path}: tool names must be unique, repeated: {duplicates}")
     return ToolSet(tools)
+
+
+def _entry_schema(entry: dict[str, Any], where: str, cls: type) -> OpenAIFunctionToolSchema | None:
+    """The entry's validated ``tool_schema``; None when it has none and the class defines its own."""
+    if entry.get("tool_schema") is None:
+        if cls.get_openai_tool_schema is BaseTool.get_openai_tool_schema:
+            raise ValueError(f"{where}: missing field 'tool_schema' ({cls.__qualname__} does not define get_openai_tool_schema())")
+        return None
+    try:
+        return OpenAIFunctionToolSchema.model_validate(entry["tool_schema"])
+    except ValidationError as error:
+        first = error.errors()[0]
+        location = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"{where}.tool_schema.{location}: {first['msg']}") from error
+
+
+def check_tool_config(path: str) -> list[str]:
+    """Every tool's class importable and schema valid, without building the tools (MCP servers are not
+    contacted); returns the declared tool names (an MCP entry counts as its server's tools, unnamed)."""
+    names = []
+    for where, entry in read_entries(path, "tools", "multi_turn.tool_config_path"):
+        cls = entry_class(entry, where, BaseTool)
+        if (entry.get("config") or {}).get("type") == "mcp":
+            continue
+        schema = _entry_schema(entry, where, cls)
+        if schema is not None:
+            names.append(schema.function.name)
+    return names

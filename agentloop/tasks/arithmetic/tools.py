@@ -6,8 +6,8 @@ import ast
 import operator
 from typing import Any
 
-from agentloop.tools.base import BaseTool
-from agentloop.tools.schema import ToolResponse
+from agentloop.tools.base_tool import BaseTool
+from agentloop.tools.schemas import ToolResponse
 
 _OPERATORS = {
     ast.Add: operator.add,

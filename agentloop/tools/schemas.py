@@ -1,0 +1,91 @@
+"""Records for tools: OpenAI function schemas (validated with pydantic), parsed calls, tool responses.
+
+verl's names (``verl.tools.schemas``) are all here; a property may be given as a dict (any JSON Schema)
+or as an ``OpenAIFunctionPropertySchema``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class OpenAIFunctionPropertySchema(BaseModel):
+    """One argument's JSON Schema (``type``, ``description``, ``enum``, and any other JSON Schema key)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    description: str | None = None
+    enum: list[Any] | None = None
+
+
+class OpenAIFunctionParametersSchema(BaseModel):
+    """JSON Schema of a function's arguments: an object with named properties."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["object"] = "object"
+    properties: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    required: list[str] = Field(default_factory=list)
+
+    @field_validator("properties", mode="before")
+    @classmethod
+    def _properties_as_dicts(cls, properties: Any) -> Any:
+        if not isinstance(properties, dict):
+            return properties
+        return {name: value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value for name, value in properties.items()}
+
+
+class OpenAIFunctionSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    description: str = ""
+    parameters: OpenAIFunctionParametersSchema = Field(default_factory=OpenAIFunctionParametersSchema)
+    strict: bool | None = None
+
+
+class OpenAIFunctionToolSchema(BaseModel):
+    """``{"type": "function", "function": {name, description, parameters}}`` as in OpenAI's API."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: OpenAIFunctionSchema
+
+
+class ToolCall(BaseModel):
+    """One call parsed from model text; ``error`` is set when the call could not be parsed."""
+
+    name: str | None = None
+    arguments: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class ToolResponse(BaseModel):
+    """What a tool returns to the model. Only ``text`` is rendered by text-only chat templates."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    text: str | None = None
+    image: Any = None
+    video: Any = None
+
+
+class OpenAIFunctionParsedSchema(BaseModel):
+    """A call as the model wrote it: the function name and its arguments as a JSON string."""
+
+    name: str
+    arguments: str
+
+
+class OpenAIFunctionCallSchema(BaseModel):
+    """A call with its arguments decoded."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+class OpenAIFunctionToolCall(BaseModel):
+    """A call in OpenAI's chat format."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: OpenAIFunctionCallSchema
