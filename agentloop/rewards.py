@@ -73,7 +73,8 @@ def reward_function_for(config: DictConfig, data_source: str | None) -> Callable
         return _load_dotted(dotted)
     if section.get("path"):
         function = _load_named(str(section.path), str(section.get("name") or "compute_score"))
-        kwargs = OmegaConf.to_container(section.get("reward_kwargs") or {}) if isinstance(section, DictConfig) else dict(section.get("reward_kwargs") or {})
+        kwargs = section.get("reward_kwargs") or {}
+        kwargs = OmegaConf.to_container(kwargs) if isinstance(kwargs, DictConfig) else dict(kwargs)
         return functools.partial(function, **kwargs) if kwargs else function
     return default_compute_score if has_scorer(data_source) else None
 
