@@ -44,8 +44,8 @@ class ToolSet:
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
-        """OpenAI function schemas, as chat templates take them in ``tools=``."""
-        return [tool.tool_schema.model_dump(exclude_none=True) for tool in self.tools.values()]
+        """OpenAI function schemas, as chat templates take them in ``tools=`` (as written in the tool YAML)."""
+        return [tool.tool_schema.for_template() for tool in self.tools.values()]
 
     async def call(
         self, call: ToolCall, instance_id: str, created: dict[str, asyncio.Future], create_kwargs: dict
@@ -140,7 +140,7 @@ def load_tool_set(path: str | None) -> ToolSet:
             tools += discover_mcp_tools(cls, config, where)
             continue
         try:
-            schema = OpenAIFunctionToolSchema.model_validate(entry.get("tool_schema"))
+            schema = OpenAIFunctionToolSchema.from_written(entry.get("tool_schema"))
         except ValidationError as error:
             first = error.errors()[0]
             location = ".".join(str(part) for part in first["loc"])
