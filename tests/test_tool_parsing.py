@@ -15,6 +15,7 @@ from agentloop.rows import write_rows
 from agentloop.tasks.arithmetic.data import make_rows
 from agentloop.tasks.arithmetic.tools import evaluate
 from agentloop.tools.parsers import get_parser, parse_hermes, parse_qwen3_coder
+from agentloop.tools.reasoning import ReasoningSplit, prompt_opens_reasoning, split_reasoning
 from agentloop.tools.schemas import ToolCall
 from agentloop.tools.toolset import load_tool_set
 
@@ -52,6 +53,26 @@ def test_calls_inside_think_are_ignored():
     assert parse_hermes('<think>\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>')[1] == []
     qwen = "<think><tool_call>\n<function=a>\n</function>\n</tool_call></think>"
     assert parse_qwen3_coder(qwen)[1] == []
+
+
+@pytest.mark.parametrize(
+    "text, opened, split",
+    [
+        # no reasoning, or a closing tag the prompt did not open: unchanged, as with non-thinking templates
+        ("Sure.\n<tool_call>x</tool_call>\n", False, (None, "Sure.\n<tool_call>x</tool_call>\n")),
+        ("a <tool_call>x</tool_call></think>b", False, (None, "a <tool_call>x</tool_call></think>b")),
+        # reasoning the model opened itself, closed or not
+        ("<think>\nplan\n</think>\n\nanswer", False, ("plan", "answer")),
+        ("<think>\nplan <tool_call>x", False, ("plan <tool_call>x", "")),
+        # reasoning the prompt opened: up to the first closing tag, or all of a turn cut off inside it
+        ("plan <tool_call>x</tool_call>\n</think>\n\nanswer", True, ("plan <tool_call>x</tool_call>", "answer")),
+        ("plan <tool_call>x</tool_call>", True, ("plan <tool_call>x</tool_call>", "")),
+        ("<think>\nplan</think>ok", True, ("plan", "ok")),
+        ("\n</think>\n\nok", True, (None, "ok")),
+    ],
+)
+def test_split_reasoning(text, opened, split):
+    assert split_reasoning(text, opened=opened) == ReasoningSplit(*split)
 
 
 def test_hermes_faults_are_reported_not_raised():
@@ -190,6 +211,19 @@ def test_delta_tokens_with_qwen3s_own_template(model_path):
     trajectory.add_model_turn(_model_turn(tokenizer, "\n</think>\n\n7"))
     assert trajectory.sanity_check("strict") >= 1
     assert trajectory.sanity_check("ignore_strippable") == 0
+
+
+@pytest.mark.skipif(not QWEN3_CONFIG.exists(), reason="../shared/fixtures/qwen3 is not present")
+def test_prompt_opens_reasoning_only_with_a_thinking_template(tokenizer, model_path):
+    messages = [{"role": "user", "content": "q"}]
+    render = {"add_generation_prompt": True, "tokenize": True, "return_dict": False}
+    assert not prompt_opens_reasoning(tokenizer, tokenizer.apply_chat_template(messages, **render))
+    qwen3 = AutoTokenizer.from_pretrained(model_path)
+    qwen3.chat_template = json.loads(QWEN3_CONFIG.read_text())["chat_template"]
+    prompt = qwen3.apply_chat_template(messages, **render)
+    assert prompt_opens_reasoning(qwen3, prompt)
+    # an empty reasoning the template closed itself (thinking switched off) leaves the turn outside it
+    assert not prompt_opens_reasoning(qwen3, prompt + qwen3.encode("\n</think>\n\n"))
 
 
 def test_parallel_calls_of_one_tool_share_one_creation(tmp_path):

@@ -20,6 +20,7 @@ from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.interactions import BaseInteraction, load_interactions
 from agentloop.protocol import AgentLoopOutput, EndReason
 from agentloop.tools.parsers import get_parser
+from agentloop.tools.reasoning import prompt_opens_reasoning, split_reasoning
 from agentloop.tools.toolset import ToolResult, load_tool_set
 
 # Far more characters than any token spans: a window of limit x this many characters holds more than
@@ -75,6 +76,8 @@ class ToolAgentLoop(AgentLoopBase):
 
         try:
             while True:
+                # Qwen3's thinking template opens the reasoning in the generation prompt: the turn starts inside it
+                opened = prompt_opens_reasoning(self.tokenizer, trajectory.ids)
                 output, text, end = await trajectory.generate_turn(self.server_manager, request_id, sampling_params, budget)
                 assistant_turns += 1
                 turn = {"model_tokens": len(output.token_ids), "tool_calls": 0, "tool_errors": 0, "tool_latency_s": 0.0}
@@ -82,7 +85,7 @@ class ToolAgentLoop(AgentLoopBase):
                 if end is not None:
                     reason = end
                     break
-                _, calls = self.parse(text)
+                _, calls = self.parse(split_reasoning(text, opened=opened).content)
                 if not calls and interaction is None:
                     reason = "stop"
                     break

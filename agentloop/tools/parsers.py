@@ -2,6 +2,8 @@
 
 A parser turns a model turn's text into ``(content, calls)``. Reasoning inside ``<think>…</think>``
 (or after an unclosed ``<think>``) is never parsed: a call the model only thought about is not made.
+Reasoning the prompt opened has no ``<think>`` in the turn's text: callers pass only the content that
+``agentloop.tools.reasoning.split_reasoning`` leaves.
 """
 
 from __future__ import annotations

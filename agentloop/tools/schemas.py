@@ -6,9 +6,10 @@ or as an ``OpenAIFunctionPropertySchema``.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 
 class OpenAIFunctionPropertySchema(BaseModel):
@@ -50,6 +51,25 @@ class OpenAIFunctionToolSchema(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"] = "function"
     function: OpenAIFunctionSchema
+    _as_written: dict[str, Any] | None = PrivateAttr(default=None)
+
+    @classmethod
+    def from_written(cls, written: dict[str, Any]) -> OpenAIFunctionToolSchema:
+        """Validate a schema and keep it as written (a tool YAML's ``tool_schema``) for ``for_template``."""
+        schema = cls.model_validate(written)
+        schema._as_written = copy.deepcopy(written)
+        return schema
+
+    def for_template(self) -> dict[str, Any]:
+        """The schema for a chat template's ``tools=``: as written when it was (``from_written``), else as built.
+
+        Templates render a schema verbatim (``tool | tojson``), so the validated copy, with its defaults
+        added (``description: ""``) and keys in the model's order, would make a different prompt than
+        a chat client sending the same schema.
+        """
+        if self._as_written is not None:
+            return copy.deepcopy(self._as_written)
+        return self.model_dump(exclude_none=True)
 
 
 class ToolCall(BaseModel):

@@ -45,8 +45,8 @@ class ToolSet:
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
-        """OpenAI function schemas, as chat templates take them in ``tools=``."""
-        return [tool.tool_schema.model_dump(exclude_none=True) for tool in self.tools.values()]
+        """OpenAI function schemas, as chat templates take them in ``tools=`` (as written in the tool YAML)."""
+        return [tool.tool_schema.for_template() for tool in self.tools.values()]
 
     async def call(
         self, call: ToolCall, instance_id: str, created: dict[str, asyncio.Future], create_kwargs: dict
@@ -199,7 +199,7 @@ def _entry_schema(entry: dict[str, Any], where: str, cls: type) -> OpenAIFunctio
             raise ValueError(f"{where}: missing field 'tool_schema' ({cls.__qualname__} does not define get_openai_tool_schema())")
         return None
     try:
-        return OpenAIFunctionToolSchema.model_validate(entry["tool_schema"])
+        return OpenAIFunctionToolSchema.from_written(entry["tool_schema"])
     except ValidationError as error:
         first = error.errors()[0]
         location = ".".join(str(part) for part in first["loc"])

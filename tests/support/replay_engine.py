@@ -39,6 +39,7 @@ class ReplayEngine:
     """Replays ``hostile_outputs()`` by prompt; implements ``agentloop.server.engine.Engine``."""
 
     http_url = None  # the rollout server hosts the HTTP front
+    last_turn = LAST_TURN  # every turn of a session after its first
 
     def __init__(self, model_path: str, cases: list[HostileOutput]) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -56,7 +57,7 @@ class ReplayEngine:
         turn = self.turns[request_id]
         self.turns[request_id] += 1
         if match is None or turn > 0:
-            return LAST_TURN
+            return self.last_turn
         return self.cases[int(match.group(1))].text
 
     def _encode(self, text: str, max_new_tokens: int) -> list[int]:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.tools.parsers import get_parser
+from agentloop.tools.reasoning import prompt_opens_reasoning, split_reasoning
 
 
 class ChatMessage(BaseModel):
@@ -71,13 +72,11 @@ def chat_routes(server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         output = await server.generate(prompt, params, request_id)
         ids = output.token_ids[:-1] if output.finish_reason == "stop" else output.token_ids
-        text = tokenizer.decode(ids, skip_special_tokens=False)
-        content, calls = parse_tool_calls(text) if body.tools else (text, [])
-        tool_calls = [
-            {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-            for c in calls
-            if c.error is None
-        ]
+        reasoning, visible = split_reasoning(
+            tokenizer.decode(ids, skip_special_tokens=False), opened=prompt_opens_reasoning(tokenizer, prompt)
+        )
+        content, calls = parse_tool_calls(visible) if body.tools else (visible, [])
+        tool_calls = [_tool_call(call.name, call.arguments) for call in calls if call.error is None]
         finish = "tool_calls" if tool_calls else ("length" if output.finish_reason == "length" else "stop")
         logprobs = [
             {"token": tokenizer.decode([token]), "logprob": lp, "bytes": None, "top_logprobs": []}
@@ -91,7 +90,12 @@ def chat_routes(server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: 
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": content if (content or not tool_calls) else None, "tool_calls": tool_calls or None},
+                    "message": {
+                        "role": "assistant",
+                        "content": content if (content or not tool_calls) else None,
+                        "reasoning_content": reasoning,
+                        "tool_calls": tool_calls or None,
+                    },
                     "finish_reason": finish,
                     "logprobs": {"content": logprobs},
                     # exact tokens for training: what was sampled, with the engine's logprobs
@@ -107,3 +111,13 @@ def chat_routes(server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: 
         }
 
     return router
+
+
+def _tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """One parsed call as OpenAI's API returns it.
+
+    The arguments keep non-ASCII characters as they are (no ``\\u`` escapes): a client that sends the
+    assistant message back then gets it rendered as the model wrote it, not as different tokens.
+    """
+    function = {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
+    return {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function", "function": function}
