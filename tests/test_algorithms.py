@@ -81,22 +81,47 @@ def test_gae_skips_observation_tokens(gamma, lam):
     assert close(advantages, expected_adv) and close(returns, expected_ret)
 
 
+def k3(p, q):
+    return math.exp(q - p) - (q - p) - 1
+
+
+KL_REFERENCES = {
+    "k1": lambda p, q: p - q,
+    "kl": lambda p, q: p - q,
+    "abs": lambda p, q: abs(p - q),
+    "k2": lambda p, q: 0.5 * (p - q) ** 2,
+    "mse": lambda p, q: 0.5 * (p - q) ** 2,
+    "k3": k3,
+    "low_var_kl": k3,
+}
+
+
 @pytest.mark.parametrize("estimator", alg.KL_ESTIMATORS)
 def test_kl_estimators(estimator):
     logp = T([-1.0, -0.2, -3.0])
     ref = T([-1.5, -0.1, -2.0])
-    reference = {
-        "k1": lambda p, q: p - q,
-        "kl": lambda p, q: p - q,
-        "abs": lambda p, q: abs(p - q),
-        "k2": lambda p, q: 0.5 * (p - q) ** 2,
-        "mse": lambda p, q: 0.5 * (p - q) ** 2,
-        "k3": lambda p, q: math.exp(q - p) - (q - p) - 1,
-        "low_var_kl": lambda p, q: math.exp(q - p) - (q - p) - 1,
-    }[estimator]
+    reference = KL_REFERENCES[estimator.removesuffix("+")]
     assert close(alg.kl_penalty(logp, ref, estimator), [reference(p, q) for p, q in zip(logp.tolist(), ref.tolist())])
     with pytest.raises(ValueError, match="unknown KL estimator"):
         alg.kl_penalty(logp, ref, "k9")
+
+
+@pytest.mark.parametrize("estimator", ["k1+", "k3+", "low_var_kl+"])
+def test_straight_through_kl_keeps_the_value_and_takes_k2s_gradient(estimator):
+    p_values, q_values = [-1.0, -0.2, -3.0], [-1.5, -0.1, -2.0]
+    logp = T(p_values).requires_grad_()
+    value = alg.kl_penalty(logp, T(q_values), estimator)
+    value.sum().backward()
+    base = KL_REFERENCES[estimator.removesuffix("+")]
+    assert close(value.detach(), [base(p, q) for p, q in zip(p_values, q_values)])
+    # d/dp of (p - q)^2 / 2; k1's own gradient would be 1, k3's 1 - e^(q - p)
+    assert close(logp.grad, [p - q for p, q in zip(p_values, q_values)])
+
+
+def test_plain_k3_gradient_is_not_k2s():
+    logp = T([-1.0, -3.0]).requires_grad_()
+    alg.kl_penalty(logp, T([-1.5, -2.0]), "k3").sum().backward()
+    assert close(logp.grad, [1 - math.exp(-0.5), 1 - math.exp(1.0)])
 
 
 @pytest.mark.parametrize(
@@ -108,16 +133,40 @@ def test_adaptive_kl_coef(observed, expected):
     assert alg.adaptive_kl_coef(0.5, observed, target_kl=0.1, horizon=100, n_steps=10) == pytest.approx(expected, abs=1e-12)
 
 
+# the last row has no model token (a failed sample, or one rejected by rollout_rs)
+MASK_WITH_EMPTY_ROW = torch.cat([MASK, torch.zeros(1, 6, dtype=torch.float64)])
+
+
 @pytest.mark.parametrize("mode", alg.LOSS_AGG_MODES)
-def test_loss_aggregation_modes(mode):
-    loss = torch.arange(24, dtype=torch.float64).reshape(4, 6) / 7
-    rows = [[v for v, m in zip(loss[r].tolist(), MASK[r].tolist()) if m] for r in range(4)]
+@pytest.mark.parametrize("mask", [MASK, MASK_WITH_EMPTY_ROW], ids=["full", "empty_row"])
+def test_loss_aggregation_modes(mode, mask):
+    loss = torch.arange(mask.numel(), dtype=torch.float64).reshape(mask.shape) / 7
+    rows = [[v for v, m in zip(loss[r].tolist(), mask[r].tolist()) if m] for r in range(len(mask))]
+    present = [r for r in rows if r]  # verl leaves rows without model tokens out of the seq-mean modes
     expected = {
         "token-mean": sum(map(sum, rows)) / sum(map(len, rows)),
-        "seq-mean-token-sum": statistics.mean(sum(r) for r in rows),
-        "seq-mean-token-mean": statistics.mean(statistics.mean(r) for r in rows),
+        "seq-mean-token-sum": statistics.mean(sum(r) for r in present),
+        "seq-mean-token-mean": statistics.mean(statistics.mean(r) for r in present),
+        "seq-mean-token-sum-norm": sum(map(sum, rows)) / 6,  # divided by the padded response length
     }[mode]
-    assert close(alg.aggregate_loss(loss, MASK, mode), expected)
+    assert close(alg.aggregate_loss(loss, mask, mode), expected)
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    # row 1 has no model token: 2.0 = its neighbour's token sum alone (dividing by both rows gave 1.0)
+    [("seq-mean-token-sum", 2.0), ("seq-mean-token-mean", 1.0), ("token-mean", 1.0), ("seq-mean-token-sum-norm", 1.0)],
+)
+def test_rows_without_model_tokens_leave_the_sequence_mean(mode, expected):
+    assert alg.aggregate_loss(T([[1, 1], [5, 5]]), T([[1, 1], [0, 0]]), mode).item() == pytest.approx(expected)
+
+
+def test_seq_mean_token_sum_norm_divides_by_the_constant():
+    loss, mask = T([[1, 2, 3], [4, 5, 6]]), T([[1, 1, 0], [1, 0, 0]])
+    assert alg.aggregate_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=4).item() == pytest.approx(7 / 4)
+    assert alg.aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(7 / 3)
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
+        alg.aggregate_loss(loss, mask, "seq-sum")
 
 
 def reference_ppo(old, new, adv, mask, low, high, c):
@@ -142,7 +191,28 @@ def test_ppo_clipped_loss(dual_clip):
     adv = torch.randn_like(MASK) * 2
     loss, metrics = alg.ppo_policy_loss(old, new, adv, MASK, 0.2, 0.28, dual_clip)
     assert close(loss, reference_ppo(old.tolist(), new.tolist(), adv.tolist(), MASK.tolist(), 0.2, 0.28, dual_clip))
-    assert 0 < metrics["clipfrac"] < 1
+    assert 0 < metrics["pg_clipfrac"] < 1
+    assert close(metrics["ppo_kl"], alg.masked_mean(old - new, MASK))
+
+
+def test_dual_clip_is_on_by_default_at_3():
+    # ratio 5 with advantage -1: the clipped surrogate keeps 5 (max(5, 1.2)), dual clip bounds it at 3
+    old, new, adv, mask = T([[0.0, 0.0]]), T([[math.log(5), math.log(5)]]), T([[-1.0, 1.0]]), T([[1.0, 0.0]])
+    loss, metrics = alg.ppo_policy_loss(old, new, adv, mask)
+    assert loss.item() == pytest.approx(3.0) and metrics["pg_clipfrac_lower"].item() == pytest.approx(1.0)
+    loss, metrics = alg.ppo_policy_loss(old, new, adv, mask, clip_ratio_c=None)
+    assert loss.item() == pytest.approx(5.0) and "pg_clipfrac_lower" not in metrics
+    assert alg.ppo_policy_loss.__defaults__[2] == 3.0
+
+
+def test_reinforce_loss_is_minus_advantage_times_log_prob_times_weight():
+    rollout, logp = T([[-1.0, -2.0, -0.5]]), T([[-1.2, -1.5, -0.5]]).requires_grad_()
+    adv, mask, weights = T([[2.0, -1.0, 3.0]]), T([[1.0, 1.0, 0.0]]), T([[0.5, 2.0, 9.0]])
+    loss, metrics = alg.reinforce_policy_loss(rollout, logp, adv, mask, importance_weights=weights)
+    assert loss.item() == pytest.approx((-2.0 * -1.2 * 0.5 + 1.0 * -1.5 * 2.0) / 2)
+    loss.backward()
+    assert close(logp.grad, [[-2.0 * 0.5 / 2, 1.0 * 2.0 / 2, 0.0]])
+    assert metrics["ppo_kl"].item() == pytest.approx(((-1.0 + 1.2) + (-2.0 + 1.5)) / 2)
 
 
 def test_masked_tokens_get_zero_gradient():
@@ -159,21 +229,15 @@ def test_masked_tokens_get_zero_gradient():
         assert torch.any(new.grad[MASK == 1] != 0)
 
 
-def test_value_loss_and_entropy():
-    values = T([[0.5, 2.0, 0.0]])
-    old = T([[0.0, 0.0, 0.0]])
-    returns = T([[1.0, 1.0, 5.0]])
-    mask = T([[1.0, 1.0, 0.0]])
-    # token 0: max(0.25, 0.25)/2; token 1: clip(2.0) = 0.5 -> max(1, 0.25)/2
-    assert close(alg.value_loss(values, old, returns, mask, 0.5), (0.125 + 0.5) / 2)
+def test_value_loss_clipfrac_and_entropy():
+    values = T([[0.9, 0.8, 2.0, 0.0]])
+    old = T([[0.0, 0.0, 0.0, 0.0]])
+    returns = T([[1.0, 1.0, 1.0, 5.0]])
+    mask = T([[1.0, 1.0, 1.0, 0.0]])
+    # tokens 0 and 1 clip to 0.5, and (0.5 - 1)^2 = 0.25 beats 0.01 and 0.04: the clipped term is chosen;
+    # token 2 clips 2.0 to 0.5, and (2 - 1)^2 = 1 beats 0.25: the unclipped one is; token 3 is masked
+    loss, metrics = alg.value_loss(values, old, returns, mask, 0.5)
+    assert close(loss, 0.5 * (0.25 + 0.25 + 1.0) / 3)
+    assert metrics["vf_clipfrac"].item() == pytest.approx(2 / 3)
     logits = T([[0.0, 0.0], [100.0, 0.0]])
     assert close(alg.entropy_from_logits(logits), [math.log(2), 0.0])
-
-
-def test_rollout_importance_weights_truncate():
-    old = T([[-1.0, -1.0, -1.0]])
-    rollout = T([[-1.0, -2.0, -0.5]])
-    weights, metrics = alg.rollout_importance_weights(old, rollout, T([[1.0, 1.0, 0.0]]), threshold=2.0)
-    assert close(weights, [[1.0, 2.0, 0.0]])  # e^1 > 2 is truncated; the masked token weighs 0
-    assert close(metrics["mismatch/abs_log_prob_diff"], 0.5)
-    assert close(metrics["mismatch/truncated_share"], 0.5)

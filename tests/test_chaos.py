@@ -43,6 +43,6 @@ def test_training_survives_a_killed_server_and_a_killed_worker(local_ray, tmp_pa
         # step 3's rollouts come from both, and the trainer scores every sampled token as the servers did
         # (that a replacement loads the latest push before serving is tests/test_supervision.py's check)
         assert history[2]["rollout/requests_per_server/0"] > 0 and history[2]["rollout/requests_per_server/1"] > 0
-        assert history[2]["mismatch/abs_log_prob_diff"] < 1e-5
+        assert history[2]["rollout_corr/abs_log_prob_diff"] < 1e-5
     finally:
         trainer.shutdown()

@@ -43,7 +43,7 @@ def test_sharded_scores_match_the_engine_update_moves_them_and_the_push_keeps_th
     train["old_log_probs"], train["advantages"] = old, advantages
     halves = train.split(len(batch) // 2)
     metrics = ray.get([actor.update_policy.remote(half) for actor, half in zip(actors, halves)], timeout=120)
-    assert all(m["grad_norm"] > 0 for m in metrics)
+    assert all(m["actor/grad_norm"] > 0 for m in metrics)
     new = scores(actors, batch)
     gain = (new - old) * mask
     assert gain[0::2].sum() > 0 > gain[1::2].sum(), "positive advantages raise log-probs, negative ones lower them"

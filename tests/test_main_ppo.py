@@ -1,5 +1,6 @@
 """The trainer through the real stack (two FSDP ranks on CPU, one server, the tool agent): GRPO with
-validation and loggers, GAE with a critic and KL, a killed run that resumes, and config errors."""
+validation, loggers and bypass-mode rollout correction, GAE with a critic and KL, a killed run that
+resumes, and config errors."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_grpo_steps_with_validation_loggers_and_rollout_dumps(local_ray, tmp_path, capsys):
+def test_grpo_steps_in_bypass_mode_with_validation_loggers_and_rollout_dumps(local_ray, tmp_path, capsys):
     train = write_rows(make_rows(8), str(tmp_path / "train.jsonl"))
     val = write_rows(make_rows(2, split="test"), str(tmp_path / "val.parquet"))
     out = tmp_path / "run"
@@ -50,6 +51,12 @@ def test_grpo_steps_with_validation_loggers_and_rollout_dumps(local_ray, tmp_pat
         "trainer.logger=[console,tensorboard]",
         f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
         f"trainer.default_local_dir={out}",
+        # bypass mode: no re-scoring pass; REINFORCE with token weights and k1 rejection against the rollout
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.loss_type=reinforce",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold=2.0",
     )
     history = run(config)
     assert [line["step"] for line in history] == [0, 1, 2]
@@ -59,8 +66,10 @@ def test_grpo_steps_with_validation_loggers_and_rollout_dumps(local_ray, tmp_pat
     for metrics in history[1:]:
         assert {"timing_s/weight_push", "actor/pg_loss", "actor/lr", "critic/score/mean"} <= set(metrics)
         assert metrics["num_turns/mean"] >= 2
-    # step 1 scores the engine's own rollouts with the very same weights
-    assert history[1]["mismatch/abs_log_prob_diff"] < 1e-3
+    # step 1 scores the engine's own rollouts with the very same weights (in bypass mode, on the ranks)
+    assert history[1]["rollout_corr/abs_log_prob_diff"] < 1e-3
+    assert history[1]["rollout_corr/rollout_is_mean"] == pytest.approx(1, abs=1e-3)
+    assert history[1]["rollout_corr/rollout_rs_masked_fraction"] == 0
     # the rollout's own metrics reach every logger: console, JSONL (above) and tensorboard
     rollout_keys = {"num_turns/mean", "tool_call_counts/mean", "rollout/cached_token_share", "multi_turn/tool_error_rate",
                     "timing_s/agent_loop/generate_sequences/max", "rollout/requests_per_server/0", "prompt_length/mean"}
@@ -75,6 +84,8 @@ def test_grpo_steps_with_validation_loggers_and_rollout_dumps(local_ray, tmp_pat
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     dump = read_rollout_dump(tmp_path / "rollouts" / "step_000001.parquet")[1]
     assert len(dump) == 4 and all(record["input"].startswith("<|im_start|>system") for record in dump)
+    # bypass mode skipped the old-log-prob pass: the old log-probs are the rollout's, bit for bit
+    assert all(record["old_log_probs"] == record["rollout_log_probs"] for record in dump)
     order = next(iter(BatchSampler(8, 2, seed=0)))
     assert sorted({int(record["index"]) for record in dump}) == sorted(order)
 
@@ -105,7 +116,7 @@ def test_gae_with_critic_warmup_and_kl_in_reward_and_loss(local_ray, tmp_path):
     assert not any(key.startswith("actor/pg") for key in first), "step 1 only warms up the critic"
     assert "actor/pg_loss" in second and "actor/kl_loss" in second
     # later mini-batches see a policy already moved away from the one that sampled: off-policy ratios
-    assert second["actor/approx_kl"] != 0
+    assert second["actor/ppo_kl"] != 0
     # the policy equals the reference until its first update (step 2), then drifts away from it
     assert first["actor/reward_kl_penalty"] == pytest.approx(0, abs=1e-6)
     assert second["actor/reward_kl_penalty"] == pytest.approx(0, abs=1e-6)
@@ -169,7 +180,7 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
     for step in (2, 3, 4):  # step 3 is the first after the resume; 4 samples per step
         assert coefs[step - 1] == pytest.approx(adaptive_kl_coef(coefs[step - 2], kls[step - 2], 0.01, 8, 4), rel=1e-9)
     # the servers got the restored policy: the trainer re-scores their rollouts without mismatch
-    assert history[2]["mismatch/abs_log_prob_diff"] < 1e-3
+    assert history[2]["rollout_corr/abs_log_prob_diff"] < 1e-3
     # the batches of steps 3 and 4 are those an uninterrupted run takes
     batches = iter(BatchSampler(16, 2, seed=0))
     expected = [next(batches) for _ in range(4)]
@@ -190,6 +201,8 @@ def test_config_and_data_errors_are_named(local_ray, tmp_path):
         run(small_config(f"data.train_files=[{train}]", "algorithm.kl_penalty=k9"))
     with pytest.raises(ValueError, match="need one GPU each, and the Ray cluster has 0; .* or set trainer.device=cpu"):
         run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=2", "trainer.device=cuda"))
+    with pytest.raises(ValueError, match="algorithm.rollout_correction.rollout_rs='token_k9'"):
+        run(small_config(f"data.train_files=[{train}]", "algorithm.rollout_correction.rollout_rs=token_k9"))
     with pytest.raises(ValueError, match="kl_ctrl.type='pid'; choose fixed or adaptive"):
         run(small_config(f"data.train_files=[{train}]", "algorithm.kl_ctrl.type=pid"))
     with pytest.raises(ValueError, match="ppo_mini_batch_size=3 must divide data.train_batch_size=4"):

@@ -12,8 +12,10 @@ from typing import Sequence
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+_BASE_KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+# "<name>+": the estimator's value with k2's gradient (verl's straight-through variants, e.g. k1+ and k3+)
+KL_ESTIMATORS = _BASE_KL_ESTIMATORS + tuple(f"{name}+" for name in _BASE_KL_ESTIMATORS)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -97,8 +99,20 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
     """Per-token KL(policy || reference) estimate from sampled tokens' log-probs.
 
     ``k1`` (verl's ``kl``): log p - log q; ``abs``: |k1|; ``k2``/``mse``: (k1)^2 / 2; ``k3``/``low_var_kl``:
-    q/p - log(q/p) - 1 (non-negative, low variance; clamped to [-10, 10] as is customary).
+    q/p - log(q/p) - 1 (non-negative, low variance; clamped to [-10, 10] as is customary). A trailing ``+``
+    (``k1+``, ``k3+``, ...) keeps the value and replaces the gradient by k2's, log p - log q.
     """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
+    value = _kl_value(log_prob, ref_log_prob, estimator.removesuffix("+"))
+    if not estimator.endswith("+"):
+        return value
+    # k1 and k3 estimate the KL without bias, but their gradients do not estimate its gradient; k2's does
+    k2 = 0.5 * (log_prob - ref_log_prob).square()
+    return value.detach() + (k2 - k2.detach())
+
+
+def _kl_value(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str) -> torch.Tensor:
     diff = log_prob - ref_log_prob
     if estimator in ("k1", "kl"):
         return diff
@@ -106,10 +120,8 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
         return diff.abs()
     if estimator in ("k2", "mse"):
         return 0.5 * diff.square()
-    if estimator in ("k3", "low_var_kl"):
-        log_ratio = (ref_log_prob - log_prob).clamp(-20, 20)
-        return (log_ratio.exp() - log_ratio - 1).clamp(-10, 10)
-    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
+    log_ratio = (ref_log_prob - log_prob).clamp(-20, 20)
+    return (log_ratio.exp() - log_ratio - 1).clamp(-10, 10)
 
 
 def adaptive_kl_coef(coef: float, observed_kl: float, target_kl: float, horizon: float, n_steps: int) -> float:
@@ -123,15 +135,28 @@ def adaptive_kl_coef(coef: float, observed_kl: float, target_kl: float, horizon:
     return coef * (1.0 + error * n_steps / horizon)
 
 
-def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Reduce a per-token loss: over all tokens, or per sequence (sum or mean) then over sequences."""
+def aggregate_loss(
+    loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", loss_scale_factor: float | None = None
+) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar, as verl's ``loss_agg_mode``s do.
+
+    ``token-mean``: over all model tokens. ``seq-mean-token-sum`` / ``seq-mean-token-mean``: each row's
+    token sum / mean, then the mean over the rows that have a model token. ``seq-mean-token-sum-norm``:
+    the sum of all rows' token sums divided by the constant ``loss_scale_factor`` (default: the padded
+    response length ``R``).
+    """
     if mode == "token-mean":
         return masked_mean(loss, mask)
-    if mode == "seq-mean-token-sum":
-        return (loss * mask).sum(dim=-1).mean()
-    if mode == "seq-mean-token-mean":
-        return masked_mean(loss, mask, dim=-1).mean()
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {LOSS_AGG_MODES}")
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {LOSS_AGG_MODES}")
+    row_sums = (loss * mask).sum(dim=-1)
+    if mode == "seq-mean-token-sum-norm":
+        # a constant divisor: a row's weight grows with its length, the same in every batch (Dr. GRPO)
+        return row_sums.sum() / (loss_scale_factor or mask.shape[-1])
+    row_tokens = mask.sum(dim=-1)
+    per_row = row_sums if mode == "seq-mean-token-sum" else row_sums / row_tokens.clamp(min=1)
+    # a row without model tokens (a failed sample, or one rollout_rs rejected) would dilute the mean
+    return masked_mean(per_row, (row_tokens > 0).to(loss.dtype))
 
 
 def ppo_policy_loss(
@@ -141,14 +166,17 @@ def ppo_policy_loss(
     response_mask: torch.Tensor,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    clip_ratio_c: float | None = None,
+    clip_ratio_c: float | None = 3.0,
     loss_agg_mode: str = "token-mean",
     importance_weights: torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate, optionally dual-clipped (``clip_ratio_c`` > 1 bounds negative advantages).
+    """PPO's clipped surrogate, dual-clipped as in verl: ``clip_ratio_c`` (> 1; None: off) bounds the loss of
+    tokens with negative advantages at -A x clip_ratio_c.
 
     ``importance_weights`` (detached, e.g. truncated rollout/train ratios) multiply the per-token loss.
-    Returns the loss and metrics: clip fraction, lower-clip fraction, approximate KL to the old policy.
+    Returns the loss and verl's metrics (unprefixed): ``pg_clipfrac``, ``ppo_kl`` (mean log old - log new),
+    and with dual clip ``pg_clipfrac_lower``.
     """
     log_ratio = (log_prob - old_log_prob).clamp(-20, 20)
     ratio = log_ratio.exp()
@@ -156,19 +184,40 @@ def ppo_policy_loss(
     clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     loss = torch.maximum(unclipped, clipped)
     metrics = {
-        "clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
-        "approx_kl": masked_mean(-log_ratio, response_mask),
+        "pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
+        "ppo_kl": masked_mean(-log_ratio, response_mask),
     }
     if clip_ratio_c is not None:
         if clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
         lower = -advantages * clip_ratio_c
         dual = torch.minimum(loss, lower)
-        metrics["lower_clipfrac"] = masked_mean(((loss > lower) & (advantages < 0)).float(), response_mask)
+        metrics["pg_clipfrac_lower"] = masked_mean(((loss > lower) & (advantages < 0)).float(), response_mask)
         loss = torch.where(advantages < 0, dual, loss)
     if importance_weights is not None:
         loss = loss * importance_weights.detach()
-    return aggregate_loss(loss, response_mask, loss_agg_mode), metrics
+    return aggregate_loss(loss, response_mask, loss_agg_mode, loss_scale_factor), metrics
+
+
+def reinforce_policy_loss(
+    rollout_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    importance_weights: torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Plain policy gradient, -A x log p (x a detached importance weight), with no ratio and no clipping.
+
+    verl's ``rollout_correction.loss_type=reinforce`` in bypass mode. Returns the loss and ``ppo_kl``
+    against the rollout policy.
+    """
+    loss = -advantages * log_prob
+    if importance_weights is not None:
+        loss = loss * importance_weights.detach()
+    metrics = {"ppo_kl": masked_mean(rollout_log_prob - log_prob, response_mask)}
+    return aggregate_loss(loss, response_mask, loss_agg_mode, loss_scale_factor), metrics
 
 
 def value_loss(
@@ -178,11 +227,16 @@ def value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float = 0.5,
     loss_agg_mode: str = "token-mean",
-) -> torch.Tensor:
-    """The critic's clipped squared error: 0.5 * max((v - R)^2, (clip(v, v_old ± c) - R)^2)."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's clipped squared error: 0.5 * max((v - R)^2, (clip(v, v_old ± c) - R)^2).
+
+    Returns the loss and ``vf_clipfrac``: the share of model tokens where the clipped term was the larger.
+    """
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
-    loss = 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
-    return aggregate_loss(loss, response_mask, loss_agg_mode)
+    unclipped_error, clipped_error = (values - returns).square(), (clipped - returns).square()
+    loss = 0.5 * torch.maximum(unclipped_error, clipped_error)
+    clipfrac = masked_mean((clipped_error > unclipped_error).float(), response_mask)
+    return aggregate_loss(loss, response_mask, loss_agg_mode), {"vf_clipfrac": clipfrac}
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -191,20 +245,3 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
     log_probs = torch.log_softmax(logits, dim=-1)
     return -(log_probs.exp() * log_probs).sum(dim=-1)
-
-
-def rollout_importance_weights(
-    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, threshold: float = 2.0
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Truncated importance sampling for the rollout/train mismatch: min(π_train / π_rollout, threshold).
-
-    Also returns the mismatch metrics: mean |Δ log p|, a k3 KL estimate, and the share of truncated tokens.
-    """
-    ratio = (old_log_prob - rollout_log_prob).clamp(-20, 20).exp()
-    weights = ratio.clamp(max=threshold).detach() * response_mask
-    metrics = {
-        "mismatch/abs_log_prob_diff": masked_mean((old_log_prob - rollout_log_prob).abs(), response_mask),
-        "mismatch/kl_k3": masked_mean(kl_penalty(rollout_log_prob, old_log_prob, "k3"), response_mask),
-        "mismatch/truncated_share": masked_mean((ratio > threshold).float(), response_mask),
-    }
-    return weights, metrics

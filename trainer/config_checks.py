@@ -5,6 +5,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from trainer import algorithms
+from trainer.rollout_correction import RolloutCorrection
 
 
 def world_size(config: DictConfig) -> int:
@@ -31,6 +32,7 @@ def check_config(config: DictConfig) -> None:
     for key, estimator in (("algorithm.kl_penalty", algorithm.kl_penalty), ("actor_rollout_ref.actor.kl_loss_type", config.actor_rollout_ref.actor.kl_loss_type)):
         if estimator not in algorithms.KL_ESTIMATORS:
             raise ValueError(f"{key}={estimator!r}; choose one of {algorithms.KL_ESTIMATORS}")
+    _check_losses(config)
     control = algorithm.kl_ctrl
     if control.type not in ("fixed", "adaptive"):
         raise ValueError(f"algorithm.kl_ctrl.type={control.type!r}; choose fixed or adaptive")
@@ -45,3 +47,16 @@ def check_config(config: DictConfig) -> None:
                 f"{name}.ppo_mini_batch_size={mini} must divide data.train_batch_size={config.data.train_batch_size}, "
                 f"and its {int(mini) * int(config.actor_rollout_ref.rollout.n)} samples (x rollout.n) must split over {ranks} ranks"
             )
+
+
+def _check_losses(config: DictConfig) -> None:
+    """Loss aggregation, dual clip and ``algorithm.rollout_correction``: checked here rather than mid-step."""
+    actor = config.actor_rollout_ref.actor
+    for key, mode in (("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode), ("critic.loss_agg_mode", config.critic.loss_agg_mode)):
+        if mode not in algorithms.LOSS_AGG_MODES:
+            raise ValueError(f"{key}={mode!r}; choose one of {algorithms.LOSS_AGG_MODES}")
+    if actor.clip_ratio_c is not None and not float(actor.clip_ratio_c) > 1:
+        raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 (dual-clip PPO), or null for no dual clip")
+    if actor.get("loss_scale_factor") is not None and not float(actor.loss_scale_factor) > 0:
+        raise ValueError(f"actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor} must be > 0, or null for the response length")
+    RolloutCorrection.from_config(config)

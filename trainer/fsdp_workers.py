@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from agentloop.server.weights import PackedWeights
 from agentloop.waiting import wait_for
 from trainer import algorithms
+from trainer.rollout_correction import RolloutCorrection, correct
 
 WARMUP_STYLES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
 
@@ -43,6 +44,34 @@ def response_values(critic: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
     return _forward(critic, batch)[:, -batch["responses"].shape[1] - 1 : -1, 0].float()
 
 
+def policy_gradient_loss(
+    micro: TensorDict, log_probs: torch.Tensor, actor: DictConfig, correction: RolloutCorrection
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """The policy-gradient term of ``actor``'s loss, the mask the other terms use, and its metrics.
+
+    Decoupled mode: PPO against the re-scored ``old_log_probs``, times ``rollout_is_weights`` when the batch
+    has them. Bypass mode: ``old_log_probs`` are the rollout's; the correction runs here against the current
+    policy, and ``loss_type`` picks PPO (whose ratio already is the importance weight, so the weights are
+    only reported, as in verl) or REINFORCE times the weights. Rejection sampling narrows the mask in both.
+    """
+    mask, stats = micro["response_mask"].float(), {}
+    weights = micro.get("rollout_is_weights", None)
+    if correction.bypass_mode:
+        weights, mask, stats = correct(log_probs.detach(), micro["old_log_probs"], mask, correction)
+    common = dict(loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.get("loss_scale_factor"))
+    if correction.bypass_mode and correction.loss_type == "reinforce":
+        pg_loss, pg_stats = algorithms.reinforce_policy_loss(
+            micro["old_log_probs"], log_probs, micro["advantages"], mask, importance_weights=weights, **common
+        )
+    else:
+        pg_loss, pg_stats = algorithms.ppo_policy_loss(
+            micro["old_log_probs"], log_probs, micro["advantages"], mask,
+            float(actor.clip_ratio_low), float(actor.clip_ratio_high), actor.clip_ratio_c,
+            importance_weights=None if correction.bypass_mode else weights, **common,
+        )
+    return pg_loss, mask, {**stats, **{f"actor/{key}": value for key, value in pg_stats.items()}}
+
+
 def split_on(batch: TensorDict, size: int, device: Any) -> list[TensorDict]:
     """``batch`` in micro-batches of ``size`` samples, each moved to ``device``."""
     return [micro.to(device) for micro in batch.split(size)]
@@ -55,10 +84,11 @@ def _forward(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
 
 
 class _Trainable:
-    """A sharded model with its optimizer and LR schedule (policy or critic)."""
+    """A sharded model with its optimizer and LR schedule (policy or critic); ``role`` (``actor`` or
+    ``critic``) prefixes its ``grad_norm`` and ``lr`` metrics."""
 
-    def __init__(self, model: torch.nn.Module, optim: DictConfig, total_steps: int) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, optim: DictConfig, total_steps: int, role: str) -> None:
+        self.model, self.role = model, role
         self.device = next(model.parameters()).device
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=float(optim.lr), weight_decay=float(optim.weight_decay))
         style = str(optim.get("warmup_style", "constant"))
@@ -78,7 +108,8 @@ class _Trainable:
     ) -> dict[str, float]:
         """``config.ppo_epochs`` passes over ``batch`` in mini-batches of ``mini_batch_size`` samples, one optimizer
         step each, gradients accumulated over micro-batches of ``config.ppo_micro_batch_size_per_gpu``; then
-        one LR-schedule step. Returns metrics averaged over micro-batches (``grad_norm`` over optimizer steps)."""
+        one LR-schedule step. Returns metrics averaged over micro-batches (``grad_norm`` over optimizer steps),
+        named as ``loss`` names them."""
         self.model.train()
         metrics: dict[str, float] = {}
         mini_batches = [mini for _ in range(int(config.ppo_epochs)) for mini in batch.split(mini_batch_size)]
@@ -94,9 +125,9 @@ class _Trainable:
             if torch.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
                 self.optimizer.step()
             self.optimizer.zero_grad()
-            _accumulate(metrics, {"grad_norm": grad_norm}, len(mini_batches))
+            _accumulate(metrics, {f"{self.role}/grad_norm": grad_norm}, len(mini_batches))
         self.scheduler.step()
-        return {**metrics, "lr": lr}
+        return {**metrics, f"{self.role}/lr": lr}
 
     def state(self) -> dict[str, Any]:
         model, optimizer = get_state_dict(self.model, self.optimizer)
@@ -141,9 +172,10 @@ class FSDPWorker:
         self.actor = config.actor_rollout_ref.actor
         self.critic_config = config.critic
         self.temperature = float(config.actor_rollout_ref.rollout.temperature)
+        self.correction = RolloutCorrection.from_config(config)
         torch.manual_seed(0)
         self.policy = _Trainable(
-            self._sharded(AutoModelForCausalLM, config.actor_rollout_ref.model.path), self.actor.optim, self.total_steps
+            self._sharded(AutoModelForCausalLM, config.actor_rollout_ref.model.path), self.actor.optim, self.total_steps, "actor"
         )
         self.ref = None
         if needs_reference(config):
@@ -154,7 +186,7 @@ class FSDPWorker:
             critic_config = AutoConfig.from_pretrained(config.critic.model.path, num_labels=1)
             critic_config.classifier_dropout = 0.0  # (not a Qwen3Config field: from_pretrained would drop it)
             critic = self._sharded(AutoModelForTokenClassification, config.critic.model.path, config=critic_config)
-            self.critic = _Trainable(critic, config.critic.optim, self.total_steps)
+            self.critic = _Trainable(critic, config.critic.optim, self.total_steps, "critic")
 
     def _sharded(self, auto_class: Any, path: str, **kwargs: Any) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -184,33 +216,25 @@ class FSDPWorker:
         return torch.cat([response_values(self.critic.model, m).cpu() for m in micro])
 
     def update_policy(self, batch: TensorDict) -> dict[str, float]:
-        """PPO updates of the policy on this rank's slice (see ``_Trainable.update``).
+        """PPO updates of the policy on this rank's slice (see ``_Trainable.update``); metrics as verl names them.
 
-        ``batch`` carries ``old_log_probs``, ``advantages`` and ``response_mask`` (plus ``rollout_log_probs``
-        when ``actor.rollout_is_threshold`` is set, and ``ref_log_probs`` when ``actor.use_kl_loss``).
+        ``batch`` carries ``old_log_probs`` (the rollout's in bypass mode), ``advantages`` and ``response_mask``,
+        plus ``rollout_is_weights`` from decoupled rollout correction and ``ref_log_probs`` when ``actor.use_kl_loss``.
         """
         actor = self.actor
+        scale = actor.get("loss_scale_factor")
 
         def loss(micro: TensorDict) -> tuple[torch.Tensor, dict[str, Any]]:
             log_probs, entropy = response_log_probs(self.policy.model, micro, self.temperature)
-            mask = micro["response_mask"].float()
-            weights, stats = None, {}
-            if actor.rollout_is_threshold:
-                weights, stats = algorithms.rollout_importance_weights(
-                    micro["old_log_probs"], micro["rollout_log_probs"], mask, float(actor.rollout_is_threshold)
-                )
-            pg_loss, pg_stats = algorithms.ppo_policy_loss(
-                micro["old_log_probs"], log_probs, micro["advantages"], mask,
-                float(actor.clip_ratio_low), float(actor.clip_ratio_high),
-                actor.clip_ratio_c, actor.loss_agg_mode, weights,
-            )
-            entropy_bonus = algorithms.aggregate_loss(entropy, mask, actor.loss_agg_mode)
+            pg_loss, mask, stats = policy_gradient_loss(micro, log_probs, actor, self.correction)
+            entropy_bonus = algorithms.aggregate_loss(entropy, mask, actor.loss_agg_mode, scale)
             total = pg_loss - float(actor.entropy_coeff) * entropy_bonus
             if actor.use_kl_loss:
                 kl = algorithms.kl_penalty(log_probs, micro["ref_log_probs"], actor.kl_loss_type)
-                stats["kl_loss"] = algorithms.aggregate_loss(kl, mask, actor.loss_agg_mode)
-                total = total + float(actor.kl_loss_coef) * stats["kl_loss"]
-            return total, {"pg_loss": pg_loss, "entropy": entropy_bonus, **pg_stats, **stats}
+                stats["actor/kl_loss"] = algorithms.aggregate_loss(kl, mask, actor.loss_agg_mode, scale)
+                stats["actor/kl_coef"] = float(actor.kl_loss_coef)
+                total = total + float(actor.kl_loss_coef) * stats["actor/kl_loss"]
+            return total, {"actor/pg_loss": pg_loss, "actor/entropy": entropy_bonus, **stats}
 
         return self.policy.update(batch, actor, self._mini_batch_size(actor, len(batch)), loss)
 
@@ -221,10 +245,14 @@ class FSDPWorker:
         def loss(micro: TensorDict) -> tuple[torch.Tensor, dict[str, Any]]:
             mask = micro["response_mask"].float()
             values = response_values(self.critic.model, micro)
-            value_loss = algorithms.value_loss(
+            value_loss, stats = algorithms.value_loss(
                 values, micro["values"], micro["returns"], mask, float(config.cliprange_value), config.loss_agg_mode
             )
-            return value_loss, {"vf_loss": value_loss, "vpred_mean": algorithms.masked_mean(values, mask)}
+            return value_loss, {
+                "critic/vf_loss": value_loss,
+                "critic/vf_clipfrac": stats["vf_clipfrac"],
+                "critic/vpred_mean": algorithms.masked_mean(values, mask),
+            }
 
         return self.critic.update(batch, config, self._mini_batch_size(config, len(batch)), loss)
 

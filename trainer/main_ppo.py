@@ -2,9 +2,10 @@
 
 One step: rows → ``AgentLoopManager.generate_sequences`` (rollouts, rewards in ``rm_scores``) → servers
 sleep (``rollout.free_cache_engine``) → old log-probs (and reference log-probs, critic values) on the
-FSDP ranks → advantages (GRPO, or GAE with the critic; KL in the reward if asked) → critic and policy
-updates → full weights pushed to every rollout server → servers wake. Checkpoints every
-``trainer.save_freq`` steps; ``trainer.resume_mode=auto`` continues from the newest one.
+FSDP ranks → rollout correction (``algorithm.rollout_correction``) → advantages (GRPO, or GAE with the
+critic; KL in the reward if asked) → critic and policy updates → full weights pushed to every rollout
+server → servers wake. Checkpoints every ``trainer.save_freq`` steps; ``trainer.resume_mode=auto``
+continues from the newest one.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from trainer import algorithms, checkpoint
 from trainer.config_checks import check_config, world_size
 from trainer.data import BatchSampler, load_dataset
 from trainer.fsdp_workers import needs_reference, rank_gpus, start_workers
+from trainer.rollout_correction import RolloutCorrection, correct_batch
 from trainer.rollout_dump import RolloutDumps
 from trainer.tracking import Tracking, plot
 
@@ -61,6 +63,7 @@ class RayPPOTrainer:
         self.output_dir = Path(config.trainer.default_local_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
+        self.correction = RolloutCorrection.from_config(config)
         self.dumps = RolloutDumps(config.trainer.rollout_data_dir, self.tokenizer) if config.trainer.rollout_data_dir else None
 
         with tqdm(total=2, desc="starting rollout servers and agent-loop workers", bar_format=STARTUP_BAR) as startup:
@@ -116,7 +119,10 @@ class RayPPOTrainer:
         scores = batch["rm_scores"]
         metrics: dict[str, float] = {}
 
-        batch["old_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch))
+        if self.correction.bypass_mode:  # two policies: the rollout's log-probs are the old ones
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        else:
+            batch["old_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch))
         rewards = scores
         if needs_reference(config):
             batch["ref_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch, reference=True))
@@ -128,13 +134,15 @@ class RayPPOTrainer:
             control = config.algorithm.kl_ctrl
             if control.type == "adaptive":
                 self.kl_coef = algorithms.adaptive_kl_coef(self.kl_coef, observed_kl, float(control.target_kl), float(control.horizon), len(batch))
+        if not self.correction.bypass_mode:  # (bypass mode corrects on the ranks, against the current policy)
+            metrics.update(correct_batch(batch, self.correction))  # importance weights; rejection narrows the mask
+            mask = batch["response_mask"].float()
         if config.algorithm.adv_estimator == "gae":
             batch["values"] = torch.cat(self._on_ranks("compute_values", batch))
             batch["advantages"], batch["returns"] = algorithms.gae_advantage_return(
                 rewards, batch["values"], mask, float(config.algorithm.gamma), float(config.algorithm.lam)
             )
-            critic = self._on_ranks("update_critic", batch)
-            metrics.update({f"critic/{key}": float(np.mean([c[key] for c in critic])) for key in critic[0]})
+            metrics.update(_mean_over_ranks(self._on_ranks("update_critic", batch)))
             metrics["critic/values/mean"] = float(algorithms.masked_mean(batch["values"], mask))
             metrics["critic/returns/mean"] = float(algorithms.masked_mean(batch["returns"], mask))
         else:
@@ -142,16 +150,12 @@ class RayPPOTrainer:
                 rewards, mask, grpo_groups(rollout), bool(config.algorithm.norm_adv_by_std_in_grpo)
             )
         if step >= int(config.trainer.critic_warmup):  # verl's rule: the actor starts at step critic_warmup
-            updates = self._on_ranks("update_policy", batch)
-            metrics.update({f"actor/{key}": float(np.mean([u[key] for u in updates])) for key in updates[0]})
+            metrics.update(_mean_over_ranks(self._on_ranks("update_policy", batch)))
         timing["train"] = time.perf_counter() - start - timing["gen"]  # scoring passes and updates
 
         timing["weight_push"] = self._push_weights()
         if config.actor_rollout_ref.rollout.free_cache_engine:
             self.manager.wake_up()
-        _, mismatch = algorithms.rollout_importance_weights(
-            batch["old_log_probs"], batch["rollout_log_probs"], mask, float(config.actor_rollout_ref.actor.rollout_is_threshold or 2.0)
-        )
         if self.dumps is not None:
             arrays = {key: batch[key] for key in ("old_log_probs", "ref_log_probs", "advantages") if key in batch.keys()}
             previous_dump_s = self.dumps.submit(step, rollout, **arrays)
@@ -169,7 +173,6 @@ class RayPPOTrainer:
             **spread("prompt_length", prompt_length),
             "prompt_length/clip_ratio": float((prompt_length >= width).float().mean()),
             **rollout.meta_info,
-            **{key: float(value) for key, value in mismatch.items()},
             **{f"timing_s/{key}": value for key, value in timing.items()},
             "timing_s/step": time.perf_counter() - start,
         })
@@ -264,6 +267,13 @@ def grpo_groups(rollout: RolloutBatch) -> list[str]:
     advantage 0) so the others are normalised among themselves."""
     fields = rollout.non_tensor_batch
     return [f"{uid}/failed/{i}" if is_failed(extra) else uid for i, (uid, extra) in enumerate(zip(fields["uid"], fields["extra_fields"]))]
+
+
+def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    # a statistic a rank could not take (e.g. importance-weight extremes on a slice without model tokens) is
+    # missing from its dict: average over the ranks that have it
+    keys = dict.fromkeys(key for metrics in per_rank for key in metrics)
+    return {key: float(np.mean([metrics[key] for metrics in per_rank if key in metrics])) for key in keys}
 
 
 def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float) -> None:
