@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from transformers import AutoTokenizer
 
 from agentloop.dumps import read_rollout_dump

@@ -114,6 +114,8 @@ class RayPPOTrainer:
         timing["gen"] = time.perf_counter() - start
         if config.actor_rollout_ref.rollout.free_cache_engine:
             self.manager.sleep()
+        if self.correction.uses_rollout_log_probs:
+            _check_rollout_log_probs(rollout)
         batch = rollout.batch.clone()
         mask = batch["response_mask"].float()
         scores = batch["rm_scores"]
@@ -267,6 +269,17 @@ def grpo_groups(rollout: RolloutBatch) -> list[str]:
     advantage 0) so the others are normalised among themselves."""
     fields = rollout.non_tensor_batch
     return [f"{uid}/failed/{i}" if is_failed(extra) else uid for i, (uid, extra) in enumerate(zip(fields["uid"], fields["extra_fields"]))]
+
+
+def _check_rollout_log_probs(rollout: RolloutBatch) -> None:
+    """Rollout correction needs every sample's rollout log-probs; a loop may return none (verl allows it)."""
+    fields = rollout.non_tensor_batch
+    missing = sorted({str(name) for name, extra in zip(fields["agent_name"], fields["extra_fields"]) if extra.get("rollout_log_probs_missing")})
+    if missing:
+        raise ValueError(
+            f"agent loops {missing} returned no response_logprobs, which algorithm.rollout_correction (or bypass_mode) "
+            "needs: return the engine's log_probs from those loops, or turn the correction off"
+        )
 
 
 def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -73,6 +73,11 @@ class RolloutCorrection:
         settings._check()
         return replace(settings, rejection_bounds=settings._parse_rejection_bounds())
 
+    @property
+    def uses_rollout_log_probs(self) -> bool:
+        """Whether the loss depends on the rollout's log-probs (importance weights, rejection, bypass)."""
+        return self.bypass_mode or self.rollout_is is not None or self.rollout_rs is not None
+
     def _check(self) -> None:
         if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
             raise ValueError(f"{SECTION}.rollout_is={self.rollout_is!r}; choose null, token or sequence")
