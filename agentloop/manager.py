@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError
 from agentloop.batch import RolloutBatch
 from agentloop.metrics import rollout_metrics
 from agentloop.protocol import is_failed
-from agentloop.registry import check_agent_names, resolve_agent_loops
+from agentloop.registry import check_agent_names, default_agent_loop, resolve_agent_loops
 from agentloop.router import RouterStats
 from agentloop.rows import check_row, verl_row_fields
 from agentloop.server_pool import ServerPool
@@ -47,7 +47,8 @@ class AgentLoopManager:
         if not ray.is_initialized():
             ray.init()
         timeout = float(self.rollout.server_startup_timeout_s)
-        check_agent_names({self.rollout.agent.default_agent_loop}, self._agent_loops())
+        self.default_agent_loop = default_agent_loop(self.rollout)
+        check_agent_names({self.default_agent_loop}, self._agent_loops())
 
         self.pool = ServerPool(config, self._give_workers)
         self.worker_restarts = 0
@@ -168,19 +169,13 @@ class AgentLoopManager:
             uid = str(uuid.uuid4())
             for _ in range(repeats):
                 sample = {key: row.get(key) for key in keys}
-                sample["agent_name"] = sample["agent_name"] or self.rollout.agent.default_agent_loop
+                sample["agent_name"] = sample["agent_name"] or self.default_agent_loop
                 sample.update(verl_row_fields(row), uid=uid, request_id=str(uuid.uuid4()))
                 samples.append(sample)
         return samples
 
     def _sampling_params(self, validate: bool) -> dict[str, Any]:
-        source = self.rollout.val_kwargs if validate else self.rollout
-        return {
-            "max_new_tokens": int(self.rollout.response_length),
-            "temperature": float(source.temperature),
-            "top_p": float(source.top_p),
-            "top_k": int(source.top_k),
-        }
+        return sampling_params(self.rollout, validate)
 
     # ------------------------------------------------------------------ servers
 
@@ -217,9 +212,25 @@ class AgentLoopManager:
         self.pool.shutdown()
 
 
+def sampling_params(rollout: DictConfig, validate: bool) -> dict[str, Any]:
+    """A turn's sampling settings: ``rollout``'s, or ``rollout.val_kwargs`` when validating; greedy
+    (temperature 0) where ``do_sample`` is false, whatever ``temperature`` says, as in verl."""
+    source = rollout.val_kwargs if validate else rollout
+    return {
+        "max_new_tokens": int(rollout.response_length),
+        "temperature": float(source.temperature) if source.get("do_sample", True) else 0.0,
+        "top_p": float(source.top_p),
+        "top_k": int(source.top_k),
+    }
+
+
 def _absolute_paths(config: DictConfig) -> None:
     """Make file paths absolute: actors do not share the driver's working directory."""
     rollout = config.actor_rollout_ref.rollout
-    for section, key in ((rollout.agent, "agent_loop_config_path"), (rollout.multi_turn, "tool_config_path")):
-        if section[key]:
+    paths = (
+        (rollout.agent, "agent_loop_config_path"), (rollout.multi_turn, "tool_config_path"),
+        (rollout.multi_turn, "interaction_config_path"), (config.custom_reward_function, "path"),
+    )
+    for section, key in paths:
+        if section[key] and "://" not in section[key]:  # pkg://module names a module, not a file
             section[key] = os.path.abspath(section[key])

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from agentloop.interactions import check_interaction_config
-from agentloop.registry import check_agent_names, resolve_agent_loops
+from agentloop.registry import check_agent_names, default_agent_loop, resolve_agent_loops
 from agentloop.rewards import reward_function_for
 from agentloop.rows import verl_row_fields
 from agentloop.tools.toolset import check_tool_config
@@ -32,7 +32,7 @@ def check_job(config: DictConfig, rows: dict[str, list[dict[str, Any]]]) -> None
     rollout = config.actor_rollout_ref.rollout
     problems: list[str] = []
     loops = resolve_agent_loops(rollout.agent.agent_loop_config_path)
-    default_loop = rollout.agent.default_agent_loop
+    default_loop = default_agent_loop(rollout)
     for split, split_rows in rows.items():
         names = {row.get("agent_name") or default_loop for row in split_rows}
         try:

@@ -1,11 +1,20 @@
-"""Configuration mistakes, named before anything starts; and the FSDP rank count they are checked against."""
+"""Configuration mistakes, named before anything starts; the one warning about verl keys that mean nothing
+here; and the FSDP rank count the checks use."""
 
 from __future__ import annotations
 
+import warnings
+
 from omegaconf import DictConfig
 
+from agentloop.config import check_known_keys, config_keys
+from agentloop.config_keys import ALWAYS_ON
 from trainer import algorithms
 from trainer.rollout_correction import RolloutCorrection
+
+
+class IgnoredKeysWarning(UserWarning):
+    """A run sets verl keys that have no meaning in agentloop (``config/verl_ignored.yaml``)."""
 
 
 def world_size(config: DictConfig) -> int:
@@ -14,7 +23,10 @@ def world_size(config: DictConfig) -> int:
 
 
 def check_config(config: DictConfig) -> None:
-    """Raise ``ValueError`` naming the first setting the trainer cannot run with."""
+    """Raise ``ValueError`` naming the first setting the trainer cannot run with (hydra's
+    ``ConfigCompositionException`` for a key agentloop does not know)."""
+    check_known_keys(config)
+    _check_verl_settings(config)
     if config.actor_rollout_ref.rollout.mode != "async":
         raise ValueError("actor_rollout_ref.rollout.mode must be 'async': rollouts run through AgentLoopManager")
     if config.algorithm.adv_estimator not in ("grpo", "gae"):
@@ -60,3 +72,34 @@ def _check_losses(config: DictConfig) -> None:
     if actor.get("loss_scale_factor") is not None and not float(actor.loss_scale_factor) > 0:
         raise ValueError(f"actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor} must be > 0, or null for the response length")
     RolloutCorrection.from_config(config)
+
+
+def _check_verl_settings(config: DictConfig) -> None:
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.name == "hf" and int(rollout.tensor_model_parallel_size) != 1:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: the hf engine "
+            "has no tensor parallelism (set 1, or rollout.name=sglang)"
+        )
+    for name, section, key in (
+        ("actor_rollout_ref.actor", config.actor_rollout_ref.actor, "ppo_max_token_len_per_gpu"),
+        ("critic", config.critic, "ppo_max_token_len_per_gpu"),
+        ("actor_rollout_ref.rollout", rollout, "log_prob_max_token_len_per_gpu"),
+        ("actor_rollout_ref.ref", config.actor_rollout_ref.ref, "log_prob_max_token_len_per_gpu"),
+    ):
+        if int(section[key]) <= 0:
+            raise ValueError(f"{name}.{key}={section[key]} must be positive (tokens per micro-batch with use_dynamic_bsz)")
+
+
+def warn_ignored_keys(config: DictConfig) -> dict[str, object]:
+    """Warn once, naming every verl key this config sets that agentloop ignores; return them by key."""
+    settings = config_keys().ignored_settings(config)
+    if settings:
+        lines = [f"  {key}={value}" + (" (always on here)" if value is False and key in ALWAYS_ON else "") for key, value in settings.items()]
+        warnings.warn(
+            f"agentloop ignores {len(settings)} verl key(s) this run sets; they have no meaning here "
+            "(why: config/verl_ignored.yaml):\n" + "\n".join(lines),
+            IgnoredKeysWarning,
+            stacklevel=2,
+        )
+    return settings

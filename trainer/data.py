@@ -16,8 +16,9 @@ import pyarrow.parquet as pq
 from agentloop.rows import check_row
 
 
-def read_rows(path: str) -> list[dict[str, Any]]:
-    """All rows of one ``.parquet`` or ``.jsonl``/``.json`` file, each checked."""
+def read_rows(path: str, prompt_key: str = "prompt") -> list[dict[str, Any]]:
+    """All rows of one ``.parquet`` or ``.jsonl``/``.json`` file, each checked; the chat messages are read
+    from the ``prompt_key`` column (verl's ``data.prompt_key``) into ``prompt``."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"data file {path!r} does not exist")
@@ -36,9 +37,19 @@ def read_rows(path: str) -> list[dict[str, Any]]:
         raise ValueError(f"{path}: unsupported data format {file.suffix!r}; use .parquet or .jsonl")
     if not rows:
         raise ValueError(f"{path}: no rows")
+    if prompt_key != "prompt":
+        rows = [_with_prompt_from(row, prompt_key, f"{path}: row {index}") for index, row in enumerate(rows)]
     for index, row in enumerate(rows):
         check_row(row, f"{path}: row {index}")
     return rows
+
+
+def _with_prompt_from(row: dict[str, Any], prompt_key: str, where: str) -> dict[str, Any]:
+    if prompt_key not in row:
+        raise ValueError(f"{where}: no {prompt_key!r} column (data.prompt_key); it has {sorted(row)}")
+    row = dict(row)
+    row["prompt"] = row.pop(prompt_key)  # one copy of the messages, under the name every agent loop reads
+    return row
 
 
 def load_dataset(
@@ -47,10 +58,12 @@ def load_dataset(
     prompt_length: Callable[[dict[str, Any]], int] | None = None,
     max_prompt_length: int | None = None,
     filter_overlong_prompts: bool = False,
+    prompt_key: str = "prompt",
 ) -> list[dict[str, Any]]:
-    """Rows of every file, in order; rows whose prompt exceeds ``max_prompt_length`` tokens are dropped
-    when ``filter_overlong_prompts`` (``prompt_length`` measures a row, e.g. with the chat template)."""
-    rows = [row for path in ([files] if isinstance(files, str) else list(files)) for row in read_rows(path)]
+    """Rows of every file, in order (messages from the ``prompt_key`` column); rows whose prompt exceeds
+    ``max_prompt_length`` tokens are dropped when ``filter_overlong_prompts`` (``prompt_length`` measures a
+    row, e.g. with the chat template)."""
+    rows = [row for path in ([files] if isinstance(files, str) else list(files)) for row in read_rows(path, prompt_key)]
     if filter_overlong_prompts:
         if prompt_length is None or max_prompt_length is None:
             raise ValueError("filter_overlong_prompts needs prompt_length and max_prompt_length")

@@ -27,6 +27,8 @@ from agentloop.server.weights import PackedWeights
 from agentloop.waiting import wait_for
 from trainer import algorithms
 from trainer.rollout_correction import RolloutCorrection, correct
+from trainer.micro_batches import MicroBatching, micro_batch_weight
+from trainer.sharding import clip_grad_norm, load_sharded, move_optimizer_state
 
 WARMUP_STYLES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
 
@@ -72,11 +74,6 @@ def policy_gradient_loss(
     return pg_loss, mask, {**stats, **{f"actor/{key}": value for key, value in pg_stats.items()}}
 
 
-def split_on(batch: TensorDict, size: int, device: Any) -> list[TensorDict]:
-    """``batch`` in micro-batches of ``size`` samples, each moved to ``device``."""
-    return [micro.to(device) for micro in batch.split(size)]
-
-
 def _forward(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
     return model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
@@ -85,11 +82,21 @@ def _forward(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
 
 class _Trainable:
     """A sharded model with its optimizer and LR schedule (policy or critic); ``role`` (``actor`` or
-    ``critic``) prefixes its ``grad_norm`` and ``lr`` metrics."""
+    ``critic``) prefixes its ``grad_norm`` and ``lr`` metrics.
 
-    def __init__(self, model: torch.nn.Module, optim: DictConfig, total_steps: int, role: str) -> None:
+    ``device`` is where it computes; with ``offload_optimizer`` its optimizer state waits in CPU memory
+    between updates (see ``trainer.sharding``).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, optim: DictConfig, total_steps: int, role: str, device: Any = "cpu",
+        offload_optimizer: bool = False,
+    ) -> None:
         self.model, self.role = model, role
-        self.device = next(model.parameters()).device
+        self.device = device
+        # not `device` under CPUOffloadPolicy: the sharded parameters, and so the optimizer state, stay on CPU
+        self.parameters_device = next(model.parameters()).device
+        self.offload_optimizer = offload_optimizer
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=float(optim.lr), weight_decay=float(optim.weight_decay))
         style = str(optim.get("warmup_style", "constant"))
         if style not in WARMUP_STYLES:
@@ -107,33 +114,41 @@ class _Trainable:
         self, batch: TensorDict, config: DictConfig, mini_batch_size: int, loss: Callable[[TensorDict], tuple[torch.Tensor, dict]]
     ) -> dict[str, float]:
         """``config.ppo_epochs`` passes over ``batch`` in mini-batches of ``mini_batch_size`` samples, one optimizer
-        step each, gradients accumulated over micro-batches of ``config.ppo_micro_batch_size_per_gpu``; then
-        one LR-schedule step. Returns metrics averaged over micro-batches (``grad_norm`` over optimizer steps),
-        named as ``loss`` names them."""
+        step each, gradients accumulated over micro-batches of ``config.ppo_micro_batch_size_per_gpu`` samples
+        (or ``ppo_max_token_len_per_gpu`` tokens with ``use_dynamic_bsz``); then one LR-schedule step. Returns
+        metrics averaged over micro-batches (``grad_norm`` over optimizer steps), named as ``loss`` names them."""
         self.model.train()
+        self._optimizer_state_to(self.parameters_device)
         metrics: dict[str, float] = {}
         mini_batches = [mini for _ in range(int(config.ppo_epochs)) for mini in batch.split(mini_batch_size)]
         lr = self.scheduler.get_last_lr()[0]
         for mini in mini_batches:
-            micro_batches = split_on(mini, int(config.ppo_micro_batch_size_per_gpu), self.device)
+            micro_batches = MicroBatching.for_update(config).split(mini, self.device)
             for micro in micro_batches:
                 value, stats = loss(micro)
-                (value / len(micro_batches)).backward()
+                (value * micro_batch_weight(micro, mini, config.loss_agg_mode)).backward()
                 _accumulate(metrics, stats, len(micro_batches) * len(mini_batches))
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(config.grad_clip))
+            grad_norm = clip_grad_norm(self.model.parameters(), float(config.grad_clip), self.device)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             if torch.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
                 self.optimizer.step()
             self.optimizer.zero_grad()
             _accumulate(metrics, {f"{self.role}/grad_norm": grad_norm}, len(mini_batches))
         self.scheduler.step()
+        self._optimizer_state_to("cpu")
         return {**metrics, f"{self.role}/lr": lr}
 
+    def _optimizer_state_to(self, device: Any) -> None:
+        if self.offload_optimizer:
+            move_optimizer_state(self.optimizer, device)
+
     def state(self) -> dict[str, Any]:
+        self._optimizer_state_to(self.parameters_device)  # saved beside the parameters (until the next update)
         model, optimizer = get_state_dict(self.model, self.optimizer)
         return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
 
     def load(self, state: dict[str, Any]) -> None:
+        self._optimizer_state_to(self.parameters_device)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -173,30 +188,37 @@ class FSDPWorker:
         self.critic_config = config.critic
         self.temperature = float(config.actor_rollout_ref.rollout.temperature)
         self.correction = RolloutCorrection.from_config(config)
+        ref_config = config.actor_rollout_ref.ref
+        self.log_prob_batching = MicroBatching.for_log_probs(config.actor_rollout_ref.rollout, self.actor)
+        self.ref_log_prob_batching = MicroBatching.for_log_probs(ref_config, self.actor)
+        self.value_batching = MicroBatching.for_values(config.critic)
         torch.manual_seed(0)
+        model = config.actor_rollout_ref.model
         self.policy = _Trainable(
-            self._sharded(AutoModelForCausalLM, config.actor_rollout_ref.model.path), self.actor.optim, self.total_steps, "actor"
+            self._sharded(AutoModelForCausalLM, model.path, self.actor.fsdp_config, model.enable_gradient_checkpointing),
+            self.actor.optim, self.total_steps, "actor", self.device, bool(self.actor.fsdp_config.optimizer_offload),
         )
         self.ref = None
         if needs_reference(config):
-            self.ref = self._sharded(AutoModelForCausalLM, config.actor_rollout_ref.ref.model.path).eval().requires_grad_(False)
+            self.ref = self._sharded(AutoModelForCausalLM, ref_config.model.path, ref_config.fsdp_config).eval().requires_grad_(False)
         self.critic = None
         if config.algorithm.adv_estimator == "gae":
             # no dropout on the value head: the old values it is clipped against come from eval mode
             critic_config = AutoConfig.from_pretrained(config.critic.model.path, num_labels=1)
             critic_config.classifier_dropout = 0.0  # (not a Qwen3Config field: from_pretrained would drop it)
-            critic = self._sharded(AutoModelForTokenClassification, config.critic.model.path, config=critic_config)
-            self.critic = _Trainable(critic, config.critic.optim, self.total_steps, "critic")
+            critic_model = config.critic.model
+            critic = self._sharded(
+                AutoModelForTokenClassification, critic_model.path, critic_model.fsdp_config,
+                critic_model.enable_gradient_checkpointing, config=critic_config,
+            )
+            self.critic = _Trainable(
+                critic, config.critic.optim, self.total_steps, "critic", self.device, bool(critic_model.fsdp_config.optimizer_offload)
+            )
 
-    def _sharded(self, auto_class: Any, path: str, **kwargs: Any) -> torch.nn.Module:
-        from torch.distributed.fsdp import fully_shard
-
-        # loaded on CPU: fully_shard moves each layer to the mesh's device as it shards it, so no GPU ever
-        # holds the whole model
-        model = auto_class.from_pretrained(path, dtype=torch.float32, **kwargs)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=self.mesh)
-        return fully_shard(model, mesh=self.mesh)
+    def _sharded(
+        self, auto_class: Any, path: str, fsdp_config: DictConfig, gradient_checkpointing: bool = False, **kwargs: Any
+    ) -> torch.nn.Module:
+        return load_sharded(auto_class, path, self.mesh, fsdp_config, bool(gradient_checkpointing), **kwargs)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: TensorDict, reference: bool = False) -> torch.Tensor:
@@ -205,15 +227,14 @@ class FSDPWorker:
         if model is None:
             raise RuntimeError("no reference policy on this worker: set actor.use_kl_loss or algorithm.use_kl_in_reward")
         model.eval()
-        micro = split_on(batch, int(self.actor.ppo_micro_batch_size_per_gpu), self.device)
-        return torch.cat([response_log_probs(model, m, self.temperature)[0].cpu() for m in micro])
+        batching = self.ref_log_prob_batching if reference else self.log_prob_batching
+        return batching.score(batch, self.device, lambda micro: response_log_probs(model, micro, self.temperature)[0])
 
     @torch.no_grad()
     def compute_values(self, batch: TensorDict) -> torch.Tensor:
         """The critic's values of this rank's slice."""
         self.critic.model.eval()
-        micro = split_on(batch, int(self.critic_config.ppo_micro_batch_size_per_gpu), self.device)
-        return torch.cat([response_values(self.critic.model, m).cpu() for m in micro])
+        return self.value_batching.score(batch, self.device, lambda micro: response_values(self.critic.model, micro))
 
     def update_policy(self, batch: TensorDict) -> dict[str, float]:
         """PPO updates of the policy on this rank's slice (see ``_Trainable.update``); metrics as verl names them.

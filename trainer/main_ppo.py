@@ -1,5 +1,10 @@
 """PPO/GRPO training on agentic rollouts: ``python -m trainer.main_ppo actor_rollout_ref.rollout.mode=async ...``.
 
+A verl job runs as it is with ``verl.trainer.main_ppo`` renamed to ``trainer.main_ppo``: its
+``--config-path/--config-name`` YAML's ``defaults: [ppo_trainer, _self_]`` finds agentloop's config
+whatever its ``hydra.searchpath`` says, verl's other keys are accepted (those that mean nothing here are
+listed in one warning), and an unknown key fails with the closest known keys named.
+
 One step: rows → ``AgentLoopManager.generate_sequences`` (rollouts, rewards in ``rm_scores``) → servers
 sleep (``rollout.free_cache_engine``) → old log-probs (and reference log-probs, critic values) on the
 FSDP ranks → rollout correction (``algorithm.rollout_correction``) → advantages (GRPO, or GAE with the
@@ -10,6 +15,8 @@ continues from the newest one.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,20 +25,21 @@ import hydra
 import numpy as np
 import ray
 import torch
+from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from agentloop import AgentLoopManager
 from agentloop.batch import RolloutBatch
-from agentloop.config import CONFIG_DIR
+from agentloop.config import CONFIG_PACKAGE, composition_message
 from agentloop.metrics import spread
 from agentloop.preflight import check_job
 from agentloop.protocol import is_failed
 from agentloop.tools.toolset import load_tool_set
 from agentloop.waiting import wait_for
 from trainer import algorithms, checkpoint
-from trainer.config_checks import check_config, world_size
+from trainer.config_checks import check_config, warn_ignored_keys, world_size
 from trainer.data import BatchSampler, load_dataset
 from trainer.fsdp_workers import needs_reference, rank_gpus, start_workers
 from trainer.rollout_correction import RolloutCorrection, correct_batch
@@ -48,6 +56,7 @@ class RayPPOTrainer:
 
     def __init__(self, config: DictConfig) -> None:
         check_config(config)
+        warn_ignored_keys(config)
         config = config.copy()
         OmegaConf.resolve(config)  # builds default data and models once, here, before any actor needs them
         self.config = config
@@ -59,6 +68,8 @@ class RayPPOTrainer:
         self.sampler = BatchSampler(len(self.rows), int(config.data.train_batch_size), shuffle=config.data.shuffle, seed=config.data.seed)
         self.total_steps = int(config.trainer.total_training_steps or self.sampler.batches_per_epoch * int(config.trainer.total_epochs))
         self.world_size = world_size(config)
+        if not ray.is_initialized():  # only now: config and data errors need no cluster
+            ray.init(address=config.trainer.ray_address)
         rank_gpus(config, self.world_size)  # a trainer.device the cluster lacks fails here, before any server starts
         self.output_dir = Path(config.trainer.default_local_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -85,6 +96,7 @@ class RayPPOTrainer:
             prompt_length=self._rendered_prompt_length,
             max_prompt_length=int(data.max_prompt_length),
             filter_overlong_prompts=bool(data.filter_overlong_prompts),
+            prompt_key=str(data.prompt_key),
         )
 
     def _rendered_prompt_length(self, row: dict[str, Any]) -> int:
@@ -319,8 +331,6 @@ def _summarize(history: list[dict[str, Any]], png: Path) -> None:
 
 def run(config: DictConfig) -> list[dict[str, Any]]:
     """Train with a composed config (what ``main`` does after hydra has parsed the command line)."""
-    if not ray.is_initialized():
-        ray.init(address=config.trainer.ray_address)
     trainer = RayPPOTrainer(config)
     try:
         return trainer.fit()
@@ -328,11 +338,21 @@ def run(config: DictConfig) -> list[dict[str, Any]]:
         trainer.shutdown()
 
 
-@hydra.main(config_path=str(CONFIG_DIR), config_name="ppo_trainer", version_base=None)
+@hydra.main(config_path=CONFIG_PACKAGE, config_name="ppo_trainer", version_base=None)
 def main(config: DictConfig) -> None:
     print(OmegaConf.to_yaml(config.trainer))
     run(config)
 
 
+def cli() -> None:
+    """``python -m trainer.main_ppo``: hydra's command line, its unknown-key error naming the closest known keys."""
+    # hydra prints its errors itself unless told to raise them; raised, the message can be completed here
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        main()
+    except ConfigCompositionException as error:
+        sys.exit(composition_message(error))
+
+
 if __name__ == "__main__":
-    main()
+    cli()

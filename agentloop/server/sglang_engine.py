@@ -65,6 +65,31 @@ def parse_generate_response(body: dict[str, Any]) -> TokenOutput:
     return TokenOutput(ids, logprobs, reason if reason in ("stop", "length") else "abort", int(meta.get("cached_tokens", 0)))
 
 
+def launch_args(config: DictConfig, rank: int) -> list[str]:
+    """``sglang.launch_server`` flags for the server of ``rank``: ``rollout.sglang``'s settings (verl's
+    ``tensor_model_parallel_size`` and ``gpu_memory_utilization`` reach them by interpolation), then each
+    ``rollout.engine_kwargs.sglang`` entry as a flag (``attention_backend: triton`` -> ``--attention-backend
+    triton``; true -> the bare flag, false or null -> left out), then ``sglang.extra_args``."""
+    rollout = config.actor_rollout_ref.rollout
+    settings = rollout.sglang
+    engine_flags: list[str] = []
+    for key, value in (rollout.get("engine_kwargs", {}).get("sglang") or {}).items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            engine_flags.append(flag)
+        elif value is not None and value is not False:
+            engine_flags += [flag, str(value)]
+    return [
+        "--mem-fraction-static", str(settings.mem_fraction_static),
+        "--tp-size", str(settings.tensor_parallel_size),
+        "--dtype", rollout.dtype,
+        "--random-seed", str(rollout.seed + rank),
+        *(["--enable-memory-saver"] if settings.enable_memory_saver else []),
+        *engine_flags,
+        *settings.extra_args,
+    ]
+
+
 class SGLangEngine:
     """Async client of one SGLang server (launched here, or attached by URL)."""
 
@@ -108,19 +133,11 @@ class SGLangEngine:
             raise ValueError(
                 f"rollout.sglang.urls lists {len(urls)} server(s) for data_parallel_size={rollout.data_parallel_size}"
             )
-        launch_args = [
-            "--mem-fraction-static", str(settings.mem_fraction_static),
-            "--tp-size", str(settings.tensor_parallel_size),
-            "--dtype", rollout.dtype,
-            "--random-seed", str(rollout.seed + rank),
-            *(["--enable-memory-saver"] if settings.enable_memory_saver else []),
-            *settings.extra_args,
-        ]
         return cls(
             config.actor_rollout_ref.model.path,
             url=urls[rank] if urls else None,
             api_key=settings.api_key,
-            launch_args=launch_args,
+            launch_args=launch_args(config, rank),
             startup_timeout_s=rollout.server_startup_timeout_s,
             request_timeout_s=rollout.request_timeout_s,
             port=int(settings.port) + rank,

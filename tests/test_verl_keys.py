@@ -1,0 +1,195 @@
+"""verl's keys that mean something here take effect: token-packed micro-batches (the same gradients as any
+other split, for every loss_agg_mode), gradient checkpointing and CPU offload on the FSDP ranks,
+log-prob micro-batches, greedy validation, the default agent loop, the prompt column, the sglang
+settings and reward functions from a file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+import torch
+from omegaconf import OmegaConf
+from tensordict import TensorDict
+from transformers import AutoModelForCausalLM
+
+from agentloop.config import compose_config
+from agentloop.manager import default_agent_loop, sampling_params
+from agentloop.rewards import reward_function_for
+from agentloop.server.sglang_engine import launch_args
+from tests.support.config import small_config
+from trainer.algorithms import LOSS_AGG_MODES, aggregate_loss
+from trainer.config_checks import check_config
+from trainer.data import load_dataset
+from trainer.fsdp_workers import _Trainable, response_log_probs, start_workers
+from trainer.micro_batches import MicroBatching, balanced_groups, bins_needed
+
+PROMPT, RESPONSE = 8, 8
+# (prompt tokens, response tokens) per sample: unequal, so that splits differ in tokens and in samples
+LENGTHS = [(8, 8), (3, 2), (6, 7), (2, 1), (5, 8), (1, 3)]
+
+
+def make_batch(lengths: list[tuple[int, int]], seed: int = 0) -> TensorDict:
+    """Left-padded prompts and right-padded responses, as the rollout batch has them."""
+    generator = torch.Generator().manual_seed(seed)
+    count = len(lengths)
+    input_ids = torch.randint(1, 1000, (count, PROMPT + RESPONSE), generator=generator)
+    attention = torch.zeros(count, PROMPT + RESPONSE, dtype=torch.long)
+    for row, (prompt, response) in enumerate(lengths):
+        attention[row, PROMPT - prompt : PROMPT + response] = 1
+    zeros = torch.zeros(count, RESPONSE)
+    return TensorDict({
+        "input_ids": input_ids, "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+        "responses": input_ids[:, PROMPT:], "response_mask": attention[:, PROMPT:],
+        "advantages": torch.randn(count, RESPONSE, generator=generator), "old_log_probs": zeros, "ref_log_probs": zeros,
+    }, batch_size=[count])
+
+
+def test_token_packing_covers_every_sample_once_within_the_budget():
+    lengths = [16, 5, 13, 3, 13, 4]
+    assert bins_needed(lengths, 24) == 3 and bins_needed(lengths, 100) == 1
+    assert bins_needed([30, 2], 24) == 2, "a sample over the budget gets a micro-batch of its own"
+    groups = balanced_groups(lengths, 3)
+    assert sorted(index for group in groups for index in group) == list(range(6))
+    assert all(group and sum(lengths[i] for i in group) <= 24 for group in groups)
+    assert [len(group) for group in balanced_groups([1, 1, 1], 3)] == [1, 1, 1], "no micro-batch is empty"
+    batching = MicroBatching(2, dynamic=True, max_tokens=24)
+    assert batching.groups(make_batch(LENGTHS)) == groups
+
+
+def gradient_after_update(model_path: str, batch: TensorDict, batching: MicroBatching, mode: str) -> list[torch.Tensor]:
+    """One update through the trainer's own loop; Adam's first moment after one step is 0.1 x the gradient."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    optim = OmegaConf.create({"lr": 1e-4, "weight_decay": 0.0, "lr_warmup_steps": 0})
+    trainable = _Trainable(model, optim, total_steps=1)
+    section = OmegaConf.create({
+        "ppo_epochs": 1, "ppo_micro_batch_size_per_gpu": batching.size, "use_dynamic_bsz": batching.dynamic,
+        "ppo_max_token_len_per_gpu": batching.max_tokens, "grad_clip": 1e9, "loss_agg_mode": mode,
+    })
+
+    def loss(micro: TensorDict) -> tuple[torch.Tensor, dict]:
+        log_probs, _ = response_log_probs(model, micro, 1.0)
+        value = aggregate_loss(-log_probs * micro["advantages"], micro["response_mask"].float(), mode)
+        return value, {"loss": value}
+
+    trainable.update(batch, section, len(batch), loss)
+    return [trainable.optimizer.state[p]["exp_avg"] / 0.1 for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_any_micro_batch_split_gives_the_whole_batch_gradient(model_path, mode):
+    batch = make_batch(LENGTHS)
+    dynamic = MicroBatching(1, dynamic=True, max_tokens=30)
+    assert sorted(len(group) for group in dynamic.groups(batch)) == [2, 4], "micro-batches of different sizes"
+    whole = gradient_after_update(model_path, batch, MicroBatching(len(batch)), mode)
+    for batching in (MicroBatching(4), dynamic):
+        split = gradient_after_update(model_path, batch, batching, mode)
+        for expected, actual in zip(whole, split):
+            torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def ranks(local_ray):
+    config = small_config(
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=24",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+    )
+    OmegaConf.resolve(config)
+    workers = start_workers(config, 2, 10, 180)
+    yield workers
+    ray.get([worker.shutdown.remote() for worker in workers], timeout=60)
+    for worker in workers:
+        ray.kill(worker)
+
+
+def _rank_state(worker) -> dict:
+    def probe(self) -> dict:
+        def offload(model) -> str:  # FSDP2 keeps the policy on each sharded module's parameter group
+            return type(model.model.layers[0]._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+
+        return {
+            "checkpointing": self.policy.model.is_activation_checkpointing,
+            "policy": offload(self.policy.model), "ref": offload(self.ref),
+            "parameters": str(next(self.policy.model.parameters()).device),
+            "optimizer": sorted({str(v.device) for s in self.policy.optimizer.state.values() for k, v in s.items() if k != "step"}),
+        }
+
+    return ray.get(worker.__ray_call__.remote(probe), timeout=60)
+
+
+def test_ranks_checkpoint_offload_and_pack_log_prob_micro_batches_by_tokens(ranks):
+    # rank 0 gets the long samples, rank 1 the short: they need different numbers of token-packed
+    # micro-batches and must agree on one, or the sharded forward passes would wait on each other forever
+    long, short = make_batch([(8, 8), (7, 8), (8, 6), (6, 7)]), make_batch([(2, 1), (1, 3), (3, 2), (2, 2)], seed=1)
+    plan = MicroBatching(1, dynamic=True, max_tokens=24)
+    assert len(plan.groups(long)) != len(plan.groups(short))
+    old = ray.get([worker.compute_log_prob.remote(half) for worker, half in zip(ranks, (long, short))], timeout=120)
+    ref = ray.get([worker.compute_log_prob.remote(half, reference=True) for worker, half in zip(ranks, (long, short))], timeout=120)
+    for half, packed, one_by_one in zip((long, short), old, ref):  # the same policy, scored two ways
+        mask = half["response_mask"].bool()
+        torch.testing.assert_close(packed[mask], one_by_one[mask], rtol=1e-5, atol=1e-5)
+    updates = ray.get([worker.update_policy.remote(half) for worker, half in zip(ranks, (long, short))], timeout=120)
+    assert all(torch.isfinite(torch.tensor(update["pg_loss"])) for update in updates)
+    for state in (_rank_state(worker) for worker in ranks):
+        assert state["checkpointing"] is True
+        assert (state["policy"], state["ref"]) == ("CPUOffloadPolicy", "CPUOffloadPolicy")
+        assert state["parameters"] == "cpu" and state["optimizer"] == ["cpu"]
+
+
+def test_do_sample_false_decodes_greedily_and_multi_turn_enable_picks_tool_agent():
+    rollout = compose_config(["actor_rollout_ref.rollout.val_kwargs.temperature=0.7"]).actor_rollout_ref.rollout
+    assert sampling_params(rollout, validate=True)["temperature"] == 0.0, "val_kwargs.do_sample defaults to false"
+    assert sampling_params(rollout, validate=False)["temperature"] == 1.0
+    rollout = compose_config([
+        "actor_rollout_ref.rollout.val_kwargs.temperature=0.7", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.do_sample=false",
+    ]).actor_rollout_ref.rollout
+    assert (sampling_params(rollout, validate=True)["temperature"], sampling_params(rollout, validate=False)["temperature"]) == (0.7, 0.0)
+    assert default_agent_loop(compose_config().actor_rollout_ref.rollout) == "single_turn_agent"
+    assert default_agent_loop(compose_config(["actor_rollout_ref.rollout.multi_turn.enable=true"]).actor_rollout_ref.rollout) == "tool_agent"
+    explicit = ["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.agent.default_agent_loop=env_agent"]
+    assert default_agent_loop(compose_config(explicit).actor_rollout_ref.rollout) == "env_agent"
+
+
+def test_prompt_key_names_the_column_of_chat_messages(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"question": [{"role": "user", "content": "2 + 2?"}], "data_source": "x"}) + "\n")
+    [row] = load_dataset([str(rows)], prompt_key="question")
+    assert row == {"prompt": [{"role": "user", "content": "2 + 2?"}], "data_source": "x"}
+    with pytest.raises(ValueError, match=r"row 0: no 'problem' column \(data.prompt_key\)"):
+        load_dataset([str(rows)], prompt_key="problem")
+
+
+def test_verls_rollout_keys_set_the_sglang_launch_flags():
+    config = compose_config([
+        "actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.85",
+        "+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=triton",
+        "+actor_rollout_ref.rollout.engine_kwargs.sglang.enable_torch_compile=true",
+    ])
+    flags = launch_args(config, rank=1)
+    assert flags[flags.index("--tp-size") + 1] == "2" and flags[flags.index("--mem-fraction-static") + 1] == "0.85"
+    assert flags[flags.index("--attention-backend") + 1] == "triton" and "--enable-torch-compile" in flags
+    with pytest.raises(ValueError, match="the hf engine has no tensor parallelism"):
+        check_config(compose_config(["data.train_files=[x]", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
+
+
+def test_a_reward_function_from_a_file(tmp_path):
+    (tmp_path / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.5\n"
+                                        "def strict(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.5\n")
+    config = compose_config([f"custom_reward_function.path={tmp_path / 'reward.py'}"])
+    assert reward_function_for(config, "gsm8k")("gsm8k", "", None) == 1.5
+    config = compose_config([f"custom_reward_function.path={tmp_path / 'reward.py'}", "custom_reward_function.name=strict"])
+    assert reward_function_for(config, "gsm8k")("gsm8k", "", None) == 0.5
+    with pytest.raises(ValueError, match="not both"):
+        check_config(compose_config(["data.train_files=[x]", f"custom_reward_function.path={tmp_path / 'reward.py'}",
+                                     "custom_reward_function.default=a.b"]))

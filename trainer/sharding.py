@@ -1,0 +1,57 @@
+"""Loading a model as FSDP2 shards with verl's memory settings (gradient checkpointing, CPU offload), and
+clipping gradients wherever those shards keep them.
+
+``fsdp_config.param_offload`` (or ``offload_policy``) is FSDP2's ``CPUOffloadPolicy``: the sharded
+parameters, their gradients and so the optimizer state live in CPU memory, each layer is copied to the
+GPU for its forward and backward, and the optimizer steps on CPU. ``optimizer_offload`` alone keeps the
+parameters on the GPU and parks the optimizer state in CPU memory between updates (``move_optimizer_state``).
+On CPU ranks everything already lives in CPU memory: both are accepted and change nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from omegaconf import DictConfig
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+
+def load_sharded(
+    auto_class: Any, path: str, mesh: DeviceMesh, fsdp_config: DictConfig, gradient_checkpointing: bool = False, **kwargs: Any
+) -> torch.nn.Module:
+    """``auto_class.from_pretrained(path)`` sharded per decoder layer, then the root, over ``mesh``."""
+    # loaded on CPU: fully_shard moves each layer to the mesh's device as it shards it (or leaves it on CPU
+    # under CPUOffloadPolicy), so no GPU ever holds the whole model
+    model = auto_class.from_pretrained(path, dtype=torch.float32, **kwargs)
+    if gradient_checkpointing:
+        model.config.use_cache = False  # a KV cache is useless in training and incompatible with recomputation
+        # non-reentrant: the variant that works with FSDP2's hooks and with inputs that need no gradient
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    offload = fsdp_config.get("param_offload", False) or fsdp_config.get("offload_policy", False)
+    # pinned host memory speeds the copies to the GPU; it needs CUDA
+    policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, offload_policy=policy)
+    return fully_shard(model, mesh=mesh, offload_policy=policy)
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move the optimizer's per-parameter tensors (Adam's moments) to ``device``."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            # AdamW keeps its step count on CPU unless `capturable`: it stays where it is
+            if key != "step" and isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)
+
+
+
+def clip_grad_norm(parameters: Iterator[torch.nn.Parameter], max_norm: float, device: torch.device | str) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, also for gradients kept in CPU memory (``CPUOffloadPolicy``): the
+    ranks reduce their norm on ``device``, where their process group's collectives run (NCCL has no CPU)."""
+    parameters = list(parameters)
+    total = torch.nn.utils.get_total_norm([parameter.grad for parameter in parameters if parameter.grad is not None])
+    total = total.to(device)  # a sharded norm keeps its placement: its reduction now happens on `device`
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
