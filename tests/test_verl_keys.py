@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM
 
 from agentloop.config import compose_config
 from agentloop.manager import default_agent_loop, sampling_params
-from agentloop.rewards import reward_function_for
 from agentloop.server.sglang_engine import launch_args
 from tests.support.config import small_config
 from trainer.algorithms import LOSS_AGG_MODES, aggregate_loss
@@ -62,7 +61,7 @@ def gradient_after_update(model_path: str, batch: TensorDict, batching: MicroBat
     """One update through the trainer's own loop; Adam's first moment after one step is 0.1 x the gradient."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     optim = OmegaConf.create({"lr": 1e-4, "weight_decay": 0.0, "lr_warmup_steps": 0})
-    trainable = _Trainable(model, optim, total_steps=1)
+    trainable = _Trainable(model, optim, total_steps=1, role="actor")
     section = OmegaConf.create({
         "ppo_epochs": 1, "ppo_micro_batch_size_per_gpu": batching.size, "use_dynamic_bsz": batching.dynamic,
         "ppo_max_token_len_per_gpu": batching.max_tokens, "grad_clip": 1e9, "loss_agg_mode": mode,
@@ -77,7 +76,9 @@ def gradient_after_update(model_path: str, batch: TensorDict, batching: MicroBat
     return [trainable.optimizer.state[p]["exp_avg"] / 0.1 for p in model.parameters()]
 
 
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+# seq-mean-token-sum-norm divides by a constant, so its micro-batches are weighted by their share of the
+# sequences as in verl's gradient accumulation: its gradient depends on the split by design
+@pytest.mark.parametrize("mode", [mode for mode in LOSS_AGG_MODES if mode != "seq-mean-token-sum-norm"])
 def test_any_micro_batch_split_gives_the_whole_batch_gradient(model_path, mode):
     batch = make_batch(LENGTHS)
     dynamic = MicroBatching(1, dynamic=True, max_tokens=30)
@@ -138,7 +139,7 @@ def test_ranks_checkpoint_offload_and_pack_log_prob_micro_batches_by_tokens(rank
         mask = half["response_mask"].bool()
         torch.testing.assert_close(packed[mask], one_by_one[mask], rtol=1e-5, atol=1e-5)
     updates = ray.get([worker.update_policy.remote(half) for worker, half in zip(ranks, (long, short))], timeout=120)
-    assert all(torch.isfinite(torch.tensor(update["pg_loss"])) for update in updates)
+    assert all(torch.isfinite(torch.tensor(update["actor/pg_loss"])) for update in updates)
     for state in (_rank_state(worker) for worker in ranks):
         assert state["checkpointing"] is True
         assert (state["policy"], state["ref"]) == ("CPUOffloadPolicy", "CPUOffloadPolicy")
@@ -181,15 +182,3 @@ def test_verls_rollout_keys_set_the_sglang_launch_flags():
     assert flags[flags.index("--attention-backend") + 1] == "triton" and "--enable-torch-compile" in flags
     with pytest.raises(ValueError, match="the hf engine has no tensor parallelism"):
         check_config(compose_config(["data.train_files=[x]", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
-
-
-def test_a_reward_function_from_a_file(tmp_path):
-    (tmp_path / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.5\n"
-                                        "def strict(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.5\n")
-    config = compose_config([f"custom_reward_function.path={tmp_path / 'reward.py'}"])
-    assert reward_function_for(config, "gsm8k")("gsm8k", "", None) == 1.5
-    config = compose_config([f"custom_reward_function.path={tmp_path / 'reward.py'}", "custom_reward_function.name=strict"])
-    assert reward_function_for(config, "gsm8k")("gsm8k", "", None) == 0.5
-    with pytest.raises(ValueError, match="not both"):
-        check_config(compose_config(["data.train_files=[x]", f"custom_reward_function.path={tmp_path / 'reward.py'}",
-                                     "custom_reward_function.default=a.b"]))
