@@ -45,7 +45,9 @@ def write_rows(rows: list[dict[str, Any]], path: str) -> str:
     file = Path(path)
     file.parent.mkdir(parents=True, exist_ok=True)
     if file.suffix == ".parquet":
-        pq.write_table(pa.Table.from_pylist(rows), file)
+        # pyarrow takes the columns from the first row alone: give every row every field
+        fields = list(dict.fromkeys(key for row in rows for key in row))
+        pq.write_table(pa.Table.from_pylist([{key: row.get(key) for key in fields} for row in rows]), file)
     else:
         file.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(file)
