@@ -108,12 +108,12 @@ def failing_call(rng: random.Random) -> Call:
 
 
 def invalid_call(rng: random.Random) -> Call:
-    """Known tools, arguments the schema rejects."""
+    """Known tools, arguments the schema rejects (and no lossless conversion mends: see the lossless cases)."""
     name, arguments = rng.choice([
-        ("calculator", {}), ("calculator", {"expression": 5}), ("calculator", {"expression": None}),
+        ("calculator", {}), ("calculator", {"expression": {"value": 5}}), ("calculator", {"expression": None}),
         ("calculator", {"expr": "1 + 1"}), ("submit_answer", {"answer": "five"}), ("submit_answer", {}),
         ("submit_answer", {"answer": True}), ("submit_answer", {"answer": [5]}), ("echo", {"times": 3}),
-        ("echo", {"text": ["a"]}), ("echo", {"text": "a", "times": "3"}), ("echo", {"text": "a", "times": 1.5}),
+        ("echo", {"text": ["a"]}), ("echo", {"text": "a", "times": "three"}), ("echo", {"text": "a", "times": 1.5}),
         ("echo", {"text": {"nested": "x" * 5000}}),
     ])
     return _call(rng, name, arguments), "invalid_arguments"
@@ -304,7 +304,10 @@ def json_oddities(rng: random.Random) -> HostileOutput:
         ('{"name": "submit_answer", "arguments": {"answer": 123456789012345678901234567890}}', None),
         ('{"name": "explode", "name": "calculator", "arguments": {"expression": "1 + 1"}}', None),
         ('{"name": "\\u0063alculator", "arguments": {"expression": "2 * 3"}}', None),
-        ('{"name": "calculator", "arguments": {"expression": "1", "expression": 2}}', "invalid_arguments"),
+        # the last duplicate wins, and 2 for a string is converted losslessly to "2", as 7 is
+        ('{"name": "calculator", "arguments": {"expression": "1", "expression": 2}}', None),
+        ('{"name": "calculator", "arguments": {"expression": 7}}', None),
+        ('{"name": "echo", "arguments": {"text": "a", "times": "3"}}', None),
         ('{"name": "echo", "arguments": {"text": "\\u0000\\u001f\\b"}}', None),
         ('  \n\t{"name": "explode", "arguments": {}}\n\n  ', "exception"),
     ])
