@@ -214,6 +214,35 @@ def test_delta_tokens_with_qwen3s_own_template(model_path):
 
 
 @pytest.mark.skipif(not QWEN3_CONFIG.exists(), reason="../shared/fixtures/qwen3 is not present")
+def test_template_kwargs_reach_every_render(model_path):
+    # data.apply_chat_template_kwargs={enable_thinking: false}: the prompt and each observation delta end
+    # in the closed empty reasoning, so the model answers outside it, and the re-render agrees. The fixture
+    # is a thinking-only Qwen3; the hybrid Qwen3 models add this switch to its generation prompt.
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    thinking_only = json.loads(QWEN3_CONFIG.read_text())["chat_template"]
+    opening = "{{- '<|im_start|>assistant\\n<think>\\n' }}"
+    assert opening in thinking_only
+    tokenizer.chat_template = thinking_only.replace(opening, (
+        "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is false %}"
+        "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}"
+    ))
+    off = {"enable_thinking": False}
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False, **off)
+    assert tokenizer.decode(prompt).endswith("<think>\n\n</think>\n\n") and not prompt_opens_reasoning(tokenizer, prompt)
+    trajectory = Trajectory(tokenizer, messages, prompt, TOOLS, off)
+    trajectory.add_model_turn(_model_turn(tokenizer, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'))
+    tool = [{"role": "tool", "content": "5"}]
+    delta = trajectory.observation(tool)
+    assert tokenizer.decode(delta).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert delta != observation_delta(tokenizer, tool)  # without the kwargs the delta would open the reasoning
+    trajectory.add_observation(tool, delta)
+    trajectory.add_model_turn(_model_turn(tokenizer, "It is 5."))
+    # Qwen3 re-renders an earlier turn without its empty reasoning block: only whitespace and think tags differ
+    assert trajectory.sanity_check("ignore_strippable") == 0
+
+
+@pytest.mark.skipif(not QWEN3_CONFIG.exists(), reason="../shared/fixtures/qwen3 is not present")
 def test_prompt_opens_reasoning_only_with_a_thinking_template(tokenizer, model_path):
     messages = [{"role": "user", "content": "q"}]
     render = {"add_generation_prompt": True, "tokenize": True, "return_dict": False}

@@ -103,7 +103,10 @@ class RayPPOTrainer:
         """The prompt's length as a loop renders it: with the tool schemas whenever a tool config is set."""
         tool_config = self.config.actor_rollout_ref.rollout.multi_turn.tool_config_path
         tools = load_tool_set(tool_config).schemas or None if tool_config else None
-        ids = self.tokenizer.apply_chat_template(row["prompt"], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = self.tokenizer.apply_chat_template(
+            row["prompt"], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False,
+            **(self.config.data.apply_chat_template_kwargs or {}),
+        )
         return len(ids)
 
     def _wait(self, refs: list[Any], what: str) -> list[Any]:

@@ -109,14 +109,16 @@ class AgentLoopBase:
             return []
 
     def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
-        """Render chat messages with the generation prompt and fit them to ``rollout.prompt_length``.
+        """Render chat messages with the generation prompt (and ``data.apply_chat_template_kwargs``) and fit
+        them to ``rollout.prompt_length``.
 
         Over-long prompts follow ``data.truncation``: ``error`` (default) raises, ``left`` keeps the
         end, ``right`` keeps the beginning.
         """
         ids = list(
             self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False,
+                **self.apply_chat_template_kwargs,
             )
         )
         limit = int(self.rollout.prompt_length)

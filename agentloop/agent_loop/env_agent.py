@@ -58,7 +58,7 @@ class EnvAgentLoop(AgentLoopBase):
         settings = self.rollout.env
         env = self._build_env(row)
         await _call(env.reset)
-        trajectory = Trajectory(self.tokenizer, row["prompt"], self.encode_prompt(row["prompt"]), None)
+        trajectory = Trajectory(self.tokenizer, row["prompt"], self.encode_prompt(row["prompt"]), None, self.apply_chat_template_kwargs)
         budget = int(self.rollout.response_length)
         actions: list[str] = []
         retries: dict[str, int] = {}

@@ -57,7 +57,9 @@ class ToolAgentLoop(AgentLoopBase):
         tools_kwargs = row.get("tools_kwargs") or extra_info.get("tools_kwargs") or {}
         create_kwargs = {name: (spec or {}).get("create_kwargs", {}) for name, spec in tools_kwargs.items()}
         tools = self.tool_set.schemas or None
-        trajectory = Trajectory(self.tokenizer, row["prompt"], self.encode_prompt(row["prompt"], tools=tools), tools)
+        trajectory = Trajectory(
+            self.tokenizer, row["prompt"], self.encode_prompt(row["prompt"], tools=tools), tools, self.apply_chat_template_kwargs
+        )
         budget = int(self.rollout.response_length)
         max_assistant = self.multi_turn.max_assistant_turns
         max_user = self.multi_turn.max_user_turns

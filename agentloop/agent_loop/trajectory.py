@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import json
 import logging
 import re
 from typing import Any
@@ -31,21 +32,26 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], **kwargs: 
 
 
 @functools.lru_cache(maxsize=8)
-def _eos_before_base_reply(tokenizer: PreTrainedTokenizerBase) -> int:
-    """How many end-of-turn tokens the base conversation has before its assistant reply."""
-    return _render(tokenizer, _BASE[:1]).count(tokenizer.eos_token_id)
+def _eos_before_base_reply(tokenizer: PreTrainedTokenizerBase, template_kwargs: str) -> int:
+    """How many end-of-turn tokens the base conversation has before its assistant reply (``template_kwargs``
+    as JSON, so that it can key the cache)."""
+    return _render(tokenizer, _BASE[:1], **json.loads(template_kwargs)).count(tokenizer.eos_token_id)
 
 
-def observation_delta(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:
-    """Ids that follow a model turn ending in eos when ``messages`` are appended (generation prompt on).
+def observation_delta(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
+    """Ids that follow a model turn ending in eos when ``messages`` are appended (generation prompt on),
+    rendered with ``template_kwargs`` (``data.apply_chat_template_kwargs``, e.g. ``enable_thinking``).
 
     The delta starts right after the base reply's eos *inside the same render*, so templates that
     render a reply differently when it is the last message (Qwen3 adds an empty think block) still
     give the suffix the full conversation has.
     """
-    full = _render(tokenizer, _BASE + list(messages), add_generation_prompt=True)
+    template_kwargs = template_kwargs or {}
+    full = _render(tokenizer, _BASE + list(messages), add_generation_prompt=True, **template_kwargs)
     ends = [i for i, token in enumerate(full) if token == tokenizer.eos_token_id]
-    reply = _eos_before_base_reply(tokenizer)
+    reply = _eos_before_base_reply(tokenizer, json.dumps(template_kwargs, sort_keys=True))
     if len(ends) <= reply:
         raise ValueError("the chat template does not end assistant turns with the tokenizer's eos token")
     return full[ends[reply] + 1 :]
@@ -55,9 +61,15 @@ class Trajectory:
     """Prompt, exact response tokens with mask and logprobs, and the chat messages they stand for."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, messages: list[dict], prompt_ids: list[int], tools: list[dict] | None
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        messages: list[dict],
+        prompt_ids: list[int],
+        tools: list[dict] | None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
         self.messages = [dict(message) for message in messages]
         self.tools = tools
         self.prompt_ids = list(prompt_ids)
@@ -102,7 +114,7 @@ class Trajectory:
 
     def observation(self, messages: list[dict[str, Any]]) -> list[int]:
         """The delta ids these messages would add (not appended yet: the caller checks the budget)."""
-        return observation_delta(self.tokenizer, messages)
+        return observation_delta(self.tokenizer, messages, self.template_kwargs)
 
     def add_observation_within(self, messages: list[dict[str, Any]], budget: int) -> int | None:
         """Append the messages' delta if a model turn still fits after it in ``budget`` response tokens.
@@ -135,7 +147,7 @@ class Trajectory:
         if mode == "disable":
             return 0
         incremental = self.ids
-        full = _render(self.tokenizer, self.messages, tools=self.tools)[: len(incremental)]
+        full = _render(self.tokenizer, self.messages, tools=self.tools, **self.template_kwargs)[: len(incremental)]
         if incremental == full:
             return 0
         # Diff from the first difference on, letting difflib skip tokens that fill over 1% of the text
