@@ -191,3 +191,14 @@ def test_job_problems_are_named_before_anything_starts(tmp_path):
     assert "unknown agent_name ['no_such_loop']" in message
     assert "tools.yaml: tools[0].class_name = 'no.such.Tool' cannot be imported" in message
     assert "1 row(s) have interaction_kwargs.name='tutor', not among the interactions" in message
+
+
+def test_overlong_filter_measures_prompts_with_the_tool_schemas(tokenizer, tmp_path):
+    rows = verl_data.tool_rows("train", 2, seed=0)
+    train = write_rows(rows, str(tmp_path / "train.parquet"))
+    plain = max(len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)) for row in rows)
+    fits_without_tools = [f"data.train_files=[{train}]", "data.train_batch_size=2", "data.filter_overlong_prompts=true",
+                          f"data.max_prompt_length={plain}"]
+    # every row fits as plain chat, and none once tool_agent's tool schemas are rendered with it
+    with pytest.raises(ValueError, match=f"every row of .* is longer than data.max_prompt_length={plain}"):
+        run(small_config(*fits_without_tools, f"actor_rollout_ref.rollout.multi_turn.tool_config_path={VERL_JOB}/tool_config/gsm8k_tool_config.yaml"))

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import hydra
 import numpy as np
@@ -93,21 +93,24 @@ class RayPPOTrainer:
         data = self.config.data
         return load_dataset(
             list(files) if not isinstance(files, str) else files,
-            prompt_length=self._rendered_prompt_length,
+            prompt_length=self._prompt_length_measure() if data.filter_overlong_prompts else None,
             max_prompt_length=int(data.max_prompt_length),
             filter_overlong_prompts=bool(data.filter_overlong_prompts),
             prompt_key=str(data.prompt_key),
         )
 
-    def _rendered_prompt_length(self, row: dict[str, Any]) -> int:
-        """The prompt's length as a loop renders it: with the tool schemas whenever a tool config is set."""
+    def _prompt_length_measure(self) -> Callable[[dict[str, Any]], int]:
+        """A row's prompt length as a loop renders it: with the tool schemas whenever a tool config is set."""
         tool_config = self.config.actor_rollout_ref.rollout.multi_turn.tool_config_path
-        tools = load_tool_set(tool_config).schemas or None if tool_config else None
-        ids = self.tokenizer.apply_chat_template(
-            row["prompt"], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False,
-            **(self.config.data.apply_chat_template_kwargs or {}),
-        )
-        return len(ids)
+        tools = (load_tool_set(tool_config).schemas or None) if tool_config else None
+        template_kwargs = dict(self.config.data.apply_chat_template_kwargs or {})
+
+        def prompt_length(row: dict[str, Any]) -> int:
+            return len(self.tokenizer.apply_chat_template(
+                row["prompt"], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
+            ))
+
+        return prompt_length
 
     def _wait(self, refs: list[Any], what: str) -> list[Any]:
         return wait_for(refs, float(self.config.trainer.step_timeout_s), what)

@@ -19,6 +19,7 @@ from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.interactions import BaseInteraction, load_interactions
 from agentloop.protocol import AgentLoopOutput, EndReason
+from agentloop.rows import verl_row_fields
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.reasoning import prompt_opens_reasoning, split_reasoning
 from agentloop.tools.toolset import ToolResult, load_tool_set
@@ -52,10 +53,9 @@ class ToolAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         request_id = row["request_id"]
-        extra_info = row.get("extra_info") or {}
         # top-level as verl's dataset passes them; rows handed to run() directly may keep them in extra_info
-        tools_kwargs = row.get("tools_kwargs") or extra_info.get("tools_kwargs") or {}
-        create_kwargs = {name: (spec or {}).get("create_kwargs", {}) for name, spec in tools_kwargs.items()}
+        verl_fields = verl_row_fields(row)
+        create_kwargs = {name: (spec or {}).get("create_kwargs", {}) for name, spec in verl_fields["tools_kwargs"].items()}
         tools = self.tool_set.schemas or None
         trajectory = Trajectory(
             self.tokenizer, row["prompt"], self.encode_prompt(row["prompt"], tools=tools), tools, self.apply_chat_template_kwargs
@@ -64,7 +64,7 @@ class ToolAgentLoop(AgentLoopBase):
         max_assistant = self.multi_turn.max_assistant_turns
         max_user = self.multi_turn.max_user_turns
         error_budget = self.multi_turn.tool_error_budget
-        interaction_kwargs = dict(row.get("interaction_kwargs") or extra_info.get("interaction_kwargs") or {})
+        interaction_kwargs = dict(verl_fields["interaction_kwargs"])
         interaction = self._interaction(interaction_kwargs)
         if interaction is not None:
             await interaction.start_interaction(request_id, **interaction_kwargs)

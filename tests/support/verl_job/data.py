@@ -36,41 +36,37 @@ def problems(count: int, seed: int) -> list[tuple[str, str, str]]:
     return out
 
 
-def tool_rows(split: str, count: int, seed: int) -> list[dict[str, Any]]:
+def gsm8k_rows(split: str, count: int, seed: int, system: str, extra_info: Any) -> list[dict[str, Any]]:
+    """The rows both preprocessing scripts write; ``extra_info(question, solution)`` gives each variant's own fields."""
     rows = []
     for index, (question_raw, answer_raw, solution) in enumerate(problems(count, seed)):
         question = question_raw + " " + INSTRUCTION
         rows.append({
             "data_source": "openai/gsm8k",
-            "prompt": [{"role": "system", "content": TOOL_SYSTEM}, {"role": "user", "content": question}],
+            "prompt": [{"role": "system", "content": system}, {"role": "user", "content": question}],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": solution},
             "extra_info": {
                 "split": split, "index": index, "answer": answer_raw, "question": question_raw,
-                "need_tools_kwargs": True,
-                "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution}}},
-                # written for tool-only jobs too; no interaction is configured there
-                "interaction_kwargs": {"query": question, "ground_truth": solution},
+                **extra_info(question, solution),
             },
         })
     return rows
+
+
+def tool_rows(split: str, count: int, seed: int) -> list[dict[str, Any]]:
+    return gsm8k_rows(split, count, seed, TOOL_SYSTEM, lambda question, solution: {
+        "need_tools_kwargs": True,
+        "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution}}},
+        # written for tool-only jobs too; no interaction is configured there
+        "interaction_kwargs": {"query": question, "ground_truth": solution},
+    })
 
 
 def interaction_rows(split: str, count: int, seed: int) -> list[dict[str, Any]]:
-    rows = []
-    for index, (question_raw, answer_raw, solution) in enumerate(problems(count, seed)):
-        question = question_raw + " " + INSTRUCTION
-        rows.append({
-            "data_source": "openai/gsm8k",
-            "prompt": [{"role": "system", "content": INTERACTION_SYSTEM}, {"role": "user", "content": question}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": solution},
-            "extra_info": {
-                "split": split, "index": index, "answer": answer_raw, "question": question_raw,
-                "interaction_kwargs": {"name": "gsm8k", "query": question, "ground_truth": solution},
-            },
-        })
-    return rows
+    return gsm8k_rows(split, count, seed, INTERACTION_SYSTEM, lambda question, solution: {
+        "interaction_kwargs": {"name": "gsm8k", "query": question, "ground_truth": solution},
+    })
 
 
 def write_split(directory: str, kind: str, split: str, count: int, extra_rows: list[dict[str, Any]] = ()) -> str:
