@@ -15,6 +15,7 @@ continues from the newest one.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -102,12 +103,15 @@ class RayPPOTrainer:
     def _prompt_length_measure(self) -> Callable[[dict[str, Any]], int]:
         """A row's prompt length as a loop renders it: with the tool schemas whenever a tool config is set."""
         tool_config = self.config.actor_rollout_ref.rollout.multi_turn.tool_config_path
-        tools = (load_tool_set(tool_config).schemas or None) if tool_config else None
         template_kwargs = dict(self.config.data.apply_chat_template_kwargs or {})
+
+        @functools.cache  # once, at the first row: a missing data file is reported before a bad tool config
+        def tools() -> list[dict[str, Any]] | None:
+            return (load_tool_set(tool_config).schemas or None) if tool_config else None
 
         def prompt_length(row: dict[str, Any]) -> int:
             return len(self.tokenizer.apply_chat_template(
-                row["prompt"], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
+                row["prompt"], tools=tools(), add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
             ))
 
         return prompt_length
