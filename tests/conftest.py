@@ -12,11 +12,11 @@ import pytest
 import ray
 
 from agentloop.models.tiny_qwen import tiny_model_path
-from tests.support.models import ScriptedModel, build_ok_model, build_scripted_model
+from tests.support.models import ScriptedModel, build_coin_model, build_ok_model, build_scripted_model
 
 REPO = Path(__file__).resolve().parent.parent
 # fixture -> the model it needs, built before the first test by one bounded subprocess
-MODEL_FIXTURES = {"model_path": "tiny", "scripted_model": "scripted", "ok_model": "ok"}
+MODEL_FIXTURES = {"model_path": "tiny", "scripted_model": "scripted", "ok_model": "ok", "coin_model": "coin"}
 BUILD_TIMEOUT_S = float(os.environ.get("AGENTLOOP_TEST_BUILD_TIMEOUT_S", 1800))
 
 
@@ -57,6 +57,11 @@ def scripted_model() -> ScriptedModel:
 @pytest.fixture(scope="session")
 def ok_model() -> str:
     return build_ok_model()
+
+
+@pytest.fixture(scope="session")
+def coin_model() -> str:
+    return build_coin_model()
 
 
 @pytest.fixture(scope="module")

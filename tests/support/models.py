@@ -111,7 +111,23 @@ def build_ok_model() -> str:
     )
 
 
-BUILDERS = {"tiny": tiny_model_path, "scripted": build_scripted_model, "ok": build_ok_model}
+def build_coin_model() -> str:
+    """A model that answers "question N" with "yes" or "no", each about half the time when sampled.
+
+    A random tiny model spreads its mass over the whole vocabulary, so no reward it can reach moves in a
+    few steps; this one puts its mass on two answers, and rewarding one of them is learned in a step or two.
+    """
+    base = tiny_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": answer}], tokenize=False)
+        for i in range(24) for answer in ("yes", "no")
+    ]
+    key = hashlib.sha256(json.dumps([base, texts]).encode()).hexdigest()[:16]
+    return finetune(base, texts, str(cache_root() / "models" / f"coin-{key}"), steps=60, desc='"yes or no" test model')
+
+
+BUILDERS = {"tiny": tiny_model_path, "scripted": build_scripted_model, "ok": build_ok_model, "coin": build_coin_model}
 
 
 if __name__ == "__main__":

@@ -82,6 +82,8 @@ class ChaosProbe(AgentLoopBase):
             ray.kill(self.server_manager.servers[self.server_manager.server_for(row["request_id"])])
         second = await self.server_manager.generate(row["request_id"], prompt_ids + first.token_ids, params)
         ids = first.token_ids + second.token_ids
-        # a reward the policy can chase in a few steps: the share of even token ids
-        reward = sum(token % 2 == 0 for token in ids) / max(1, len(ids))
-        return AgentLoopOutput(prompt_ids, ids, [1] * len(ids), first.log_probs + second.log_probs, num_turns=3, reward_score=reward)
+        # learned in a step or two by the "yes or no" test model (tests/support/models.build_coin_model)
+        reward = float(ids[:1] == self.tokenizer.encode("yes"))
+        # only the answer is trained: the second turn's tokens are there to be interrupted, not learned
+        mask = [1] * len(first.token_ids) + [0] * len(second.token_ids)
+        return AgentLoopOutput(prompt_ids, ids, mask, first.log_probs + second.log_probs, num_turns=3, reward_score=reward)
