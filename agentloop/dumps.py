@@ -6,7 +6,8 @@ hidden temporary name and renamed when complete, so a reader of a running job's 
 half of a step.
 
 Columns per sample: verl's ``step``, ``input``, ``output`` and ``score``; the sample's position, GRPO
-group (``uid``), dataset ``index`` and row fields (``row``, JSON); ``finish_reason``, ``num_turns`` and
+group (``uid``), dataset ``index`` and row fields (``row``, JSON); the ``policy_version`` that generated it
+(updates applied; set by the trainer); ``finish_reason``, ``num_turns`` and
 counts for tables; the exact ``prompt_ids``, ``response_ids``, ``response_mask``, one decoded string per
 response token (``token_text``) and per-token float arrays (``rollout_log_probs``, plus what the caller
 adds: the trainer adds ``old_log_probs``, ``advantages`` and, when computed, ``ref_log_probs``);
@@ -42,7 +43,7 @@ COLUMNS = pa.schema([
     ("input", pa.string()), ("output", pa.string()), ("score", pa.float64()), ("advantage", pa.float64()),
     ("finish_reason", pa.string()), ("num_turns", pa.int32()), ("response_length", pa.int32()),
     ("model_tokens", pa.int32()), ("tool_calls", pa.int32()), ("tool_errors", pa.int32()),
-    ("generate_time_s", pa.float64()), ("row", pa.string()),
+    ("generate_time_s", pa.float64()), ("policy_version", pa.int64()), ("row", pa.string()),
     ("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32())),
     ("response_mask", pa.list_(pa.int8())), ("token_text", pa.list_(pa.string())),
     ("turns", pa.string()), ("reward_parts", pa.string()), ("extra", pa.string()),
@@ -108,6 +109,7 @@ def _sample_record(
         "tool_calls": sum(len(turn.get("calls") or []) for turn in loop_turns),
         "tool_errors": sum(1 for turn in loop_turns for call in turn.get("calls") or [] if call.get("error")),
         "generate_time_s": _field(fields, "generate_time_s", i),
+        "policy_version": _field(fields, "policy_version", i),
         "row": _json(row),
         "prompt_ids": prompt_ids,
         "response_ids": response_ids,
@@ -121,7 +123,7 @@ def _sample_record(
 
 
 # non_tensor_batch entries the worker adds; everything else there is a row field
-_PER_SAMPLE_OUTPUTS = {"num_turns", "reward_score", "metrics", "extra_fields", "generate_time_s"}
+_PER_SAMPLE_OUTPUTS = {"num_turns", "reward_score", "metrics", "extra_fields", "generate_time_s", "policy_version"}
 
 
 def _turns(

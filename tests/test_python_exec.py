@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import select
 import socket
 import subprocess
@@ -246,3 +247,34 @@ def test_the_example_yaml_runs_through_the_toolset(work_root):
     assert (result.text, result.error) == ("42", None)
     missing = asyncio.run(tool_set.call(ToolCall(name="python_exec", arguments={}), "trajectory", {}, {}))
     assert missing.error == "invalid_arguments"
+
+
+def test_arithmetic_python_task_runs_its_warm_start_programs_in_the_sandbox(tmp_path, monkeypatch):
+    """The example task that trains with python_exec: its config composes, its rows ask for python_exec,
+    and every program the warm start teaches runs in the real sandbox to the observation it was taught,
+    which submit_answer then scores correct."""
+    from agentloop.config import compose_config
+    from trainer.data import read_rows
+    from agentloop.tasks.arithmetic.warm_start import conversation
+    from agentloop.tools.parsers import parse_hermes
+
+    monkeypatch.setenv("AGENTLOOP_CACHE", str(tmp_path))
+    config = compose_config(config_name="arithmetic_python_grpo")
+    rows = read_rows(config.data.train_files[0])
+    assert len(rows) == 512 and "python_exec" in rows[0]["prompt"][0]["content"]
+    tool_set = load_tool_set(config.actor_rollout_ref.rollout.multi_turn.tool_config_path)
+    assert [schema["function"]["name"] for schema in tool_set.schemas] == ["python_exec", "submit_answer"]
+
+    async def solve(row: dict) -> None:
+        chat = conversation(row, True, random.Random(0), "python_exec")
+        instance, created = f"row-{row['extra_info']['index']}", {}
+        kwargs = {name: spec["create_kwargs"] for name, spec in row["extra_info"]["tools_kwargs"].items()}
+        for message, reply in zip(chat[-5::2], chat[-4::2]):  # (assistant call, taught tool reply) pairs
+            (call,) = parse_hermes(message["content"])[1]
+            assert (await tool_set.call(call, instance, created, kwargs)).text == reply["content"]
+        assert (await tool_set.finish(instance, created))["submit_answer"] == 1.0
+
+    async def solve_all() -> None:
+        await asyncio.gather(*(solve(row) for row in rows[:8]))
+
+    asyncio.run(solve_all())

@@ -31,6 +31,8 @@ def check_config(config: DictConfig) -> None:
         raise ValueError("actor_rollout_ref.rollout.mode must be 'async': rollouts run through AgentLoopManager")
     if config.algorithm.adv_estimator not in ("grpo", "gae"):
         raise ValueError(f"algorithm.adv_estimator={config.algorithm.adv_estimator!r}; choose grpo or gae")
+    if int(config.async_training.max_staleness) < 0:
+        raise ValueError(f"async_training.max_staleness={config.async_training.max_staleness}: a lag in policy versions, 0 (synchronous) or more")
     if not config.data.train_files:
         raise ValueError("data.train_files is empty: name one or more .parquet / .jsonl files")
     ranks = world_size(config)

@@ -93,12 +93,15 @@ class BatchSampler:
             random.Random(f"{self.seed}-{epoch}").shuffle(order)
         return order
 
+    def batch(self, position: int) -> list[int]:
+        """The row indices of the batch at ``position`` (batches handed out before it), without moving."""
+        epoch, batch = divmod(position, self.batches_per_epoch)
+        return self._order(epoch)[batch * self.batch_size : (batch + 1) * self.batch_size]
+
     def __iter__(self) -> Iterator[list[int]]:
         while True:
-            epoch, batch = divmod(self.position, self.batches_per_epoch)
-            order = self._order(epoch)
             self.position += 1
-            yield order[batch * self.batch_size : (batch + 1) * self.batch_size]
+            yield self.batch(self.position - 1)
 
     def state(self) -> int:
         """Batches handed out so far (the position to resume from)."""

@@ -2,7 +2,7 @@
 
 ``console`` prints one line per step, ``tensorboard`` writes event files (``pip install -e ".[tensorboard]"``),
 ``wandb`` logs a run (``pip install -e ".[wandb]"``). At the end, ``plot`` draws reward and response length
-over steps to a PNG.
+over steps to a PNG, and ``summarize`` prints how far the reward moved.
 """
 
 from __future__ import annotations
@@ -118,3 +118,16 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(history: list[dict[str, Any]], png: Path) -> None:
+    """Print how far the mean reward moved: the starting policy's (step 1 rollouts) against the last steps'."""
+    scores = [line["critic/score/mean"] for line in history if "critic/score/mean" in line]
+    if scores:
+        window = min(5, len(scores))
+        last = float(np.mean(scores[-window:]))
+        print(f"mean reward: {scores[0]:.3f} at step 1 -> {last:.3f} over the last {window} steps ({last - scores[0]:+.3f})")
+    validation = [line["val/score/mean"] for line in history if "val/score/mean" in line]
+    if len(validation) > 1:
+        print(f"validation score: {validation[0]:.3f} -> {validation[-1]:.3f}")
+    print(f"curves: {png}")

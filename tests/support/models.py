@@ -127,6 +127,11 @@ def build_coin_model() -> str:
     return finetune(base, texts, str(cache_root() / "models" / f"coin-{key}"), steps=60, desc='"yes or no" test model')
 
 
+def says_yes(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None, **kwargs: Any) -> float:
+    """The coin model's reward (a verl-style reward function): 1 for an answer that starts with "yes"."""
+    return float(solution_str.strip().startswith("yes"))
+
+
 BUILDERS = {"tiny": tiny_model_path, "scripted": build_scripted_model, "ok": build_ok_model, "coin": build_coin_model}
 
 

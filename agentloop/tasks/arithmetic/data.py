@@ -1,4 +1,7 @@
-"""Synthetic arithmetic problems in verl's row format, solved with the calculator and submit_answer tools.
+"""Synthetic arithmetic problems in verl's row format, solved with a compute tool and submit_answer.
+
+The compute tool is ``calculator`` (the quick start) or the sandboxed ``python_exec``
+(``config/arithmetic_python_grpo.yaml``); only the system prompt names it.
 
     python -m agentloop.tasks.arithmetic.data --out data/arithmetic --train 512 --test 64
 """
@@ -13,11 +16,19 @@ from typing import Any
 from agentloop.models.cache import cache_root
 from agentloop.rows import write_rows
 
-SYSTEM = "Use the calculator tool to compute, then call submit_answer with the result."
+SYSTEM = {
+    "calculator": "Use the calculator tool to compute, then call submit_answer with the result.",
+    "python_exec": "Use the python_exec tool to compute (print the value), then call submit_answer with the result.",
+}
 
 
-def make_rows(count: int, seed: int = 0, split: str = "train", max_operand: int = 99) -> list[dict[str, Any]]:
-    """``count`` problems ``a op b`` with operands in ``[0, max_operand]`` (deterministic for a seed), each a ``tool_agent`` row."""
+def make_rows(
+    count: int, seed: int = 0, split: str = "train", max_operand: int = 99, compute_tool: str = "calculator"
+) -> list[dict[str, Any]]:
+    """``count`` problems ``a op b`` with operands in ``[0, max_operand]`` (deterministic for a seed), each a
+    ``tool_agent`` row whose system prompt asks for ``compute_tool`` (a key of ``SYSTEM``)."""
+    if compute_tool not in SYSTEM:
+        raise ValueError(f"arithmetic task: unknown compute_tool {compute_tool!r}; choose one of {sorted(SYSTEM)}")
     rng = random.Random(f"{seed}-{split}")
     rows = []
     for index in range(count):
@@ -26,7 +37,7 @@ def make_rows(count: int, seed: int = 0, split: str = "train", max_operand: int 
         rows.append(
             {
                 "prompt": [
-                    {"role": "system", "content": SYSTEM},
+                    {"role": "system", "content": SYSTEM[compute_tool]},
                     {"role": "user", "content": f"What is {a} {op} {b}?"},
                 ],
                 "agent_name": "tool_agent",
@@ -43,11 +54,13 @@ def make_rows(count: int, seed: int = 0, split: str = "train", max_operand: int 
     return rows
 
 
-def cached_split(split: str, count: int, max_operand: int = 99, seed: int = 0) -> str:
-    """A cached parquet of ``make_rows(count, seed, split, max_operand)``, written on first use."""
-    path = cache_root() / "data" / f"arithmetic-{count}-{max_operand}-{seed}" / f"{split}.parquet"
+def cached_split(split: str, count: int, max_operand: int = 99, seed: int = 0, compute_tool: str = "calculator") -> str:
+    """A cached parquet of ``make_rows(count, seed, split, max_operand, compute_tool)``, written on first use."""
+    tool = "" if compute_tool == "calculator" else f"-{compute_tool}"  # the quick start's cache keeps its name
+    path = cache_root() / "data" / f"arithmetic{tool}-{count}-{max_operand}-{seed}" / f"{split}.parquet"
     if not path.exists():
-        staging = write_rows(make_rows(count, seed, split, max_operand), str(path.with_suffix(f".{os.getpid()}.parquet")))
+        rows = make_rows(count, seed, split, max_operand, compute_tool)
+        staging = write_rows(rows, str(path.with_suffix(f".{os.getpid()}.parquet")))
         os.replace(staging, path)
     return str(path)
 
@@ -59,9 +72,11 @@ def main() -> None:
     parser.add_argument("--test", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    parser.add_argument("--compute-tool", choices=sorted(SYSTEM), default="calculator")
     args = parser.parse_args()
     for split, count in (("train", args.train), ("test", args.test)):
-        print(write_rows(make_rows(count, args.seed, split), f"{args.out}/{split}.{args.format}"))
+        rows = make_rows(count, args.seed, split, compute_tool=args.compute_tool)
+        print(write_rows(rows, f"{args.out}/{split}.{args.format}"))
 
 
 if __name__ == "__main__":

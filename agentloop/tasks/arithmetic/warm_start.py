@@ -4,7 +4,9 @@ A random tiny model never calls a tool, so GRPO would see reward 0 everywhere an
 warm start teaches both behaviours on the task's own prompts (same system prompt, same tool schemas
 from the job's ``multi_turn.tool_config_path``): in a ``tool_share`` of the conversations the model calls
 ``calculator``, then ``submit_answer`` with the result (reward 1); in the rest it answers in plain text
-without tools (reward 0). The starting policy uses the tools on a small share of the problems (5-12%
+without tools (reward 0). The compute call is ``calculator(expression)``, or ``python_exec`` with
+``print(expression)`` when the job's tool set has ``python_exec`` (its observation is what the sandbox
+prints, the same text). The starting policy uses the tools on a small share of the problems (5-12%
 measured with ``tool_share=0.25``; sampled copies of the operands are not always right either), and
 reinforcement has one clear thing to learn: use the tools.
 """
@@ -27,15 +29,16 @@ from agentloop.tools.parsers import format_hermes
 from agentloop.tools.toolset import load_tool_set
 
 
-def conversation(row: dict[str, Any], use_tools: bool, rng: random.Random) -> list[dict[str, Any]]:
-    """One chat for ``row``: the tool-using solution, or a plain-text guess."""
+def conversation(row: dict[str, Any], use_tools: bool, rng: random.Random, compute_tool: str = "calculator") -> list[dict[str, Any]]:
+    """One chat for ``row``: the tool-using solution (computing with ``compute_tool``), or a plain-text guess."""
     messages = list(row["prompt"])
     if not use_tools:
         return messages + [{"role": "assistant", "content": f"The answer is {rng.randint(-99, 999)}."}]
     expression = row["extra_info"]["expression"]
     value = evaluate(expression)
+    arguments = {"code": f"print({expression})"} if compute_tool == "python_exec" else {"expression": expression}
     return messages + [
-        {"role": "assistant", "content": format_hermes("calculator", {"expression": expression})},
+        {"role": "assistant", "content": format_hermes(compute_tool, arguments)},
         {"role": "tool", "content": str(value)},
         {"role": "assistant", "content": format_hermes("submit_answer", {"answer": value})},
         {"role": "tool", "content": "correct"},
@@ -55,13 +58,15 @@ def warm_start_path(tools_path: str, max_operand: int = 9, tool_share: float = 0
     base = tiny_model_path()
     tokenizer = AutoTokenizer.from_pretrained(base)
     schemas = load_tool_set(tools_path).schemas
+    compute_tool = "python_exec" if any(schema["function"]["name"] == "python_exec" for schema in schemas) else "calculator"
     rng = random.Random(seed)
     # problems of their own split: the warm start never sees the train or test rows
-    rows = make_rows(512, seed, split="warm_start", max_operand=max_operand)
+    rows = make_rows(512, seed, split="warm_start", max_operand=max_operand, compute_tool=compute_tool)
     per_problem = 4
 
     def render(row: dict[str, Any], use_tools: bool) -> str:
-        return tokenizer.apply_chat_template(conversation(row, use_tools, rng), tools=schemas, tokenize=False)
+        chat = conversation(row, use_tools, rng, compute_tool)
+        return tokenizer.apply_chat_template(chat, tools=schemas, tokenize=False)
 
     skill = [render(row, True) for row in rows]
     mix = [render(row, i < round(tool_share * per_problem)) for row in rows[:128] for i in range(per_problem)]

@@ -1,0 +1,85 @@
+"""Asynchronous training on real Ray, engines and FSDP ranks: the servers generate the next step's batch
+while the ranks train; every sample is stamped with the policy version that generated it, no sample lags
+more than ``async_training.max_staleness`` versions, the importance weights equal a reference computed
+here from the dumped log-probs, the reward rises, and a checkpoint taken mid-run resumes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentloop.config import compose_config
+from agentloop.dumps import read_rollout_dump
+from agentloop.rows import write_rows
+from tests.support.config import small_config
+from trainer.config_checks import check_config
+from trainer.main_ppo import RayPPOTrainer
+from trainer.rollout_ahead import async_settings
+from trainer.rollout_correction import RolloutCorrection
+
+
+def coin_job(coin_model: str, tmp_path, *overrides: str):
+    rows = [{"prompt": [{"role": "user", "content": f"question {i}"}], "agent_name": "single_turn_agent", "data_source": "coin",
+             "extra_info": {"index": i}} for i in range(40)]
+    train = write_rows(rows, str(tmp_path / "train.jsonl"))
+    return small_config(
+        f"actor_rollout_ref.model.path={coin_model}", f"data.train_files=[{train}]", "data.train_batch_size=4",
+        "data.shuffle=false", "data.max_response_length=4", "actor_rollout_ref.rollout.n=16",
+        "+custom_reward_function.by_data_source.coin=tests.support.models.says_yes",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "actor_rollout_ref.actor.optim.lr=2e-3",
+        "async_training.max_staleness=1", "actor_rollout_ref.rollout.free_cache_engine=false",
+        "trainer.logger=[console]", f"trainer.default_local_dir={tmp_path / 'run'}",
+        f"trainer.rollout_data_dir={tmp_path / 'run' / 'rollouts'}", *overrides,
+    )
+
+
+def fit(config) -> list[dict]:
+    trainer = RayPPOTrainer(config)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.shutdown()
+
+
+def test_async_training_overlaps_stamps_versions_corrects_and_resumes(local_ray, coin_model, tmp_path):
+    run = tmp_path / "run"
+    first = fit(coin_job(coin_model, tmp_path, "trainer.total_training_steps=4", "trainer.save_freq=4"))
+    assert [line["step"] for line in first] == [1, 2, 3, 4]
+    history = fit(coin_job(coin_model, tmp_path, "trainer.total_training_steps=8", "trainer.resume_mode=auto"))
+    assert [line["step"] for line in history] == list(range(1, 9))  # the metrics file's lines and the resumed run's
+
+    for line in history:
+        step = line["step"]
+        records = read_rollout_dump(run / "rollouts" / f"step_{step:06d}.parquet")[1]
+        assert len(records) == 64
+        # step s trains version s - 1 on samples of version s - 2 (the previous step's policy), except
+        # the first step after a start or a resume, whose batch waited for nothing older
+        expected = step - 1 if step in (1, 5) else step - 2
+        assert {record["policy_version"] for record in records} == {expected}
+        assert line["async/staleness/max"] == line["async/staleness/mean"] == step - 1 - expected
+        assert line["async/staleness_histogram/0"] + line["async/staleness_histogram/1"] == 64
+        assert sorted(int(record["index"]) for record in records[::16]) == list(range(4 * (step - 1), 4 * step))
+        # the rollout's behaviour policy is the trainer's old policy only when no update came in between
+        gap = line["rollout_corr/abs_log_prob_diff"]
+        assert gap < 1e-5 if expected == step - 1 else gap > 1e-4
+        # the loss's token-level truncated importance weights, against a reference from the dumped log-probs
+        for record in records:
+            mask = torch.tensor(record["response_mask"]).float()
+            ratio = (torch.tensor(record["old_log_probs"]) - torch.tensor(record["rollout_log_probs"])).exp()
+            torch.testing.assert_close(torch.tensor(record["rollout_is_weights"]), ratio.clamp(max=2.0) * mask, rtol=1e-5, atol=1e-6)
+        assert 0 <= line["perf/idle_share/ranks"] <= 1 and line["perf/idle_share/servers"] <= 1
+    rewards = [line["critic/score/mean"] for line in history]
+    print("mean reward per step:", rewards)
+    assert sum(rewards[-2:]) / 2 >= rewards[0] + 0.2, rewards
+
+
+def test_async_settings_refuse_a_negative_bound_and_fall_back_where_servers_sleep():
+    with pytest.raises(ValueError, match=r"async_training.max_staleness=-1: a lag in policy versions"):
+        check_config(compose_config(["async_training.max_staleness=-1"]))
+    colocated = compose_config(["async_training.max_staleness=2", "actor_rollout_ref.rollout.free_cache_engine=true"])
+    with pytest.warns(UserWarning, match="free_cache_engine=true puts them to sleep then .* trains synchronously"):
+        assert async_settings(colocated, RolloutCorrection())[0] == 0
+    separate = compose_config(["async_training.max_staleness=2", "actor_rollout_ref.rollout.free_cache_engine=false"])
+    assert async_settings(separate, RolloutCorrection()) == (2, RolloutCorrection(rollout_is="token"))
+    sequence = RolloutCorrection(rollout_is="sequence")
+    assert async_settings(separate, sequence) == (2, sequence)  # a configured correction is kept

@@ -1,0 +1,152 @@
+"""Asynchronous training: the rollout servers generate later steps' batches while the FSDP ranks train.
+
+``async_training.max_staleness`` = K ≥ 1 lets the batch of step s come from any policy version
+v ≥ s - 1 - K (version = updates applied; step s trains version s - 1), so a background thread keeps
+generating up to K steps ahead. A rollout and a weight push never overlap (no partial rollouts): a push
+waits for the rollout in flight to end, so every sample of a batch comes from one version, stamped on
+the batch. K = 1 is slime's ``train_async``: batch s+1 is generated while step s trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from dataclasses import replace
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+
+from agentloop.batch import RolloutBatch, object_array
+from trainer.rollout_correction import RolloutCorrection
+
+logger = logging.getLogger(__name__)
+
+
+def async_settings(config: DictConfig, correction: RolloutCorrection) -> tuple[int, RolloutCorrection]:
+    """``async_training.max_staleness`` as this run can use it, and the rollout correction it trains with.
+
+    Servers that sleep while the ranks train (``rollout.free_cache_engine=true``, the colocated layout)
+    cannot generate meanwhile: the run then trains synchronously and says so. Samples of an older policy
+    need the off-policy correction: without one configured, token-level truncated importance weights are
+    turned on (decoupled PPO: clip against the re-scored old log-probs, weight by their ratio to the
+    rollout's, truncated at ``rollout_is_threshold``).
+    """
+    max_staleness = int(config.async_training.max_staleness)
+    if max_staleness and config.actor_rollout_ref.rollout.free_cache_engine:
+        warnings.warn(
+            f"async_training.max_staleness={max_staleness} needs the rollout servers awake while the ranks train, but "
+            "actor_rollout_ref.rollout.free_cache_engine=true puts them to sleep then (the colocated layout); this run "
+            "trains synchronously. Set free_cache_engine=false (servers and ranks on their own devices) to overlap.",
+            stacklevel=2,
+        )
+        return 0, correction
+    if max_staleness and not correction.uses_rollout_log_probs:
+        logger.warning("async training: algorithm.rollout_correction.rollout_is=token (threshold %g) corrects for the "
+                       "older policies that generated the samples", correction.rollout_is_threshold)
+        correction = replace(correction, rollout_is="token")
+    return max_staleness, correction
+
+
+class RolloutAhead:
+    """Generates the batches of steps ``first..last`` on a daemon thread, at most ``max_staleness`` versions ahead.
+
+    ``generate(step)`` rolls out step's rows (the manager's ``generate_sequences``); ``take(step)`` returns
+    that batch, ``push(fn, version)`` loads new weights between two rollouts.
+    """
+
+    def __init__(
+        self, generate: Callable[[int], RolloutBatch], first: int, last: int, max_staleness: int, version: int, timeout_s: float
+    ) -> None:
+        self.max_staleness = max_staleness
+        self.version = version  # the policy version the servers hold
+        self.timeout_s = timeout_s
+        self._busy_s = 0.0
+        self._rollout_start: float | None = None
+        self.lane = threading.Lock()  # held by a rollout, a weight push or a validation: one at a time on the servers
+        self._changed = threading.Condition()
+        self._ready: dict[int, RolloutBatch | BaseException] = {}
+        self._stopping = False
+        self._generate = generate
+        self._thread = threading.Thread(target=self._run, args=(first, last), name="rollout-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self, first: int, last: int) -> None:
+        for step in range(first, last + 1):
+            with self._changed:
+                # the batch of step s may come from version s - 1 - max_staleness at the oldest
+                self._changed.wait_for(lambda: self._stopping or self.version >= step - 1 - self.max_staleness)
+                if self._stopping:
+                    return
+            try:
+                with self.lane:
+                    version, start = self.version, time.perf_counter()
+                    self._rollout_start = start
+                    try:
+                        batch = self._generate(step)
+                    finally:
+                        self._busy_s += time.perf_counter() - start
+                        self._rollout_start = None
+                batch.non_tensor_batch["policy_version"] = object_array([version] * len(batch))
+                batch.meta_info["timing_s/rollout"] = time.perf_counter() - start
+                result: RolloutBatch | BaseException = batch
+            except BaseException as error:  # handed to the trainer, which raises it at take()
+                result = error
+            with self._changed:
+                self._ready[step] = result
+                self._changed.notify_all()
+            if isinstance(result, BaseException):
+                return
+
+    def busy_s(self) -> float:
+        """The servers' time in rollouts so far, the one in flight included."""
+        start = self._rollout_start
+        return self._busy_s + (time.perf_counter() - start if start is not None else 0.0)
+
+    def take(self, step: int) -> RolloutBatch:
+        """Step's batch, waiting for it (bounded by ``timeout_s``); re-raises the rollout's error."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: step in self._ready or not self._thread.is_alive(), self.timeout_s):
+                raise TimeoutError(
+                    f"timed out after {self.timeout_s:.0f}s waiting for the rollout of step {step} "
+                    "(actor_rollout_ref.rollout.generate_timeout_s)"
+                )
+            if step not in self._ready:
+                raise RuntimeError(f"the rollout thread ended before producing step {step}'s batch")
+            result = self._ready.pop(step)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def push(self, load_weights: Callable[[], Any], version: int) -> float:
+        """Load new weights between rollouts (waiting for the one in flight); returns the seconds waited for it."""
+        start = time.perf_counter()
+        with self.lane:
+            waited = time.perf_counter() - start
+            load_weights()
+        with self._changed:
+            self.version = version
+            self._changed.notify_all()
+        return waited
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Start no further rollout; wait up to ``timeout_s`` for the one in flight (the caller then shuts the
+        servers and workers down, which ends it anyway)."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("a rollout was still running %.0fs after the stop; shutting the servers down ends it", timeout_s)
+
+
+def staleness_metrics(batch: RolloutBatch, trained_version: int, max_staleness: int) -> dict[str, float]:
+    """How many policy versions the batch's samples lag the policy they train (mean, max, histogram)."""
+    lags = [trained_version - int(version) for version in batch.non_tensor_batch["policy_version"]]
+    if max(lags) > max_staleness:  # the lane and the version gate make this impossible; a bug if it happens
+        raise RuntimeError(f"a sample lags {max(lags)} policy versions, more than async_training.max_staleness={max_staleness}")
+    metrics = {"async/staleness/mean": sum(lags) / len(lags), "async/staleness/max": float(max(lags))}
+    for lag in range(max_staleness + 1):
+        metrics[f"async/staleness_histogram/{lag}"] = float(sum(value == lag for value in lags))
+    return metrics
