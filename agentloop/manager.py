@@ -179,9 +179,10 @@ class AgentLoopManager:
 
     # ------------------------------------------------------------------ servers
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor] | PackedWeights | ray.ObjectRef) -> None:
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor] | PackedWeights | ray.ObjectRef, version: int | None = None) -> None:
         """Push new weights to every server (in place; prefix caches flushed); a server that died is replaced
-        and gets them too.
+        and gets them too. ``version`` numbers the policy (the trainer passes the updates applied); tokens
+        are stamped with it. Requests in flight are interrupted and continue under the new weights.
 
         ``state_dict`` may also be the ``ObjectRef`` of one (plain or packed) that a trainer rank returned:
         the servers then read it from the object store, and it never passes through this process.
@@ -191,7 +192,7 @@ class AgentLoopManager:
         else:
             # Packed once here, the bytes are stored once and every server maps them without unpickling.
             ref = ray.put(state_dict if isinstance(state_dict, PackedWeights) else PackedWeights.pack(state_dict))
-        self.pool.update_weights(ref)
+        self.pool.update_weights(ref, version)
 
     def sleep(self) -> None:
         """Free every server's KV cache."""

@@ -26,6 +26,7 @@ def pad_outputs(
     response_mask = torch.zeros((size, response_length), dtype=torch.long)
     log_probs = torch.zeros((size, response_length), dtype=torch.float32)
     scores = torch.zeros((size, response_length), dtype=torch.float32)
+    versions = torch.full((size, response_length), -1, dtype=torch.long)
 
     for row, output in enumerate(outputs):
         if len(output.prompt_ids) > prompt_length:
@@ -43,6 +44,8 @@ def pad_outputs(
             response_attention[row, :n_response] = 1
             response_mask[row, :n_response] = torch.tensor(output.response_mask[:n_response])
             log_probs[row, :n_response] = torch.tensor(output.response_logprobs[:n_response])
+            if output.response_policy_versions is not None:
+                versions[row, :n_response] = torch.tensor(output.response_policy_versions[:n_response])
             if output.reward_score is not None:
                 scores[row, n_response - 1] = output.reward_score
 
@@ -56,6 +59,8 @@ def pad_outputs(
         "attention_mask": attention_mask,
         "position_ids": position_ids,
         "rollout_log_probs": log_probs,
+        # the policy version that sampled each model token (-1: observation, padding, or unknown)
+        "rollout_policy_versions": versions,
         "rm_scores": scores,
     }
     return TensorDict(tensors, batch_size=[size])

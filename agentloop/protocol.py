@@ -8,8 +8,9 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-# Why one engine call stopped.
-FinishReason = Literal["stop", "length", "abort"]
+# Why one engine call stopped. ``interrupted``: new weights were loaded mid-request; the tokens so far
+# come back and the router continues the request under the new weights (loops never see it).
+FinishReason = Literal["stop", "length", "abort", "interrupted"]
 
 # Why a trajectory ended, in every loop: ``stop`` the model answered and nothing continues the
 # conversation; ``done`` the environment ended the episode; ``length`` the next turn or observation
@@ -105,6 +106,9 @@ class TokenOutput:
     log_probs: list[float]
     finish_reason: FinishReason
     cached_tokens: int = 0
+    # the policy version (weight pushes applied, as the trainer numbers them) that sampled these tokens,
+    # set by the rollout server; a request the router continued after an interruption reports its last part's
+    weight_version: int | None = None
     # verl's TokenOutput fields that loops written for verl read; not produced by these engines
     num_preempted: int | None = None
     routed_experts: Any = None
@@ -120,6 +124,8 @@ class AgentLoopOutput:
     ``extra_fields["rollout_log_probs_missing"]``, and the trainer refuses to correct against them).
     ``reward_score`` set by the loop is kept; otherwise the worker computes it (``agentloop.rewards``).
     ``multi_modal_data`` and ``routed_experts`` are accepted as verl's loops pass them.
+    ``response_policy_versions`` is set by the worker, not the loop: the policy version of each model
+    token (from the router's record of the session), -1 on observation tokens.
     """
 
     prompt_ids: list[int]
@@ -132,6 +138,7 @@ class AgentLoopOutput:
     extra_fields: dict[str, Any] = field(default_factory=dict)
     multi_modal_data: dict[str, Any] | None = None
     routed_experts: Any = None
+    response_policy_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if hasattr(self.metrics, "model_dump"):  # verl's AgentLoopMetrics

@@ -3,7 +3,13 @@
 A new session goes to the live server with the fewest requests in flight (counted up on dispatch and
 down on completion, so the balance tracks real load); a session then stays on its server, kept in an
 LRU cache keyed by the trajectory's request id, so its growing prompt hits that server's prefix
-cache. A server that dies is skipped from then on and its sessions are re-homed on the next call.
+cache. Sessions of one GRPO group (``join_group``) share their prompt: a group's new session goes to
+the server of its group's first one while that server has at most ``group_affinity_slack`` more
+requests in flight than the least-loaded one, so the prompt is prefilled there once and the others
+hit its prefix cache. A server that dies is skipped from then on and its sessions are re-homed on the
+next call. A request that new weights interrupted (``finish_reason`` ``interrupted``) is continued:
+resubmitted with the tokens it has, for the tokens it has left, until it ends; every model token's
+policy version is recorded per session (``take_versions``).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import ray
 from cachetools import LRUCache
 from ray.exceptions import RayActorError
 
-from agentloop.protocol import TokenOutput
+from agentloop.protocol import SAMPLING_DEFAULTS, TokenOutput
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +35,7 @@ class RouterStats:
     requests_per_server: list[int]
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    interrupted_requests: int = 0  # turns that new weights interrupted and the router continued
     # max/mean of in-flight counts sampled at every dispatch made while all live servers were busy
     imbalance_samples: list[float] = field(default_factory=list)
 
@@ -39,6 +46,7 @@ class RouterStats:
             requests_per_server=[sum(counts) for counts in zip(*(part.requests_per_server for part in parts))],
             prompt_tokens=sum(part.prompt_tokens for part in parts),
             cached_tokens=sum(part.cached_tokens for part in parts),
+            interrupted_requests=sum(part.interrupted_requests for part in parts),
             imbalance_samples=[sample for part in parts for sample in part.imbalance_samples],
         )
 
@@ -62,6 +70,7 @@ class Router:
         *,
         request_timeout_s: float = 600.0,
         max_sessions: int = 100_000,
+        group_affinity_slack: int | None = None,
     ) -> None:
         if not servers:
             raise ValueError("Router needs at least one rollout server")
@@ -70,7 +79,15 @@ class Router:
         self.in_flight = [0] * len(servers)
         self.alive = [True] * len(servers)
         self.sessions: LRUCache[str, int] = LRUCache(maxsize=max_sessions)
+        self.group_affinity_slack = group_affinity_slack  # None: no affinity
+        self.group_of: LRUCache[str, str] = LRUCache(maxsize=max_sessions)  # request id -> GRPO group
+        self.group_server: LRUCache[str, int] = LRUCache(maxsize=max_sessions)  # group -> its first session's server
+        self.versions: LRUCache[str, list[int]] = LRUCache(maxsize=max_sessions)  # session -> its model tokens' versions
         self.stats = RouterStats([0] * len(servers))
+
+    def join_group(self, request_id: str, group: str) -> None:
+        """Mark the session ``request_id`` as one of ``group``'s samples (same prompt)."""
+        self.group_of[request_id] = group
 
     def server_for(self, request_id: str) -> int:
         """The server index a session is (or will be) pinned to."""
@@ -80,6 +97,13 @@ class Router:
             if not live:
                 raise RuntimeError("every rollout server has died; no request can be served")
             index = min(live, key=lambda i: self.in_flight[i])
+            group = self.group_of.get(request_id)
+            if group is not None and self.group_affinity_slack is not None:
+                home = self.group_server.get(group)
+                if home is not None and self.alive[home] and self.in_flight[home] - self.in_flight[index] <= self.group_affinity_slack:
+                    index = home
+                else:
+                    self.group_server[group] = index
             self.sessions[request_id] = index
         return index
 
@@ -97,6 +121,28 @@ class Router:
         """
         if image_data or video_data:
             raise ValueError("image_data / video_data given, but the rollout servers serve a text-only model")
+        budget = int(sampling_params.get("max_new_tokens", SAMPLING_DEFAULTS["max_new_tokens"]))
+        tokens: list[int] = []
+        log_probs: list[float] = []
+        versions = self.versions.setdefault(request_id, [])
+        while True:
+            output = await self._generate_once(request_id, prompt_ids + tokens, {**sampling_params, "max_new_tokens": budget - len(tokens)})
+            tokens += output.token_ids
+            log_probs += output.log_probs
+            versions += [-1 if output.weight_version is None else output.weight_version] * len(output.token_ids)
+            if output.finish_reason != "interrupted":
+                break
+            self.stats.interrupted_requests += 1
+            if len(tokens) >= budget:  # interrupted right after its last token
+                output.finish_reason = "length"
+                break
+        return TokenOutput(tokens, log_probs, output.finish_reason, output.cached_tokens, weight_version=output.weight_version)
+
+    def take_versions(self, request_id: str) -> list[int]:
+        """The policy version of each token generated for the session so far, in order (-1: unknown); forgets them."""
+        return self.versions.pop(request_id, [])
+
+    async def _generate_once(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:
         while True:
             index = self.server_for(request_id)
             self._dispatched(index)

@@ -62,6 +62,7 @@ class ServerPool:
         wait_for([server.__ray_ready__.remote() for server in self.servers], self.startup_timeout_s, "rollout servers to load their engines")
         self.addresses: list[str] = self._start_http(self.servers) if self.rollout.http.enable else []
         self.weights: ray.ObjectRef | None = None  # the latest push: what a replacement must serve
+        self.version: int | None = None  # its policy version
         self.asleep = False
         self.given_up: dict[int, str] = {}
         self.events: list[ServerEvent] = []
@@ -113,7 +114,7 @@ class ServerPool:
         server = self._spawn(rank)
         wait_for([server.__ray_ready__.remote()], self.startup_timeout_s, f"the replacement of rollout server {rank} to start")
         if self.weights is not None:
-            wait_for([server.update_weights.remote(self.weights)], self.startup_timeout_s, f"the latest weights on server {rank}")
+            wait_for([server.update_weights.remote(self.weights, self.version)], self.startup_timeout_s, f"the latest weights on server {rank}")
         if self.asleep:
             wait_for([server.sleep.remote()], self.startup_timeout_s, f"the replacement of server {rank} to sleep")
         if self.addresses:
@@ -145,10 +146,11 @@ class ServerPool:
                     self.replace(rank, f"{method}: {type(outcome).__name__}: {outcome}")
         return results
 
-    def update_weights(self, ref: ray.ObjectRef) -> None:
-        """Load ``ref`` (the pushed weights) into every server; a replacement started now loads it too."""
-        self.weights = ref
-        self._call("update_weights", (ref,), self.startup_timeout_s)
+    def update_weights(self, ref: ray.ObjectRef, version: int | None = None) -> None:
+        """Load ``ref`` (the pushed weights, policy ``version``) into every server; a replacement started now
+        loads it too."""
+        self.weights, self.version = ref, version
+        self._call("update_weights", (ref, version), self.startup_timeout_s)
 
     def sleep(self) -> None:
         self.asleep = True

@@ -30,7 +30,8 @@ class AgentLoopWorker:
         self.config = config
         self.rollout = config.actor_rollout_ref.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
-        self.router = Router(servers, request_timeout_s=self.rollout.request_timeout_s)
+        slack = self.rollout.agent.group_affinity_slack
+        self.router = Router(servers, request_timeout_s=self.rollout.request_timeout_s, group_affinity_slack=slack)
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     async def generate_sequences(
@@ -59,6 +60,8 @@ class AgentLoopWorker:
         self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
     ) -> tuple[AgentLoopOutput, float]:
         start = time.perf_counter()
+        if row.get("uid") is not None:
+            self.router.join_group(row["request_id"], row["uid"])
         try:
             loop = build_agent_loop(
                 agent_loops[row["agent_name"]],
@@ -75,4 +78,13 @@ class AgentLoopWorker:
             logger.warning("agent loop %r failed on sample %s (dataset index %s): %s: %s",
                            row["agent_name"], row["request_id"], row["index"], type(error).__name__, error)
             output = failed_output(error, self._pad_id)
+        output.response_policy_versions = token_versions(output.response_mask, self.router.take_versions(row["request_id"]))
         return output, time.perf_counter() - start
+
+
+def token_versions(response_mask: list[int], generated: list[int]) -> list[int]:
+    """Each response token's policy version: the session's generated tokens' versions, in order, on the model
+    tokens (mask 1), -1 on observation tokens. A loop keeps its model tokens in the order they were generated
+    and may cut the last ones (response length); model tokens beyond what was recorded get -1 (unknown)."""
+    remaining = iter(generated)
+    return [next(remaining, -1) if mask else -1 for mask in response_mask]

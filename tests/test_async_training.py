@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from agentloop.config import compose_config
 from agentloop.dumps import read_rollout_dump
@@ -14,7 +15,8 @@ from agentloop.rows import write_rows
 from tests.support.config import small_config
 from trainer.config_checks import check_config
 from trainer.main_ppo import RayPPOTrainer
-from trainer.rollout_ahead import async_settings
+from agentloop.batch import RolloutBatch, object_array
+from trainer.rollout_ahead import async_settings, staleness_metrics
 from trainer.rollout_correction import RolloutCorrection
 
 
@@ -27,7 +29,8 @@ def coin_job(coin_model: str, tmp_path, *overrides: str):
         "data.shuffle=false", "data.max_response_length=4", "actor_rollout_ref.rollout.n=16",
         "+custom_reward_function.by_data_source.coin=tests.support.models.says_yes",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "actor_rollout_ref.actor.optim.lr=2e-3",
-        "async_training.max_staleness=1", "actor_rollout_ref.rollout.free_cache_engine=false",
+        # pushes wait between rollouts, so each batch has one version (tests/test_partial_rollouts.py interrupts)
+        "async_training.max_staleness=1", "async_training.partial_rollout=false", "actor_rollout_ref.rollout.free_cache_engine=false",
         "trainer.logger=[console]", f"trainer.default_local_dir={tmp_path / 'run'}",
         f"trainer.rollout_data_dir={tmp_path / 'run' / 'rollouts'}", *overrides,
     )
@@ -83,3 +86,14 @@ def test_async_settings_refuse_a_negative_bound_and_fall_back_where_servers_slee
     assert async_settings(separate, RolloutCorrection()) == (2, RolloutCorrection(rollout_is="token"))
     sequence = RolloutCorrection(rollout_is="sequence")
     assert async_settings(separate, sequence) == (2, sequence)  # a configured correction is kept
+
+
+def test_staleness_counts_each_sample_by_its_oldest_token():
+    versions = torch.tensor([[3, 3, -1, 4], [4, 4, 4, -1], [-1, -1, -1, -1]])  # -1: observation or padding
+    batch = RolloutBatch(TensorDict({"rollout_policy_versions": versions}, batch_size=[3]), {"policy_version": object_array([3, 4, 3])})
+    metrics = staleness_metrics(batch, trained_version=4, max_staleness=1)
+    # lags 1 (oldest token 3), 0, and 1 from the batch's stamp where no token is known; one sample spans two versions
+    assert metrics == {"async/staleness/mean": pytest.approx(2 / 3), "async/staleness/max": 1.0, "async/partial_share": pytest.approx(1 / 3),
+                       "async/staleness_histogram/0": 1.0, "async/staleness_histogram/1": 2.0}
+    with pytest.raises(RuntimeError, match="lags 2 policy versions, more than async_training.max_staleness=1"):
+        staleness_metrics(batch, trained_version=5, max_staleness=1)

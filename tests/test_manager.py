@@ -123,6 +123,18 @@ def _load_state(manager):
     return AutoModelForCausalLM.from_pretrained(manager.config.actor_rollout_ref.model.path).state_dict()
 
 
+def test_a_grpo_group_shares_a_server_and_groups_spread(manager):
+    # group affinity (rollout.agent.group_affinity_slack, 8 by default): a group's samples share their
+    # prompt, so they go where its first one went while the balance allows; different groups still spread
+    batch = manager.generate_sequences(rows([f"shared prompt {i} " * 8 for i in range(8)], agent_name="fixed_length", extra_info={"length": 2}))
+    fields = batch.non_tensor_batch
+    servers: dict[str, set[int]] = {}
+    for uid, extra in zip(fields["uid"], fields["extra_fields"]):
+        servers.setdefault(uid, set()).add(extra["server"])
+    assert len(servers) == 8 and all(len(used) == 1 for used in servers.values()), servers
+    assert set().union(*servers.values()) == {0, 1}
+
+
 def test_overlong_prompt_error_and_truncation(manager):
     long_text = "word " * 200
     # the sample fails alone; one of one is over rollout.max_failed_sample_ratio, so the call fails with its traceback

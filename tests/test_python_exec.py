@@ -249,7 +249,7 @@ def test_the_example_yaml_runs_through_the_toolset(work_root):
     assert missing.error == "invalid_arguments"
 
 
-def test_arithmetic_python_task_runs_its_warm_start_programs_in_the_sandbox(tmp_path, monkeypatch):
+def test_arithmetic_python_task_runs_its_warm_start_programs_in_the_sandbox(model_path, tmp_path, monkeypatch):
     """The example task that trains with python_exec: its config composes, its rows ask for python_exec,
     and every program the warm start teaches runs in the real sandbox to the observation it was taught,
     which submit_answer then scores correct."""
@@ -257,6 +257,7 @@ def test_arithmetic_python_task_runs_its_warm_start_programs_in_the_sandbox(tmp_
     from trainer.data import read_rows
     from agentloop.tasks.arithmetic.warm_start import conversation
     from agentloop.tools.parsers import parse_hermes
+    from transformers import AutoTokenizer
 
     monkeypatch.setenv("AGENTLOOP_CACHE", str(tmp_path))
     config = compose_config(config_name="arithmetic_python_grpo")
@@ -264,6 +265,10 @@ def test_arithmetic_python_task_runs_its_warm_start_programs_in_the_sandbox(tmp_
     assert len(rows) == 512 and "python_exec" in rows[0]["prompt"][0]["content"]
     tool_set = load_tool_set(config.actor_rollout_ref.rollout.multi_turn.tool_config_path)
     assert [schema["function"]["name"] for schema in tool_set.schemas] == ["python_exec", "submit_answer"]
+    tokenizer = AutoTokenizer.from_pretrained(model_path)  # the warm start's base: same tokenizer
+    lengths = [len(tokenizer.apply_chat_template(row["prompt"], tools=tool_set.schemas, add_generation_prompt=True, return_dict=False))
+               for row in rows]
+    assert max(lengths) <= config.data.max_prompt_length, max(lengths)
 
     async def solve(row: dict) -> None:
         chat = conversation(row, True, random.Random(0), "python_exec")

@@ -126,9 +126,9 @@ class RayPPOTrainer:
         shards = batch.split(len(batch) // self.world_size)
         return self._wait([getattr(w, method).remote(s, **kwargs) for w, s in zip(self.workers, shards)], f"{method} on the FSDP ranks")
 
-    def _push_weights(self) -> float:
+    def _push_weights(self, version: int) -> float:
         start = time.perf_counter()
-        push_weights(self.workers, self.manager, float(self.config.trainer.step_timeout_s))
+        push_weights(self.workers, self.manager, float(self.config.trainer.step_timeout_s), version)
         return time.perf_counter() - start
 
     def step(self, step: int, indices: list[int]) -> dict[str, float]:
@@ -190,10 +190,10 @@ class RayPPOTrainer:
         timing["train"] = time.perf_counter() - start - timing["gen"]  # scoring passes and updates
 
         if self.ahead is None:
-            timing["weight_push"] = self._push_weights()
-        else:  # between two rollouts: waits for the one in flight
+            timing["weight_push"] = self._push_weights(step)
+        else:  # interrupting the rollout in flight (partial rollouts), or waiting for it to end
             push_start = time.perf_counter()
-            ranks_idle_s += self.ahead.push(self._push_weights, version=step)
+            ranks_idle_s += self.ahead.push(functools.partial(self._push_weights, step), version=step)
             timing["weight_push"] = time.perf_counter() - push_start
         if config.actor_rollout_ref.rollout.free_cache_engine and self.ahead is None:
             self.manager.wake_up()
@@ -252,7 +252,7 @@ class RayPPOTrainer:
         self.sampler.position = int(state["sampler_position"])
         self.kl_coef = float(state.get("kl_coef", self.kl_coef))
         # the servers start from the base model: give them the restored policy
-        self._push_weights()
+        self._push_weights(int(state["step"]))
         print(f"resumed from {directory} at step {state['step']}")
         return int(state["step"])
 
@@ -276,6 +276,7 @@ class RayPPOTrainer:
                 self.ahead = RolloutAhead(
                     lambda step: self.manager.generate_sequences([self.rows[i] for i in batch_of(step)]),
                     done + 1, self.total_steps, self.max_staleness, version=done,
+                    partial_rollout=bool(self.config.async_training.partial_rollout),
                     timeout_s=float(self.config.actor_rollout_ref.rollout.generate_timeout_s),
                 )
             for step in range(done + 1, self.total_steps + 1):
@@ -352,8 +353,8 @@ def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return {key: float(np.mean([metrics[key] for metrics in per_rank if key in metrics])) for key in keys}
 
 
-def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float) -> None:
-    """Gather the policy on rank 0 and load it into every rollout server.
+def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float, version: int | None = None) -> None:
+    """Gather the policy on rank 0 and load it into every rollout server as policy ``version``.
 
     The servers read rank 0's packed weights straight from Ray's object store: the bytes never pass
     through the driver, and are never pickled.
@@ -364,7 +365,7 @@ def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager
     if pending:
         raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for the weight gather on the FSDP ranks")
     ray.get(refs[1:])
-    manager.update_weights(refs[0])
+    manager.update_weights(refs[0], version)
 
 
 def run(config: DictConfig) -> list[dict[str, Any]]:

@@ -1,14 +1,18 @@
 """Asynchronous training: the rollout servers generate later steps' batches while the FSDP ranks train.
 
-``async_training.max_staleness`` = K ≥ 1 lets the batch of step s come from any policy version
+``async_training.max_staleness`` = K ≥ 1 lets the batch of step s start at any policy version
 v ≥ s - 1 - K (version = updates applied; step s trains version s - 1), so a background thread keeps
-generating up to K steps ahead. A rollout and a weight push never overlap (no partial rollouts): a push
-waits for the rollout in flight to end, so every sample of a batch comes from one version, stamped on
-the batch. K = 1 is slime's ``train_async``: batch s+1 is generated while step s trains.
+generating up to K steps ahead. With ``async_training.partial_rollout`` (the default) a weight push
+interrupts the rollout in flight: the servers load the new weights and the routers continue each
+request from the tokens it has, so one trajectory may hold tokens of several versions (each token's
+version is in ``rollout_policy_versions``). Without it, a push waits for the rollout in flight to end
+and every sample of a batch comes from one version (K = 1 is then slime's ``train_async``). Either way
+no token lags the policy it trains by more than K versions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -16,6 +20,7 @@ import warnings
 from dataclasses import replace
 from typing import Any, Callable
 
+import torch
 from omegaconf import DictConfig
 
 from agentloop.batch import RolloutBatch, object_array
@@ -57,14 +62,17 @@ class RolloutAhead:
     """
 
     def __init__(
-        self, generate: Callable[[int], RolloutBatch], first: int, last: int, max_staleness: int, version: int, timeout_s: float
+        self, generate: Callable[[int], RolloutBatch], first: int, last: int, max_staleness: int, version: int,
+        timeout_s: float, partial_rollout: bool = True,
     ) -> None:
         self.max_staleness = max_staleness
+        self.partial_rollout = partial_rollout
         self.version = version  # the policy version the servers hold
         self.timeout_s = timeout_s
         self._busy_s = 0.0
         self._rollout_start: float | None = None
-        self.lane = threading.Lock()  # held by a rollout, a weight push or a validation: one at a time on the servers
+        # held by a rollout, a validation, and a weight push that does not interrupt: one at a time on the servers
+        self.lane = threading.Lock()
         self._changed = threading.Condition()
         self._ready: dict[int, RolloutBatch | BaseException] = {}
         self._stopping = False
@@ -120,9 +128,10 @@ class RolloutAhead:
         return result
 
     def push(self, load_weights: Callable[[], Any], version: int) -> float:
-        """Load new weights between rollouts (waiting for the one in flight); returns the seconds waited for it."""
+        """Load new weights now, interrupting the rollout in flight (``partial_rollout``), or between two
+        rollouts; returns the seconds waited for the rollout in flight."""
         start = time.perf_counter()
-        with self.lane:
+        with contextlib.nullcontext() if self.partial_rollout else self.lane:
             waited = time.perf_counter() - start
             load_weights()
         with self._changed:
@@ -142,11 +151,22 @@ class RolloutAhead:
 
 
 def staleness_metrics(batch: RolloutBatch, trained_version: int, max_staleness: int) -> dict[str, float]:
-    """How many policy versions the batch's samples lag the policy they train (mean, max, histogram)."""
-    lags = [trained_version - int(version) for version in batch.non_tensor_batch["policy_version"]]
-    if max(lags) > max_staleness:  # the lane and the version gate make this impossible; a bug if it happens
-        raise RuntimeError(f"a sample lags {max(lags)} policy versions, more than async_training.max_staleness={max_staleness}")
-    metrics = {"async/staleness/mean": sum(lags) / len(lags), "async/staleness/max": float(max(lags))}
+    """How many policy versions the batch's samples lag the policy they train (mean, max, histogram), by each
+    sample's oldest token (the batch's stamp where no token's version is known), and the share of samples
+    whose tokens come from more than one version (``async/partial_share``)."""
+    versions = batch.batch["rollout_policy_versions"]
+    known = versions >= 0
+    stamped = torch.tensor([int(version) for version in batch.non_tensor_batch["policy_version"]])
+    oldest = torch.where(known.any(-1), versions.masked_fill(~known, torch.iinfo(versions.dtype).max).min(-1).values, stamped)
+    newest = torch.where(known.any(-1), versions.max(-1).values, stamped)
+    lags = trained_version - oldest
+    if int(lags.max()) > max_staleness:  # the version gate makes this impossible; a bug if it happens
+        raise RuntimeError(f"a sample lags {int(lags.max())} policy versions, more than async_training.max_staleness={max_staleness}")
+    metrics = {
+        "async/staleness/mean": float(lags.float().mean()),
+        "async/staleness/max": float(lags.max()),
+        "async/partial_share": float((newest != oldest).float().mean()),
+    }
     for lag in range(max_staleness + 1):
-        metrics[f"async/staleness_histogram/{lag}"] = float(sum(value == lag for value in lags))
+        metrics[f"async/staleness_histogram/{lag}"] = float((lags == lag).sum())
     return metrics

@@ -3,7 +3,8 @@
 transformers' public continuous-batching API (``init_continuous_batching``, ``add_request``,
 ``register_result_handler``, ``cancel_request``, ``pause``) lacks three things RL rollouts need: the
 count of prompt tokens served from the prefix cache, answering a cancelled request (the manager
-sends no output for it), and dropping cached prefixes after an in-place weight update. Those reach
+sends no output for it), the tokens an interrupted request has so far, and dropping cached prefixes
+after an in-place weight update. Those reach
 into private attributes, checked against transformers 5.23 (``CHECKED_WITH``); a version without
 them fails here, at engine start, with a message naming what is missing, rather than mid-rollout.
 """
@@ -87,6 +88,23 @@ def drop_result_handler(manager: Any, request_id: str) -> None:
 def has_pending_requests(manager: Any) -> bool:
     """Whether the batching loop still holds requests (cancelled ones included until it drops them)."""
     return manager.batch_processor.has_pending_requests()
+
+
+def partial_outputs(manager: Any, request_ids: list[str]) -> dict[str, tuple[list[int], list[float]]]:
+    """The tokens and logprobs each request in flight has generated so far, read while the loop is paused
+    (a request that already finished, or whose state is gone, is absent)."""
+    processor = getattr(manager, "batch_processor", None)
+    if processor is None or not manager.is_running():
+        return {}
+    scheduler = processor.scheduler
+    found = {}
+    with manager.pause():
+        for request_id in request_ids:
+            state = scheduler.active_requests.get(request_id) or scheduler.waiting_requests.get(request_id)
+            if state is not None:
+                count = min(len(state.generated_tokens), len(state.logprobs))
+                found[request_id] = (list(state.generated_tokens[:count]), [float(x) for x in state.logprobs[:count]])
+    return found
 
 
 def evict_cached_blocks(manager: Any) -> None:

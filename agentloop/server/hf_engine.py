@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from agentloop.protocol import TokenOutput, validate_prompt, validate_sampling_params
+from agentloop.protocol import FinishReason, TokenOutput, validate_prompt, validate_sampling_params
 from agentloop.server import hf_batching
 from agentloop.server.hf_batching import ContinuousBatchingConfig, GenerationOutput, RequestStatus
 
@@ -71,6 +71,7 @@ class HFEngine:
         self._seed, self._starts = seed, itertools.count()
         self._request_counter = itertools.count()
         self._pending: dict[str, asyncio.Future[TokenOutput]] = {}
+        self._limits: dict[str, tuple[list[int], int]] = {}  # engine id -> (stop ids, max_new_tokens)
         self._by_session: dict[str, set[str]] = defaultdict(set)
         self._cached_tokens: dict[str, int] = {}
         self._manager = None
@@ -119,11 +120,17 @@ class HFEngine:
         manager.start()
         self._manager = manager
 
-    def _stop_manager(self) -> None:
+    def _stop_manager(self, interrupt: bool = False) -> None:
+        """Stop the batching loop; its requests end ``abort`` with no tokens, or, with ``interrupt`` (new
+        weights are coming), ``interrupted`` with the tokens and logprobs they have so far."""
         if self._manager is None:
             return
+        partial = hf_batching.partial_outputs(self._manager, list(self._pending)) if interrupt else {}
         for engine_id in list(self._pending):
-            self._finish_aborted(engine_id)
+            if interrupt:
+                self._finish_interrupted(engine_id, *partial.get(engine_id, ([], [])))
+            else:
+                self._finish_aborted(engine_id)
         self._manager.stop(block=True, timeout=30, keep_for_next_session=False)
         self._manager = None
         if self.device.type == "cuda":
@@ -153,6 +160,7 @@ class HFEngine:
         engine_id = f"{request_id}#{next(self._request_counter)}"
         future: asyncio.Future[TokenOutput] = asyncio.get_running_loop().create_future()
         self._pending[engine_id] = future
+        self._limits[engine_id] = (stop_ids, max_new_tokens)
         self._by_session[request_id].add(engine_id)
 
         def on_result(output: GenerationOutput) -> None:
@@ -182,6 +190,7 @@ class HFEngine:
             return await self._result(future)
         finally:
             self._pending.pop(engine_id, None)
+            self._limits.pop(engine_id, None)
             self._by_session[request_id].discard(engine_id)
             if not self._by_session[request_id]:
                 del self._by_session[request_id]
@@ -214,13 +223,7 @@ class HFEngine:
         if output.status == RequestStatus.FAILED:
             raise RuntimeError(f"generation failed in the engine: {output.error}")
         tokens = list(output.generated_tokens)
-        if tokens and tokens[-1] in stop_ids:
-            reason = "stop"
-        elif len(tokens) >= max_new_tokens:
-            reason = "length"
-        else:
-            reason = "abort"
-        return TokenOutput(tokens, [float(x) for x in output.logprobs], reason, cached)
+        return TokenOutput(tokens, [float(x) for x in output.logprobs], _finish_reason(tokens, stop_ids, max_new_tokens, "abort"), cached)
 
     async def abort(self, request_id: str) -> int:
         """Abort every in-flight generation of a session; each returns with ``finish_reason='abort'``."""
@@ -238,6 +241,15 @@ class HFEngine:
         if future is not None and not future.done():
             future.set_result(TokenOutput([], [], "abort", 0))
 
+    def _finish_interrupted(self, engine_id: str, tokens: list[int], log_probs: list[float]) -> None:
+        # a request that had just sampled its stop token or its last one is complete, not interrupted
+        stop_ids, max_new_tokens = self._limits.get(engine_id, ([], 0))
+        hf_batching.drop_result_handler(self._manager, engine_id)
+        cached = self._cached_tokens.pop(engine_id, 0)
+        future = self._pending.get(engine_id)
+        if future is not None and not future.done():
+            future.set_result(TokenOutput(tokens, log_probs, _finish_reason(tokens, stop_ids, max_new_tokens, "interrupted"), cached))
+
     @property
     def num_in_flight(self) -> int:
         return len(self._pending)
@@ -247,7 +259,8 @@ class HFEngine:
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
         """Copy new weights into the model in place and flush the prefix cache (it holds stale KV).
 
-        In-flight requests are aborted: their tokens would mix two policies.
+        In-flight requests end ``interrupted`` with their tokens so far (sampled by the old weights); the
+        router continues them under the new ones.
         """
         items = list(named_tensors.items())
         params = dict(self.model.named_parameters())
@@ -265,7 +278,7 @@ class HFEngine:
                     f"update_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}"
                 )
             updates.append((params[name], tensor))
-        with self._model_held(), torch.no_grad():
+        with self._model_held(interrupt=True), torch.no_grad():
             for target, tensor in updates:
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         return len(updates)
@@ -276,15 +289,16 @@ class HFEngine:
             pass
 
     @contextlib.contextmanager
-    def _model_held(self) -> Iterator[None]:
+    def _model_held(self, interrupt: bool = False) -> Iterator[None]:
         """Keep the generation loop off the model inside the block; no cached prefix survives it.
 
         Idle and awake (weights pushed between rollouts without sleeping), the loop is paused in place and
         its cached prefix blocks are evicted. Restarting the manager instead costs the same whatever the model
         (transformers' ``stop`` runs two full ``gc.collect()`` passes and waits out the idle loop's 0.1 s
         poll), many times the copy itself for small models. With requests in flight (or aborted but not
-        yet dropped by the loop) the manager is restarted, which aborts them: their tokens would mix two
-        policies.
+        yet dropped by the loop) the manager is restarted, which ends them: ``abort``, or with ``interrupt``
+        (a weight update) ``interrupted`` with their tokens so far, which the router continues under the
+        new weights (a partial rollout).
         """
         manager = self._manager
         if manager is not None and not self._pending and manager.is_running():
@@ -296,7 +310,7 @@ class HFEngine:
                         hf_batching.evict_cached_blocks(manager)
                     return
         was_awake = manager is not None
-        self._stop_manager()
+        self._stop_manager(interrupt)
         try:
             yield
         finally:
@@ -330,6 +344,12 @@ class HFEngine:
 
     async def shutdown(self) -> None:
         self._stop_manager()
+
+
+def _finish_reason(tokens: list[int], stop_ids: list[int], max_new_tokens: int, otherwise: FinishReason) -> FinishReason:
+    if tokens and tokens[-1] in stop_ids:
+        return "stop"
+    return "length" if len(tokens) >= max_new_tokens else otherwise
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:

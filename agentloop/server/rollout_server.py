@@ -30,6 +30,7 @@ class RolloutServer:
         self.config = config
         self.engine: Engine = build_engine(config, rank)
         self.http_server: Any = None
+        self.weight_version = 0  # the trainer's number for the weights loaded (pushes applied)
 
     def node_info(self) -> dict[str, Any]:
         """Where this server runs: Ray node id, host name and process id."""
@@ -41,7 +42,12 @@ class RolloutServer:
         }
 
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> TokenOutput:
-        return await self.engine.generate(prompt_ids, sampling_params, request_id)
+        # a weight update interrupts the requests in flight (hf) or waits for them (sglang): either way the
+        # tokens returned were sampled by the weights loaded when the request started
+        version = self.weight_version
+        output = await self.engine.generate(prompt_ids, sampling_params, request_id)
+        output.weight_version = version
+        return output
 
     async def abort(self, request_id: str) -> int:
         return await self.engine.abort(request_id)
@@ -50,11 +56,16 @@ class RolloutServer:
         """Requests the engine has accepted and not answered yet."""
         return self.engine.num_in_flight
 
-    async def update_weights(self, state_dict: dict[str, torch.Tensor] | PackedWeights) -> int:
-        """Copy new weights into the engine (prefix cache flushed); returns how many tensors were updated."""
+    async def update_weights(self, state_dict: dict[str, torch.Tensor] | PackedWeights, version: int | None = None) -> int:
+        """Copy new weights into the engine (prefix cache flushed); returns how many tensors were updated.
+
+        ``version``: the trainer's number for these weights (default: one more than the last).
+        """
         if isinstance(state_dict, PackedWeights):
             state_dict = state_dict.tensors()
-        return await self.engine.update_weights(state_dict)
+        updated = await self.engine.update_weights(state_dict)
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
+        return updated
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Load new weights from a checkpoint directory (safetensors), flushing the prefix cache."""

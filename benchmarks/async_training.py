@@ -1,0 +1,105 @@
+"""Synchronous vs asynchronous training on the quick start's task, with a long-tailed tool latency.
+
+    python benchmarks/async_training.py [--steps 8] [--repeats 2]
+
+Both modes train the quick start's job (``arithmetic_grpo``: warm-started tiny model, same data order,
+same number of trained samples) for ``--steps`` steps; the calculator answers after a lognormal delay
+(median 0.2 s, sigma 1, capped at 3 s), as a slow sandbox or web tool would. Runs alternate
+sync, async, sync, ... (``--repeats`` each) so that machine noise hits both. Prints the wall-time ratio
+sync/async of the training steps (start-up excluded; target >= 1.5), the mean reward of the last three
+steps of each mode, the async runs' mean staleness, and each side's idle share (``perf/idle_share/*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from agentloop.config import compose_config  # noqa: E402
+from agentloop.tasks.arithmetic.tools import CalculatorTool  # noqa: E402
+from trainer.main_ppo import RayPPOTrainer  # noqa: E402
+
+
+class SlowCalculatorTool(CalculatorTool):
+    """The calculator after a long-tailed delay."""
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
+        await asyncio.sleep(min(3.0, random.lognormvariate(np.log(0.2), 1.0)))
+        return await super().execute(instance_id, parameters, **kwargs)
+
+
+def slow_tools_yaml(directory: Path) -> str:
+    tools = yaml.safe_load((REPO / "config/tools/arithmetic.yaml").read_text())
+    tools["tools"][0]["class_name"] = "benchmarks.async_training.SlowCalculatorTool"
+    path = directory / "slow_arithmetic.yaml"
+    path.write_text(yaml.safe_dump(tools, sort_keys=False))  # the warm start is keyed by the schemas as written
+    return str(path)
+
+
+def train(mode: str, steps: int, tools: str, out: Path) -> dict[str, Any]:
+    overrides = [
+        f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "trainer.logger=[]", f"trainer.default_local_dir={out}", "trainer.rollout_data_dir=null",
+        "actor_rollout_ref.rollout.free_cache_engine=false",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+        f"async_training.max_staleness={1 if mode == 'async' else 0}",
+    ]
+    if mode == "sync":  # the same loss as the async runs, whose correction is on by default
+        overrides.append("algorithm.rollout_correction.rollout_is=token")
+    trainer = RayPPOTrainer(compose_config(overrides, config_name="arithmetic_grpo"))
+    try:
+        start = time.perf_counter()
+        history = trainer.fit()
+        wall = time.perf_counter() - start
+    finally:
+        trainer.shutdown()
+    return {
+        "wall_s": wall,
+        "reward": float(np.mean([line["critic/score/mean"] for line in history[-3:]])),
+        "staleness": float(np.mean([line["async/staleness/mean"] for line in history])),
+        "idle_ranks": float(np.mean([line["perf/idle_share/ranks"] for line in history])),
+        "idle_servers": float(np.mean([line["perf/idle_share/servers"] for line in history])),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    random.seed(0)
+    ray.init(include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}})
+    results: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        tools = slow_tools_yaml(Path(tmp))
+        for repeat in range(args.repeats):
+            for mode in ("sync", "async"):
+                result = train(mode, args.steps, tools, Path(tmp) / f"{mode}-{repeat}")
+                results[mode].append(result)
+                print(f"{mode:5s} run {repeat}: " + ", ".join(f"{key} {value:.3f}" for key, value in result.items()), flush=True)
+    mean = {mode: {key: float(np.mean([r[key] for r in runs])) for key in runs[0]} for mode, runs in results.items()}
+    print(f"\n{args.steps} steps x 64 samples, {args.repeats} runs per mode")
+    print(f"wall time sync/async: {mean['sync']['wall_s'] / mean['async']['wall_s']:.2f}  (target >= 1.5)")
+    print(f"reward, mean of the last 3 steps: sync {mean['sync']['reward']:.3f}, async {mean['async']['reward']:.3f}")
+    print(f"mean staleness: sync {mean['sync']['staleness']:.2f}, async {mean['async']['staleness']:.2f}")
+    for side in ("ranks", "servers"):
+        print(f"idle share of the {side}: sync {mean['sync'][f'idle_{side}']:.2f}, async {mean['async'][f'idle_{side}']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
