@@ -83,9 +83,13 @@ def test_async_settings_refuse_a_negative_bound_and_fall_back_where_servers_slee
     with pytest.warns(UserWarning, match="free_cache_engine=true puts them to sleep then .* trains synchronously"):
         assert async_settings(colocated, RolloutCorrection())[0] == 0
     separate = compose_config(["async_training.max_staleness=2", "actor_rollout_ref.rollout.free_cache_engine=false"])
-    assert async_settings(separate, RolloutCorrection()) == (2, RolloutCorrection(rollout_is="token"))
+    assert async_settings(separate, RolloutCorrection()) == (2, True, RolloutCorrection(rollout_is="token"))
     sequence = RolloutCorrection(rollout_is="sequence")
-    assert async_settings(separate, sequence) == (2, sequence)  # a configured correction is kept
+    assert async_settings(separate, sequence) == (2, True, sequence)  # a configured correction is kept
+    on_sglang = compose_config(["async_training.max_staleness=1", "actor_rollout_ref.rollout.free_cache_engine=false",
+                                "actor_rollout_ref.rollout.name=sglang"])
+    with pytest.warns(UserWarning, match="sglang backend cannot interrupt"):
+        assert async_settings(on_sglang, sequence) == (1, False, sequence)
 
 
 def test_staleness_counts_each_sample_by_its_oldest_token():

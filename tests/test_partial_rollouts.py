@@ -16,7 +16,7 @@ import agentloop.testing  # noqa: F401  (registers fixed_length)
 from agentloop import AgentLoopManager
 from tests.support.config import small_config
 
-LENGTH = 1000
+LENGTH = 600
 
 
 def teacher_forced_log_probs(model: torch.nn.Module, prompt: list[int], response: list[int]) -> torch.Tensor:

@@ -77,7 +77,7 @@ class RayPPOTrainer:
         self.output_dir = Path(config.trainer.default_local_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
-        self.max_staleness, self.correction = async_settings(config, RolloutCorrection.from_config(config))
+        self.max_staleness, self.partial_rollout, self.correction = async_settings(config, RolloutCorrection.from_config(config))
         self.ahead: RolloutAhead | None = None  # the rollouts ahead of training, while an async run fits
         self.dumps = RolloutDumps(config.trainer.rollout_data_dir, self.tokenizer) if config.trainer.rollout_data_dir else None
 
@@ -276,7 +276,7 @@ class RayPPOTrainer:
                 self.ahead = RolloutAhead(
                     lambda step: self.manager.generate_sequences([self.rows[i] for i in batch_of(step)]),
                     done + 1, self.total_steps, self.max_staleness, version=done,
-                    partial_rollout=bool(self.config.async_training.partial_rollout),
+                    partial_rollout=self.partial_rollout,
                     timeout_s=float(self.config.actor_rollout_ref.rollout.generate_timeout_s),
                 )
             for step in range(done + 1, self.total_steps + 1):

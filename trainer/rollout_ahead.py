@@ -29,16 +29,26 @@ from trainer.rollout_correction import RolloutCorrection
 logger = logging.getLogger(__name__)
 
 
-def async_settings(config: DictConfig, correction: RolloutCorrection) -> tuple[int, RolloutCorrection]:
-    """``async_training.max_staleness`` as this run can use it, and the rollout correction it trains with.
+def async_settings(config: DictConfig, correction: RolloutCorrection) -> tuple[int, bool, RolloutCorrection]:
+    """``async_training.max_staleness`` and ``partial_rollout`` as this run can use them, and the rollout
+    correction it trains with.
 
     Servers that sleep while the ranks train (``rollout.free_cache_engine=true``, the colocated layout)
-    cannot generate meanwhile: the run then trains synchronously and says so. Samples of an older policy
+    cannot generate meanwhile: the run then trains synchronously and says so. The ``sglang`` backend
+    cannot interrupt its requests for a weight update yet: its pushes wait between rollouts. Samples of an older policy
     need the off-policy correction: without one configured, token-level truncated importance weights are
     turned on (decoupled PPO: clip against the re-scored old log-probs, weight by their ratio to the
     rollout's, truncated at ``rollout_is_threshold``).
     """
     max_staleness = int(config.async_training.max_staleness)
+    partial_rollout = bool(config.async_training.partial_rollout)
+    if max_staleness and partial_rollout and config.actor_rollout_ref.rollout.name == "sglang":
+        warnings.warn(
+            "async_training.partial_rollout=true: the sglang backend cannot interrupt its requests for a weight "
+            "update yet, so this run's pushes wait between rollouts (as with partial_rollout=false)",
+            stacklevel=2,
+        )
+        partial_rollout = False
     if max_staleness and config.actor_rollout_ref.rollout.free_cache_engine:
         warnings.warn(
             f"async_training.max_staleness={max_staleness} needs the rollout servers awake while the ranks train, but "
@@ -46,12 +56,12 @@ def async_settings(config: DictConfig, correction: RolloutCorrection) -> tuple[i
             "trains synchronously. Set free_cache_engine=false (servers and ranks on their own devices) to overlap.",
             stacklevel=2,
         )
-        return 0, correction
+        return 0, partial_rollout, correction
     if max_staleness and not correction.uses_rollout_log_probs:
         logger.warning("async training: algorithm.rollout_correction.rollout_is=token (threshold %g) corrects for the "
                        "older policies that generated the samples", correction.rollout_is_threshold)
         correction = replace(correction, rollout_is="token")
-    return max_staleness, correction
+    return max_staleness, partial_rollout, correction
 
 
 class RolloutAhead:
