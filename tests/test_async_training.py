@@ -5,6 +5,15 @@ here from the dumped log-probs, the reward rises, and a checkpoint taken mid-run
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -12,28 +21,35 @@ from tensordict import TensorDict
 from agentloop.config import compose_config
 from agentloop.dumps import read_rollout_dump
 from agentloop.rows import write_rows
-from tests.support.config import small_config
+from tests.support.config import SMALL, small_config
 from trainer.config_checks import check_config
 from trainer.main_ppo import RayPPOTrainer
 from agentloop.batch import RolloutBatch, object_array
 from trainer.rollout_ahead import async_settings, staleness_metrics
 from trainer.rollout_correction import RolloutCorrection
 
+REPO = Path(__file__).resolve().parent.parent
+
 
 def coin_job(coin_model: str, tmp_path, *overrides: str):
+    return small_config(*coin_overrides(coin_model, tmp_path, *overrides))
+
+
+def coin_overrides(coin_model: str, tmp_path, *overrides: str, partial_rollout: bool = False) -> list[str]:
     rows = [{"prompt": [{"role": "user", "content": f"question {i}"}], "agent_name": "single_turn_agent", "data_source": "coin",
              "extra_info": {"index": i}} for i in range(40)]
     train = write_rows(rows, str(tmp_path / "train.jsonl"))
-    return small_config(
+    return [
         f"actor_rollout_ref.model.path={coin_model}", f"data.train_files=[{train}]", "data.train_batch_size=4",
         "data.shuffle=false", "data.max_response_length=4", "actor_rollout_ref.rollout.n=16",
         "+custom_reward_function.by_data_source.coin=tests.support.models.says_yes",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "actor_rollout_ref.actor.optim.lr=2e-3",
-        # pushes wait between rollouts, so each batch has one version (tests/test_partial_rollouts.py interrupts)
-        "async_training.max_staleness=1", "async_training.partial_rollout=false", "actor_rollout_ref.rollout.free_cache_engine=false",
+        # by default pushes wait between rollouts, so each batch has one version (tests/test_partial_rollouts.py interrupts)
+        "async_training.max_staleness=1", f"async_training.partial_rollout={str(partial_rollout).lower()}",
+        "actor_rollout_ref.rollout.free_cache_engine=false",
         "trainer.logger=[console]", f"trainer.default_local_dir={tmp_path / 'run'}",
         f"trainer.rollout_data_dir={tmp_path / 'run' / 'rollouts'}", *overrides,
-    )
+    ]
 
 
 def fit(config) -> list[dict]:
@@ -101,3 +117,37 @@ def test_staleness_counts_each_sample_by_its_oldest_token():
                        "async/staleness_histogram/0": 1.0, "async/staleness_histogram/1": 2.0}
     with pytest.raises(RuntimeError, match="lags 2 policy versions, more than async_training.max_staleness=1"):
         staleness_metrics(batch, trained_version=5, max_staleness=1)
+
+
+def test_ctrl_c_stops_an_async_run_in_bounded_time_and_keeps_its_checkpoint(local_ray, coin_model, tmp_path):
+    """SIGINT while the servers generate ahead: the run stops within a bounded time (the rollout in flight
+    gets at most 30 s), and its last checkpoint is complete (``latest_checkpointed_iteration.txt`` is written
+    last) with the data position of the batches it trained."""
+    command = [
+        sys.executable, "-m", "trainer.main_ppo", *SMALL,
+        *coin_overrides(coin_model, tmp_path, "trainer.total_training_steps=40", "trainer.save_freq=2", "trainer.ray_address=auto",
+                        f"hydra.run.dir={tmp_path / 'hydra'}", partial_rollout=True),
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    latest = tmp_path / "run" / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 240
+    try:
+        while not (latest.exists() and int(latest.read_text()) >= 2):
+            assert run.poll() is None, f"the run ended before its step-2 checkpoint:\n{run.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no step-2 checkpoint within 240 s"
+            time.sleep(0.05)
+        interrupted = time.monotonic()
+        os.killpg(run.pid, signal.SIGINT)
+        output = run.communicate(timeout=90)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+    stopped_s = time.monotonic() - interrupted
+    print(f"stopped {stopped_s:.1f}s after SIGINT, at checkpoint {latest.read_text()}")
+    assert run.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
+    assert stopped_s < 60, f"took {stopped_s:.0f}s to stop"
+    step = int(latest.read_text())
+    assert step < 40
+    state = json.loads((tmp_path / "run" / f"global_step_{step}" / "trainer_state.json").read_text())
+    assert state["step"] == step and state["sampler_position"] == step  # the trained batches, not those generated ahead

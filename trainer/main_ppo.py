@@ -268,10 +268,7 @@ class RayPPOTrainer:
             if self.val_rows and trainer.val_before_train and done == 0:
                 tracking.log(self._validate_showing(progress), step=0)
             first_batch = self.sampler.position
-
-            def batch_of(step: int) -> list[int]:
-                return self.sampler.batch(first_batch + step - done - 1)
-
+            batch_of = lambda step: self.sampler.batch(first_batch + step - done - 1)  # noqa: E731
             if self.max_staleness:
                 self.ahead = RolloutAhead(
                     lambda step: self.manager.generate_sequences([self.rows[i] for i in batch_of(step)]),
@@ -317,10 +314,11 @@ class RayPPOTrainer:
         progress.set_description("training steps")
         return metrics
 
-    def shutdown(self) -> None:
-        """Release ranks and servers; best effort, so that it never hides the error that ended the run."""
+    def shutdown(self, rank_timeout_s: float = 60) -> None:
+        """Release ranks and servers, best effort (never hiding the error that ended the run); a rank still
+        in a collective its peer left (an interrupted step) is killed after ``rank_timeout_s``."""
         try:
-            wait_for([worker.shutdown.remote() for worker in self.workers], 60, "the FSDP ranks to shut down")
+            wait_for([worker.shutdown.remote() for worker in self.workers], rank_timeout_s, "the FSDP ranks to shut down")
         except Exception as error:  # a rank stuck in a collective: killing it is all that is left
             print(f"FSDP ranks did not shut down cleanly ({error}); killing them")
         for worker in self.workers:
@@ -370,11 +368,14 @@ def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager
 
 def run(config: DictConfig) -> list[dict[str, Any]]:
     """Train with a composed config (what ``main`` does after hydra has parsed the command line)."""
-    trainer = RayPPOTrainer(config)
+    trainer, rank_timeout_s = RayPPOTrainer(config), 60.0
     try:
         return trainer.fit()
+    except KeyboardInterrupt:  # Ctrl-C: the user wants out now, not after a clean rank shutdown
+        rank_timeout_s = 5.0
+        raise
     finally:
-        trainer.shutdown()
+        trainer.shutdown(rank_timeout_s)
 
 
 @hydra.main(config_path=CONFIG_PACKAGE, config_name="ppo_trainer", version_base=None)

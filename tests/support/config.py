@@ -7,15 +7,16 @@ from omegaconf import DictConfig
 from agentloop.config import compose_config
 
 
+# short prompts and responses, a small KV cache and short timeouts (also for command-line runs)
+SMALL = [
+    "data.max_prompt_length=96",
+    "data.max_response_length=24",
+    "actor_rollout_ref.rollout.hf.num_blocks=256",
+    "actor_rollout_ref.rollout.request_timeout_s=120",
+    "actor_rollout_ref.rollout.server_startup_timeout_s=120",
+]
+
+
 def small_config(*overrides: str) -> DictConfig:
-    """``ppo_trainer`` with short prompts and responses, a small KV cache and short timeouts, then ``overrides``."""
-    return compose_config(
-        [
-            "data.max_prompt_length=96",
-            "data.max_response_length=24",
-            "actor_rollout_ref.rollout.hf.num_blocks=256",
-            "actor_rollout_ref.rollout.request_timeout_s=120",
-            "actor_rollout_ref.rollout.server_startup_timeout_s=120",
-            *overrides,
-        ]
-    )
+    """``ppo_trainer`` with ``SMALL``, then ``overrides``."""
+    return compose_config([*SMALL, *overrides])
