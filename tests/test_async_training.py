@@ -1,7 +1,8 @@
 """Asynchronous training on real Ray, engines and FSDP ranks: the servers generate the next step's batch
 while the ranks train; every sample is stamped with the policy version that generated it, no sample lags
 more than ``async_training.max_staleness`` versions, the importance weights equal a reference computed
-here from the dumped log-probs, the reward rises, and a checkpoint taken mid-run resumes."""
+here from the dumped log-probs, the reward rises, and a run stopped with Ctrl-C stops in bounded time
+and resumes from its checkpoint."""
 
 from __future__ import annotations
 
@@ -60,12 +61,41 @@ def fit(config) -> list[dict]:
         trainer.shutdown()
 
 
+def interrupt_after_checkpoint(command: list[str], latest: Path, step: int) -> float:
+    """Run ``command``, send it Ctrl-C (SIGINT) once its step-``step`` checkpoint exists; return how long it took to stop."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    try:
+        while not (latest.exists() and latest.read_text() == str(step)):
+            assert run.poll() is None, f"the run ended before its step-{step} checkpoint:\n{run.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, f"no step-{step} checkpoint within 240 s"
+            time.sleep(0.01)
+        interrupted = time.monotonic()
+        os.killpg(run.pid, signal.SIGINT)
+        output = run.communicate(timeout=90)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
+    return time.monotonic() - interrupted
+
+
 def test_async_training_overlaps_stamps_versions_corrects_and_resumes(local_ray, coin_model, tmp_path):
     run = tmp_path / "run"
-    first = fit(coin_job(coin_model, tmp_path, "trainer.total_training_steps=4", "trainer.save_freq=4"))
-    assert [line["step"] for line in first] == [1, 2, 3, 4]
+    # a command-line run, stopped with Ctrl-C after its step-4 checkpoint (the servers already generating ahead)
+    command = [sys.executable, "-m", "trainer.main_ppo", *SMALL, *coin_overrides(
+        coin_model, tmp_path, "trainer.total_training_steps=40", "trainer.save_freq=4", "trainer.ray_address=auto",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+    )]
+    stopped_s = interrupt_after_checkpoint(command, run / "latest_checkpointed_iteration.txt", 4)
+    print(f"stopped {stopped_s:.1f}s after Ctrl-C")
+    assert stopped_s < 60  # the rollout in flight gets 30 s at most, the ranks 5 s
+    state = json.loads((run / "global_step_4" / "trainer_state.json").read_text())
+    assert state["sampler_position"] == 4  # the trained batches, not those generated ahead
     history = fit(coin_job(coin_model, tmp_path, "trainer.total_training_steps=8", "trainer.resume_mode=auto"))
-    assert [line["step"] for line in history] == list(range(1, 9))  # the metrics file's lines and the resumed run's
+    # the metrics file's lines up to the checkpoint, then the resumed run's (lines the stopped run logged after it are dropped)
+    assert [line["step"] for line in history] == list(range(1, 9))
 
     for line in history:
         step = line["step"]
@@ -117,37 +147,3 @@ def test_staleness_counts_each_sample_by_its_oldest_token():
                        "async/staleness_histogram/0": 1.0, "async/staleness_histogram/1": 2.0}
     with pytest.raises(RuntimeError, match="lags 2 policy versions, more than async_training.max_staleness=1"):
         staleness_metrics(batch, trained_version=5, max_staleness=1)
-
-
-def test_ctrl_c_stops_an_async_run_in_bounded_time_and_keeps_its_checkpoint(local_ray, coin_model, tmp_path):
-    """SIGINT while the servers generate ahead: the run stops within a bounded time (the rollout in flight
-    gets at most 30 s), and its last checkpoint is complete (``latest_checkpointed_iteration.txt`` is written
-    last) with the data position of the batches it trained."""
-    command = [
-        sys.executable, "-m", "trainer.main_ppo", *SMALL,
-        *coin_overrides(coin_model, tmp_path, "trainer.total_training_steps=40", "trainer.save_freq=2", "trainer.ray_address=auto",
-                        f"hydra.run.dir={tmp_path / 'hydra'}", partial_rollout=True),
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    latest = tmp_path / "run" / "latest_checkpointed_iteration.txt"
-    deadline = time.monotonic() + 240
-    try:
-        while not (latest.exists() and int(latest.read_text()) >= 2):
-            assert run.poll() is None, f"the run ended before its step-2 checkpoint:\n{run.stdout.read()[-3000:]}"
-            assert time.monotonic() < deadline, "no step-2 checkpoint within 240 s"
-            time.sleep(0.05)
-        interrupted = time.monotonic()
-        os.killpg(run.pid, signal.SIGINT)
-        output = run.communicate(timeout=90)[0]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(run.pid, signal.SIGKILL)
-    stopped_s = time.monotonic() - interrupted
-    print(f"stopped {stopped_s:.1f}s after SIGINT, at checkpoint {latest.read_text()}")
-    assert run.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
-    assert stopped_s < 60, f"took {stopped_s:.0f}s to stop"
-    step = int(latest.read_text())
-    assert step < 40
-    state = json.loads((tmp_path / "run" / f"global_step_{step}" / "trainer_state.json").read_text())
-    assert state["step"] == step and state["sampler_position"] == step  # the trained batches, not those generated ahead
