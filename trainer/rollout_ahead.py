@@ -68,7 +68,8 @@ class RolloutAhead:
     """Generates the batches of steps ``first..last`` on a daemon thread, at most ``max_staleness`` versions ahead.
 
     ``generate(step)`` rolls out step's rows (the manager's ``generate_sequences``); ``take(step)`` returns
-    that batch, ``push(fn, version)`` loads new weights between two rollouts.
+    that batch; ``push(fn, version)`` loads new weights, interrupting the rollout in flight
+    (``partial_rollout``) or waiting for it to end.
     """
 
     def __init__(
