@@ -91,14 +91,14 @@ class AgentLoopManager:
         check_agent_names(names, registered)
         # Only the loops this batch uses travel: an unrelated registration need not be importable remotely.
         agent_loops = {name: registered[name] for name in names}
-        sampling_params = self._sampling_params(validate)
+        params = sampling_params(self.rollout, validate)
 
         self.pool.check()  # a server that died since the last call is replaced before this one starts
         start = time.perf_counter()
         chunks = [[samples[i] for i in chunk] for chunk in np.array_split(np.arange(len(samples)), min(len(self.workers), len(samples)))]
         # Each trajectory's turns are individually bounded by request_timeout_s; the batch as a whole
         # is bounded by generate_timeout_s.
-        parts = self._run_chunks(chunks, sampling_params, agent_loops, time.monotonic() + float(self.rollout.generate_timeout_s))
+        parts = self._run_chunks(chunks, params, agent_loops, time.monotonic() + float(self.rollout.generate_timeout_s))
         self.pool.check()  # servers that died during the rollout (their sessions were re-homed) are replaced now
         elapsed = time.perf_counter() - start
         batch = RolloutBatch.concat([part for part, _ in parts])
@@ -173,9 +173,6 @@ class AgentLoopManager:
                 sample.update(verl_row_fields(row), uid=uid, request_id=str(uuid.uuid4()))
                 samples.append(sample)
         return samples
-
-    def _sampling_params(self, validate: bool) -> dict[str, Any]:
-        return sampling_params(self.rollout, validate)
 
     # ------------------------------------------------------------------ servers
 

@@ -6,26 +6,24 @@ and resumes from its checkpoint."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from tensordict import TensorDict
 
+from agentloop.batch import RolloutBatch, object_array
 from agentloop.config import compose_config
 from agentloop.dumps import read_rollout_dump
 from agentloop.rows import write_rows
 from tests.support.config import SMALL, small_config
+from tests.support.runs import signal_at_checkpoint
 from trainer.config_checks import check_config
 from trainer.main_ppo import RayPPOTrainer
-from agentloop.batch import RolloutBatch, object_array
 from trainer.rollout_ahead import async_settings, staleness_metrics
 from trainer.rollout_correction import RolloutCorrection
 
@@ -61,26 +59,6 @@ def fit(config) -> list[dict]:
         trainer.shutdown()
 
 
-def interrupt_after_checkpoint(command: list[str], latest: Path, step: int) -> float:
-    """Run ``command``, send it Ctrl-C (SIGINT) once its step-``step`` checkpoint exists; return how long it took to stop."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 240
-    try:
-        while not (latest.exists() and latest.read_text() == str(step)):
-            assert run.poll() is None, f"the run ended before its step-{step} checkpoint:\n{run.stdout.read()[-3000:]}"
-            assert time.monotonic() < deadline, f"no step-{step} checkpoint within 240 s"
-            time.sleep(0.01)
-        interrupted = time.monotonic()
-        os.killpg(run.pid, signal.SIGINT)
-        output = run.communicate(timeout=90)[0]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(run.pid, signal.SIGKILL)
-    assert run.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
-    return time.monotonic() - interrupted
-
-
 def test_async_training_overlaps_stamps_versions_corrects_and_resumes(local_ray, coin_model, tmp_path):
     run = tmp_path / "run"
     # a command-line run, stopped with Ctrl-C after its step-4 checkpoint (the servers already generating ahead)
@@ -88,7 +66,9 @@ def test_async_training_overlaps_stamps_versions_corrects_and_resumes(local_ray,
         coin_model, tmp_path, "trainer.total_training_steps=40", "trainer.save_freq=4", "trainer.ray_address=auto",
         f"hydra.run.dir={tmp_path / 'hydra'}",
     )]
-    stopped_s = interrupt_after_checkpoint(command, run / "latest_checkpointed_iteration.txt", 4)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    code, output, stopped_s = signal_at_checkpoint(command, env, run / "latest_checkpointed_iteration.txt", 4, signal.SIGINT)
+    assert code != 0 and "KeyboardInterrupt" in output, output[-3000:]
     print(f"stopped {stopped_s:.1f}s after Ctrl-C")
     assert stopped_s < 60  # the rollout in flight gets 30 s at most, the ranks 5 s
     state = json.loads((run / "global_step_4" / "trainer_state.json").read_text())

@@ -4,13 +4,11 @@ resumes, and config errors."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from agentloop.dumps import read_rollout_dump
 from agentloop.rows import write_rows
 from agentloop.tasks.arithmetic.data import make_rows
 from tests.support.config import small_config
+from tests.support.runs import signal_at_checkpoint
 from trainer.algorithms import adaptive_kl_coef
 from trainer.data import BatchSampler
 from trainer.main_ppo import run
@@ -153,18 +152,7 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
         *[f"actor_rollout_ref.rollout.hf.{key}={value}" for key, value in (("num_blocks", 256), ("max_batch_tokens", 1024))],
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    latest = out / "latest_checkpointed_iteration.txt"
-    deadline = time.monotonic() + 240
-    try:
-        while not (latest.exists() and latest.read_text() == "2"):
-            assert first.poll() is None, f"the run ended before its step-2 checkpoint:\n{first.stdout.read()[-3000:]}"
-            assert time.monotonic() < deadline, "no step-2 checkpoint within 240 s"
-            time.sleep(0.02)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # gone already when it ended early
-            os.killpg(first.pid, signal.SIGKILL)
-        first.wait(timeout=30)
+    signal_at_checkpoint(command, env, out / "latest_checkpointed_iteration.txt", 2, signal.SIGKILL)
 
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

@@ -127,10 +127,7 @@ class HFEngine:
             return
         partial = hf_batching.partial_outputs(self._manager, list(self._pending)) if interrupt else {}
         for engine_id in list(self._pending):
-            if interrupt:
-                self._finish_interrupted(engine_id, *partial.get(engine_id, ([], [])))
-            else:
-                self._finish_aborted(engine_id)
+            self._answer_unfinished(engine_id, partial.get(engine_id, ([], [])) if interrupt else None)
         self._manager.stop(block=True, timeout=30, keep_for_next_session=False)
         self._manager = None
         if self.device.type == "cuda":
@@ -230,25 +227,24 @@ class HFEngine:
         engine_ids = list(self._by_session.get(request_id, ()))
         for engine_id in engine_ids:
             self._manager.cancel_request(engine_id)
-            self._finish_aborted(engine_id)
+            self._answer_unfinished(engine_id)
         return len(engine_ids)
 
-    def _finish_aborted(self, engine_id: str) -> None:
-        # A cancelled request produces no output from the manager, so it is answered here.
-        hf_batching.drop_result_handler(self._manager, engine_id)
-        self._cached_tokens.pop(engine_id, None)
-        future = self._pending.get(engine_id)
-        if future is not None and not future.done():
-            future.set_result(TokenOutput([], [], "abort", 0))
-
-    def _finish_interrupted(self, engine_id: str, tokens: list[int], log_probs: list[float]) -> None:
-        # a request that had just sampled its stop token or its last one is complete, not interrupted
-        stop_ids, max_new_tokens = self._limits.get(engine_id, ([], 0))
+    def _answer_unfinished(self, engine_id: str, partial: tuple[list[int], list[float]] | None = None) -> None:
+        """Answer a request the manager never will: cancelled, ``abort`` with no tokens; interrupted by a weight
+        update (``partial``: its tokens and logprobs so far), ``interrupted``, or ``stop``/``length`` when
+        they already end it (its stop token, or its last token, had just been sampled)."""
         hf_batching.drop_result_handler(self._manager, engine_id)
         cached = self._cached_tokens.pop(engine_id, 0)
         future = self._pending.get(engine_id)
-        if future is not None and not future.done():
-            future.set_result(TokenOutput(tokens, log_probs, _finish_reason(tokens, stop_ids, max_new_tokens, "interrupted"), cached))
+        if future is None or future.done():
+            return
+        if partial is None:
+            future.set_result(TokenOutput([], [], "abort", 0))
+            return
+        tokens, log_probs = partial
+        stop_ids, max_new_tokens = self._limits[engine_id]
+        future.set_result(TokenOutput(tokens, log_probs, _finish_reason(tokens, stop_ids, max_new_tokens, "interrupted"), cached))
 
     @property
     def num_in_flight(self) -> int:
