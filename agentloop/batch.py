@@ -10,6 +10,9 @@ import torch
 from tensordict import TensorDict
 
 
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # [B, n, ...] padded per batch: n differs between batches
+
+
 @dataclass
 class RolloutBatch:
     """Tensors in ``batch`` (a ``TensorDict`` of batch size B), per-sample Python objects in
@@ -24,13 +27,25 @@ class RolloutBatch:
 
     @classmethod
     def concat(cls, parts: list[RolloutBatch]) -> RolloutBatch:
-        """Stack batches sample-wise; ``meta_info`` is taken from the first part."""
+        """Stack batches sample-wise (images padded to the widest part); ``meta_info`` is taken from the first part."""
         keys = parts[0].non_tensor_batch.keys()
         return cls(
-            batch=torch.cat([part.batch for part in parts], dim=0),
+            batch=torch.cat(_common_image_width([part.batch for part in parts]), dim=0),
             non_tensor_batch={key: np.concatenate([part.non_tensor_batch[key] for part in parts]) for key in keys},
             meta_info=dict(parts[0].meta_info),
         )
+
+
+def _common_image_width(batches: list[TensorDict]) -> list[TensorDict]:
+    """Batches whose dense-padded image tensors have the same width (``agentloop.postprocess``), so they concatenate."""
+    for key in IMAGE_KEYS:
+        if key not in batches[0].keys():
+            continue
+        width = max(batch[key].shape[1] for batch in batches)
+        batches = [batch.copy() for batch in batches]  # shallow: the callers' batches keep their own width
+        for batch in batches:
+            batch[key] = torch.nn.functional.pad(batch[key], (0, 0, 0, width - batch[key].shape[1]))
+    return batches
 
 
 def object_array(values: list[Any]) -> np.ndarray:

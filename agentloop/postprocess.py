@@ -4,9 +4,17 @@ prompts are left-padded to P, responses right-padded to R; ``input_ids`` is prom
 ``position_ids`` count attended tokens (0 on padding); ``response_mask`` is 1 only on model tokens;
 ``rm_scores`` holds each trajectory's reward on its last response token (0 without one: every batch has
 the same keys, so the parts of different workers always concatenate).
+
+A vision-language model's batch also carries its images, dense-padded per sample so that ``split``,
+indexing and ``to`` keep every sample's images with it: ``pixel_values [B, patches, dim]`` (zeros past a
+sample's own patches) and ``image_grid_thw [B, images, 3]`` (zero rows past its own images); and its
+``position_ids`` are M-RoPE's ``[B, 4, P+R]``: row 0 the plain positions above, rows 1-3 the temporal,
+height and width positions from the model's ``get_rope_index`` (the layout verl uses too).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -15,9 +23,10 @@ from agentloop.protocol import AgentLoopOutput
 
 
 def pad_outputs(
-    outputs: list[AgentLoopOutput], prompt_length: int, response_length: int, pad_token_id: int
+    outputs: list[AgentLoopOutput], prompt_length: int, response_length: int, pad_token_id: int, vision_model: Any = None
 ) -> TensorDict:
-    """Build the padded ``TensorDict`` for a list of trajectories (B = len(outputs))."""
+    """Build the padded ``TensorDict`` for a list of trajectories (B = len(outputs)); with ``vision_model`` (a
+    VLM's structure, ``agentloop.models.loading.structure``), its images and M-RoPE positions too."""
     size = len(outputs)
     prompts = torch.full((size, prompt_length), pad_token_id, dtype=torch.long)
     prompt_attention = torch.zeros((size, prompt_length), dtype=torch.long)
@@ -63,4 +72,28 @@ def pad_outputs(
         "rollout_policy_versions": versions,
         "rm_scores": scores,
     }
+    if vision_model is not None:
+        tensors.update(_images(outputs, vision_model, tensors["input_ids"], attention_mask, position_ids))
     return TensorDict(tensors, batch_size=[size])
+
+
+def _images(
+    outputs: list[AgentLoopOutput], vision_model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    vision = vision_model.config.vision_config
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    inputs = [output.multi_modal_inputs or {} for output in outputs]
+    grids = [part.get("image_grid_thw", torch.zeros((0, 3), dtype=torch.long)) for part in inputs]
+    pixels = [part.get("pixel_values", torch.zeros((0, patch_dim))) for part in inputs]
+    pixel_values = torch.zeros((len(outputs), max(len(p) for p in pixels), patch_dim))
+    image_grid_thw = torch.zeros((len(outputs), max(len(g) for g in grids), 3), dtype=torch.long)
+    for row, (grid, pixel) in enumerate(zip(grids, pixels)):
+        pixel_values[row, : len(pixel)] = pixel
+        image_grid_thw[row, : len(grid)] = grid
+    image_token = (input_ids == vision_model.config.image_token_id).int()
+    mrope, _ = vision_model.model.get_rope_index(input_ids, image_token, torch.cat(grids), attention_mask=attention_mask)
+    return {
+        "pixel_values": pixel_values,
+        "image_grid_thw": image_grid_thw,
+        "position_ids": torch.cat([positions.unsqueeze(0), mrope]).permute(1, 0, 2).contiguous(),
+    }

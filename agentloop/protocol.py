@@ -123,6 +123,8 @@ class AgentLoopOutput:
     None when the loop did not keep them (as verl allows: the batch then has 0.0 there and
     ``extra_fields["rollout_log_probs_missing"]``, and the trainer refuses to correct against them).
     ``reward_score`` set by the loop is kept; otherwise the worker computes it (``agentloop.rewards``).
+    ``multi_modal_inputs``: the processor's outputs for the trajectory's images, merged once at its end
+    (``pixel_values [patches, dim]``, ``image_grid_thw [images, 3]``); None for text.
     ``multi_modal_data`` and ``routed_experts`` are accepted as verl's loops pass them.
     ``response_policy_versions`` is set by the worker, not the loop: the policy version of each model
     token (from the router's record of the session), -1 on observation tokens.
@@ -137,6 +139,7 @@ class AgentLoopOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     extra_fields: dict[str, Any] = field(default_factory=dict)
     multi_modal_data: dict[str, Any] | None = None
+    multi_modal_inputs: dict[str, Any] | None = None
     routed_experts: Any = None
     response_policy_versions: list[int] | None = None
 

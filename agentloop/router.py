@@ -23,6 +23,7 @@ import ray
 from cachetools import LRUCache
 from ray.exceptions import RayActorError
 
+from agentloop.images import ProcessedImage
 from agentloop.protocol import SAMPLING_DEFAULTS, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -117,16 +118,23 @@ class Router:
     ) -> TokenOutput:
         """Token-in/token-out generation for one turn of the session ``request_id``.
 
-        ``image_data`` / ``video_data`` are verl's arguments; text-only engines take none.
+        ``image_data``: every image of the conversation so far, in order, as ``agentloop.images.ProcessedImage``
+        (``prompt_ids`` holds their expanded pads); ``video_data`` is verl's argument, not supported.
         """
-        if image_data or video_data:
-            raise ValueError("image_data / video_data given, but the rollout servers serve a text-only model")
+        if video_data:
+            raise ValueError("video_data is not supported: agentloop's engines take images only")
+        if image_data and not all(isinstance(image, ProcessedImage) for image in image_data):
+            raise ValueError(
+                "image_data must hold agentloop.images.ProcessedImage items (agentloop.images.process_images), "
+                "with their expanded pads in prompt_ids"
+            )
         budget = int(sampling_params.get("max_new_tokens", SAMPLING_DEFAULTS["max_new_tokens"]))
         tokens: list[int] = []
         log_probs: list[float] = []
         versions = self.versions.setdefault(request_id, [])
         while True:
-            output = await self._generate_once(request_id, prompt_ids + tokens, {**sampling_params, "max_new_tokens": budget - len(tokens)})
+            params = {**sampling_params, "max_new_tokens": budget - len(tokens)}
+            output = await self._generate_once(request_id, prompt_ids + tokens, params, image_data or None)
             tokens += output.token_ids
             log_probs += output.log_probs
             versions += [-1 if output.weight_version is None else output.weight_version] * len(output.token_ids)
@@ -142,13 +150,15 @@ class Router:
         """The policy version of each token generated for the session so far, in order (-1: unknown); forgets them."""
         return self.versions.pop(request_id, [])
 
-    async def _generate_once(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:
+    async def _generate_once(
+        self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any], images: list[ProcessedImage] | None
+    ) -> TokenOutput:
         while True:
             index = self.server_for(request_id)
             self._dispatched(index)
             try:
                 output = await asyncio.wait_for(
-                    self.servers[index].generate.remote(prompt_ids, sampling_params, request_id),
+                    self.servers[index].generate.remote(prompt_ids, sampling_params, request_id, images),
                     timeout=self.request_timeout_s,
                 )
             except RayActorError as error:

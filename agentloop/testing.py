@@ -27,3 +27,28 @@ class FixedLengthAgentLoop(AgentLoopBase):
         return AgentLoopOutput(
             prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs, extra_fields={"server": server}
         )
+
+
+@register("picture_turns")
+class PictureTurnsAgentLoop(AgentLoopBase):
+    """``extra_info.turns`` model turns of exactly ``extra_info.length`` tokens (eos ignored), each but the last
+    answered by a user turn showing a new picture, ``extra_info.sizes[k]`` (width, height) pixels at the k-th
+    (cycled): a vision-language model's rollout with image observations."""
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        return await picture_turns(self.start_trajectory(row), self.server_manager, row["request_id"], sampling_params, row["extra_info"])
+
+
+async def picture_turns(trajectory: Any, router: Any, request_id: str, sampling_params: dict[str, Any], spec: dict[str, Any]) -> AgentLoopOutput:
+    """The turns of ``PictureTurnsAgentLoop`` on ``trajectory``, through anything with the router's ``generate``."""
+    from PIL import Image
+
+    params = {**sampling_params, "ignore_eos": True}
+    for turn in range(spec["turns"]):
+        await trajectory.generate_turn(router, request_id, params, len(trajectory.response_ids) + spec["length"])
+        if turn < spec["turns"] - 1:
+            size = tuple(spec["sizes"][turn % len(spec["sizes"])])
+            picture = Image.new("RGB", size, ((80 * turn) % 256, 90, 200))
+            message = {"role": "user", "content": [{"type": "text", "text": f"and picture {turn + 1}?"}, {"type": "image", "image": picture}]}
+            trajectory.add_observation(trajectory.observation([message]))
+    return trajectory.to_output(num_turns=2 * spec["turns"])

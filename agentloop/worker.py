@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from agentloop.agent_loop.base import DictConfigWrap
 from agentloop.batch import RolloutBatch, object_array
+from agentloop.models.loading import load_processor, structure
 from agentloop.postprocess import pad_outputs
 from agentloop.protocol import AgentLoopOutput, failed_output
 from agentloop.registry import build_agent_loop
@@ -29,7 +30,10 @@ class AgentLoopWorker:
     def __init__(self, config: DictConfig, servers: list[ray.actor.ActorHandle]) -> None:
         self.config = config
         self.rollout = config.actor_rollout_ref.rollout
-        self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+        path = config.actor_rollout_ref.model.path
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.processor = load_processor(path)  # None for a text-only model
+        self.vision_model = structure(path)
         slack = self.rollout.agent.group_affinity_slack
         self.router = Router(servers, request_timeout_s=self.rollout.request_timeout_s, group_affinity_slack=slack)
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -43,7 +47,7 @@ class AgentLoopWorker:
         """
         results = await asyncio.gather(*(self._run_one(row, sampling_params, agent_loops) for row in rows))
         outputs = [output for output, _ in results]
-        batch = pad_outputs(outputs, self.rollout.prompt_length, self.rollout.response_length, self._pad_id)
+        batch = pad_outputs(outputs, self.rollout.prompt_length, self.rollout.response_length, self._pad_id, self.vision_model)
         non_tensor = {key: object_array([row.get(key) for row in rows]) for key in rows[0]}
         non_tensor["num_turns"] = object_array([output.num_turns for output in outputs])
         non_tensor["reward_score"] = object_array([output.reward_score for output in outputs])
@@ -68,7 +72,7 @@ class AgentLoopWorker:
                 trainer_config=DictConfigWrap(self.config),
                 server_manager=self.router,
                 tokenizer=self.tokenizer,
-                processor=None,
+                processor=self.processor,
                 dataset_cls=None,
                 dataset_config=DictConfigWrap(self.config.data),
             )

@@ -12,11 +12,12 @@ import pytest
 import ray
 
 from agentloop.models.tiny_qwen import tiny_model_path
+from agentloop.models.tiny_vlm import tiny_vlm_path
 from tests.support.models import ScriptedModel, build_coin_model, build_ok_model, build_scripted_model
 
 REPO = Path(__file__).resolve().parent.parent
 # fixture -> the model it needs, built before the first test by one bounded subprocess
-MODEL_FIXTURES = {"model_path": "tiny", "scripted_model": "scripted", "ok_model": "ok", "coin_model": "coin"}
+MODEL_FIXTURES = {"model_path": "tiny", "scripted_model": "scripted", "ok_model": "ok", "coin_model": "coin", "vlm_path": "vlm"}
 BUILD_TIMEOUT_S = float(os.environ.get("AGENTLOOP_TEST_BUILD_TIMEOUT_S", 1800))
 
 
@@ -62,6 +63,12 @@ def ok_model() -> str:
 @pytest.fixture(scope="session")
 def coin_model() -> str:
     return build_coin_model()
+
+
+@pytest.fixture(scope="session")
+def vlm_path() -> str:
+    """The tiny vision-language model (Qwen2-VL architecture, random weights)."""
+    return tiny_vlm_path()
 
 
 @pytest.fixture(scope="module")

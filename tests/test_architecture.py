@@ -27,7 +27,7 @@ LAYERS = [
     ["agentloop.router"],
     ["agentloop.server"],
     ["agentloop.tools", "agentloop.interactions", "agentloop.envs", "agentloop.rewards", "agentloop.reward_score", "agentloop.models"],
-    ["agentloop.protocol", "agentloop.batch", "agentloop.rows", "agentloop.waiting", "agentloop.yaml_entries", "agentloop.config_keys"],
+    ["agentloop.protocol", "agentloop.batch", "agentloop.rows", "agentloop.waiting", "agentloop.yaml_entries", "agentloop.config_keys", "agentloop.images"],
 ]
 
 
@@ -91,7 +91,7 @@ def test_no_import_circle():
 
 
 def test_importing_agentloop_loads_no_task_and_no_model_builder():
-    code = "import sys, agentloop; print(sorted(m for m in sys.modules if m.startswith(('agentloop.tasks', 'agentloop.models'))))"
+    code = "import sys, agentloop; print(sorted(m for m in sys.modules if m.startswith(('agentloop.tasks', 'agentloop.models.')) and m != 'agentloop.models.loading'))"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"

@@ -107,7 +107,7 @@ def test_delta_tokens_equal_the_full_render_and_sanity_check_modes(tokenizer):
     call = '<think>\nadd\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
     trajectory.add_model_turn(_model_turn(tokenizer, call))
     tool = [{"role": "tool", "content": "5"}]
-    trajectory.add_observation(tool, trajectory.observation(tool))
+    trajectory.add_observation(trajectory.observation(tool))
     trajectory.add_model_turn(_model_turn(tokenizer, "<think>\nok\n</think>\n\nIt is 5."))
     # no system/tools preamble in the delta, and the incremental ids equal one full render
     assert "<tools>" not in tokenizer.decode(observation_delta(tokenizer, tool))
@@ -118,7 +118,7 @@ def test_delta_tokens_equal_the_full_render_and_sanity_check_modes(tokenizer):
     # A new user turn makes the template strip <think> from the earlier turns: the full render no
     # longer matches the tokens the model actually saw. strict reports it, ignore_strippable does not.
     user = [{"role": "user", "content": "And 3 + 4?"}]
-    trajectory.add_observation(user, trajectory.observation(user))
+    trajectory.add_observation(trajectory.observation(user))
     trajectory.add_model_turn(_model_turn(tokenizer, "7"))
     before = list(trajectory.ids)
     assert trajectory.sanity_check("strict") >= 1
@@ -199,15 +199,15 @@ def test_delta_tokens_with_qwen3s_own_template(model_path):
     tool = [{"role": "tool", "content": "5"}]
     delta = trajectory.observation(tool)
     expected = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n"
-    assert tokenizer.decode(delta) == expected
-    trajectory.add_observation(tool, delta)
+    assert tokenizer.decode(delta.ids) == expected
+    trajectory.add_observation(delta)
     trajectory.add_model_turn(_model_turn(tokenizer, "ok\n</think>\n\nIt is 5."))
     full = tokenizer.apply_chat_template(trajectory.messages, tools=TOOLS, tokenize=True, return_dict=False)
     assert trajectory.ids == full[: len(trajectory.ids)]
     assert trajectory.sanity_check("strict") == 0
     # a new user query makes Qwen3 drop the reasoning of every earlier turn from its re-render
     user = [{"role": "user", "content": "And 3 + 4?"}]
-    trajectory.add_observation(user, trajectory.observation(user))
+    trajectory.add_observation(trajectory.observation(user))
     trajectory.add_model_turn(_model_turn(tokenizer, "\n</think>\n\n7"))
     assert trajectory.sanity_check("strict") >= 1
     assert trajectory.sanity_check("ignore_strippable") == 0
@@ -234,9 +234,9 @@ def test_template_kwargs_reach_every_render(model_path):
     trajectory.add_model_turn(_model_turn(tokenizer, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'))
     tool = [{"role": "tool", "content": "5"}]
     delta = trajectory.observation(tool)
-    assert tokenizer.decode(delta).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert delta != observation_delta(tokenizer, tool)  # without the kwargs the delta would open the reasoning
-    trajectory.add_observation(tool, delta)
+    assert tokenizer.decode(delta.ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert delta.ids != observation_delta(tokenizer, tool)  # without the kwargs the delta would open the reasoning
+    trajectory.add_observation(delta)
     trajectory.add_model_turn(_model_turn(tokenizer, "It is 5."))
     # Qwen3 re-renders an earlier turn without its empty reasoning block: only whitespace and think tags differ
     assert trajectory.sanity_check("ignore_strippable") == 0

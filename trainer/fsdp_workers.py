@@ -21,14 +21,16 @@ from omegaconf import DictConfig
 from tensordict import TensorDict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, get_scheduler
+from transformers import AutoConfig, AutoModelForTokenClassification, get_scheduler
 
+from agentloop.models.loading import is_vision_language, model_class
 from agentloop.server.weights import PackedWeights
 from agentloop.waiting import wait_for
 from trainer import algorithms
 from trainer.rollout_correction import RolloutCorrection, correct
 from trainer.micro_batches import MicroBatching, micro_batch_weight
 from trainer.sharding import clip_grad_norm, load_sharded, move_optimizer_state
+from trainer.vision import forward_logits
 
 WARMUP_STYLES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
 
@@ -36,14 +38,14 @@ WARMUP_STYLES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_
 def response_log_probs(model: torch.nn.Module, batch: TensorDict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the response tokens under ``model`` (logits / temperature), ``[b, R]``."""
     responses = batch["responses"]
-    logits = _forward(model, batch)[:, -responses.shape[1] - 1 : -1].float() / temperature
+    logits = forward_logits(model, batch)[:, -responses.shape[1] - 1 : -1].float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     return log_probs, algorithms.entropy_from_logits(logits)
 
 
 def response_values(critic: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
     """The critic's value of the state before each response token, ``[b, R]``."""
-    return _forward(critic, batch)[:, -batch["responses"].shape[1] - 1 : -1, 0].float()
+    return forward_logits(critic, batch)[:, -batch["responses"].shape[1] - 1 : -1, 0].float()
 
 
 def policy_gradient_loss(
@@ -72,12 +74,6 @@ def policy_gradient_loss(
             importance_weights=None if correction.bypass_mode else weights, **common,
         )
     return pg_loss, mask, {**stats, **{f"actor/{key}": value for key, value in pg_stats.items()}}
-
-
-def _forward(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
-    return model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-    ).logits
 
 
 class _Trainable:
@@ -195,14 +191,16 @@ class FSDPWorker:
         torch.manual_seed(0)
         model = config.actor_rollout_ref.model
         self.policy = _Trainable(
-            self._sharded(AutoModelForCausalLM, model.path, self.actor.fsdp_config, model.enable_gradient_checkpointing),
+            self._sharded(model_class(model.path), model.path, self.actor.fsdp_config, model.enable_gradient_checkpointing),
             self.actor.optim, self.total_steps, "actor", self.device, bool(self.actor.fsdp_config.optimizer_offload),
         )
         self.ref = None
         if needs_reference(config):
-            self.ref = self._sharded(AutoModelForCausalLM, ref_config.model.path, ref_config.fsdp_config).eval().requires_grad_(False)
+            self.ref = self._sharded(model_class(ref_config.model.path), ref_config.model.path, ref_config.fsdp_config).eval().requires_grad_(False)
         self.critic = None
         if config.algorithm.adv_estimator == "gae":
+            if is_vision_language(config.critic.model.path):
+                raise ValueError("algorithm.adv_estimator=gae needs a critic, and a vision-language critic is not supported yet: use grpo")
             # no dropout on the value head: the old values it is clipped against come from eval mode
             critic_config = AutoConfig.from_pretrained(config.critic.model.path, num_labels=1)
             critic_config.classifier_dropout = 0.0  # (not a Qwen3Config field: from_pretrained would drop it)

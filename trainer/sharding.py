@@ -21,7 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 def load_sharded(
     auto_class: Any, path: str, mesh: DeviceMesh, fsdp_config: DictConfig, gradient_checkpointing: bool = False, **kwargs: Any
 ) -> torch.nn.Module:
-    """``auto_class.from_pretrained(path)`` sharded per decoder layer, then the root, over ``mesh``."""
+    """``auto_class.from_pretrained(path)`` sharded per decoder layer (and vision block), then the root, over ``mesh``."""
     # loaded on CPU: fully_shard moves each layer to the mesh's device as it shards it (or leaves it on CPU
     # under CPUOffloadPolicy), so no GPU ever holds the whole model
     model = auto_class.from_pretrained(path, dtype=torch.float32, **kwargs)
@@ -32,9 +32,17 @@ def load_sharded(
     offload = fsdp_config.get("param_offload", False) or fsdp_config.get("offload_policy", False)
     # pinned host memory speeds the copies to the GPU; it needs CUDA
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
-    for layer in model.model.layers:
+    for layer in _blocks(model):
         fully_shard(layer, mesh=mesh, offload_policy=policy)
     return fully_shard(model, mesh=mesh, offload_policy=policy)
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks sharded one by one: decoder layers, and a VLM's vision blocks too."""
+    inner = model.model
+    if hasattr(inner, "language_model"):
+        return [*inner.visual.blocks, *inner.language_model.layers]
+    return list(inner.layers)
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:

@@ -14,6 +14,8 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
+from agentloop.agent_loop.trajectory import Trajectory
+from agentloop.images import expand_image_pads, process_images, split_images
 from agentloop.protocol import AgentLoopOutput
 from agentloop.router import Router
 
@@ -108,12 +110,27 @@ class AgentLoopBase:
         except Exception:  # a template that cannot render an empty message adds no system prompt of its own
             return []
 
-    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+    def start_trajectory(self, row: dict[str, Any], tools: list[dict] | None = None) -> Trajectory:
+        """A trajectory holding the row's prompt (``encode_prompt``) and, for a vision-language model, its images:
+        those in the messages' content parts and the row's ``images`` column (one per ``<image>`` placeholder or
+        bare image part), each processed once, their pads expanded in the prompt ids."""
+        messages, images = row["prompt"], []
+        if self.processor is not None or row.get("images") is not None:
+            where = f"row {row.get('index')} (request {row.get('request_id')})"
+            messages, images = split_images(messages, row.get("images"), where)
+            processed = process_images(self.processor, images, where)
+            ids = self.encode_prompt(messages, tools=tools, images=processed)
+        else:
+            processed, ids = [], self.encode_prompt(messages, tools=tools)
+        return Trajectory(self.tokenizer, messages, ids, tools, self.apply_chat_template_kwargs, self.processor, processed)
+
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, images: list[Any] | None = None) -> list[int]:
         """Render chat messages with the generation prompt (and ``data.apply_chat_template_kwargs``) and fit
         them to ``rollout.prompt_length``.
 
         Over-long prompts follow ``data.truncation``: ``error`` (default) raises, ``left`` keeps the
-        end, ``right`` keeps the beginning.
+        end, ``right`` keeps the beginning. ``images`` (processed; ``start_trajectory`` passes them) widen their
+        pads; a prompt with images is never cut (that could split an image): too long is an error.
         """
         ids = list(
             self.tokenizer.apply_chat_template(
@@ -121,9 +138,16 @@ class AgentLoopBase:
                 **self.apply_chat_template_kwargs,
             )
         )
+        if self.processor is not None:
+            ids = expand_image_pads(ids, images or [], self.tokenizer.convert_tokens_to_ids(self.processor.image_token), "prompt")
         limit = int(self.rollout.prompt_length)
         if len(ids) <= limit:
             return ids
+        if images:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens with its {len(images)} image(s) expanded, more than "
+                f"actor_rollout_ref.rollout.prompt_length={limit}; raise data.max_prompt_length or use smaller images"
+            )
         mode = self.config.data.truncation
         if mode == "left":
             return ids[-limit:]

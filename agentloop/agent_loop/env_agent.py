@@ -18,7 +18,6 @@ from typing import Any
 from hydra.utils import get_class
 
 from agentloop.agent_loop.base import AgentLoopBase
-from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.envs import BaseEnv
 from agentloop.protocol import AgentLoopOutput, EndReason
 
@@ -58,7 +57,7 @@ class EnvAgentLoop(AgentLoopBase):
         settings = self.rollout.env
         env = self._build_env(row)
         await _call(env.reset)
-        trajectory = Trajectory(self.tokenizer, row["prompt"], self.encode_prompt(row["prompt"]), None, self.apply_chat_template_kwargs)
+        trajectory = self.start_trajectory(row)
         budget = int(self.rollout.response_length)
         actions: list[str] = []
         retries: dict[str, int] = {}

@@ -12,14 +12,15 @@ class SingleTurnAgentLoop(AgentLoopBase):
     """Render the row's chat prompt, generate once, return the exact sampled tokens."""
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
-        prompt_ids = self.encode_prompt(row["prompt"])
-        output = await self.server_manager.generate(row["request_id"], prompt_ids, sampling_params)
+        trajectory = self.start_trajectory(row)
+        output = await self.server_manager.generate(row["request_id"], trajectory.ids, sampling_params, image_data=trajectory.images or None)
         return AgentLoopOutput(
-            prompt_ids=prompt_ids,
+            prompt_ids=trajectory.prompt_ids,
             response_ids=output.token_ids,
             response_mask=[1] * len(output.token_ids),
             response_logprobs=output.log_probs,
             num_turns=2,
             metrics={"cached_tokens": float(output.cached_tokens)},
             extra_fields={"finish_reason": end_after(output.finish_reason) or "stop"},
+            multi_modal_inputs=trajectory.multi_modal_inputs,
         )

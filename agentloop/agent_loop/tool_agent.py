@@ -16,7 +16,6 @@ import asyncio
 from typing import Any
 
 from agentloop.agent_loop.base import AgentLoopBase
-from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.interactions import BaseInteraction, load_interactions
 from agentloop.protocol import AgentLoopOutput, EndReason
 from agentloop.rows import verl_row_fields
@@ -57,9 +56,7 @@ class ToolAgentLoop(AgentLoopBase):
         verl_fields = verl_row_fields(row)
         create_kwargs = {name: (spec or {}).get("create_kwargs", {}) for name, spec in verl_fields["tools_kwargs"].items()}
         tools = self.tool_set.schemas or None
-        trajectory = Trajectory(
-            self.tokenizer, row["prompt"], self.encode_prompt(row["prompt"], tools=tools), tools, self.apply_chat_template_kwargs
-        )
+        trajectory = self.start_trajectory(row, tools)
         budget = int(self.rollout.response_length)
         max_assistant = self.multi_turn.max_assistant_turns
         max_user = self.multi_turn.max_user_turns
@@ -141,7 +138,7 @@ class ToolAgentLoop(AgentLoopBase):
                     reason = "tool_error_budget"
                     break
                 shown = results + ([notice] if dropped else [])
-                messages = [{"role": "tool", "content": self._truncate(result.text)} for result in shown]
+                messages = [{"role": "tool", "content": result.content(self._truncate(result.text))} for result in shown]
                 added = trajectory.add_observation_within(messages, budget)
                 if added is None:
                     reason = "length"  # no room left for a model turn after this observation

@@ -14,10 +14,11 @@ import functools
 import json
 import logging
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
+from agentloop.images import ProcessedImage, expand_image_pads, image_inputs, process_images, split_images
 from agentloop.protocol import AgentLoopOutput, EndReason, TokenOutput, end_after
 
 logger = logging.getLogger(__name__)
@@ -57,8 +58,21 @@ def observation_delta(
     return full[ends[reply] + 1 :]
 
 
+class Observation(NamedTuple):
+    """The ids an observation adds (image pads expanded), the images it brings (processed) and its messages
+    with those images as bare ``{"type": "image"}`` parts."""
+
+    ids: list[int]
+    images: list[ProcessedImage]
+    messages: list[dict[str, Any]]
+
+
 class Trajectory:
-    """Prompt, exact response tokens with mask and logprobs, and the chat messages they stand for."""
+    """Prompt, exact response tokens with mask and logprobs, and the chat messages they stand for.
+
+    With a vision-language ``processor``, ``images`` holds every image of the conversation in order (the
+    prompt's first), each processed once when it arrived; ``messages`` keep them as ``{"type": "image"}`` parts.
+    """
 
     def __init__(
         self,
@@ -67,11 +81,15 @@ class Trajectory:
         prompt_ids: list[int],
         tools: list[dict] | None,
         template_kwargs: dict[str, Any] | None = None,
+        processor: Any = None,
+        images: list[ProcessedImage] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
         self.messages = [dict(message) for message in messages]
         self.tools = tools
+        self.processor = processor
+        self.images = list(images or [])
         self.prompt_ids = list(prompt_ids)
         self.response_ids: list[int] = []
         self.response_mask: list[int] = []
@@ -97,7 +115,7 @@ class Trajectory:
         (``aborted`` or ``length``), else None.
         """
         params = {**sampling_params, "max_new_tokens": budget - len(self.response_ids)}
-        output = await router.generate(request_id, self.ids, params)
+        output = await router.generate(request_id, self.ids, params, image_data=self.images or None)
         return output, self.add_model_turn(output), end_after(output.finish_reason)
 
     def add_model_turn(self, output: TokenOutput) -> str:
@@ -112,9 +130,18 @@ class Trajectory:
         self.messages.append({"role": "assistant", "content": text})
         return text
 
-    def observation(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The delta ids these messages would add (not appended yet: the caller checks the budget)."""
-        return observation_delta(self.tokenizer, messages, self.template_kwargs)
+    def observation(self, messages: list[dict[str, Any]]) -> Observation:
+        """The delta these messages would add (not appended yet: the caller checks the budget). Images in their
+        content parts are processed here, once, and only their pads are expanded: earlier ids never change."""
+        where = f"observation after response token {len(self.response_ids)}"
+        images: list[Any] = []
+        if self.processor is not None or any(isinstance(message.get("content"), list) for message in messages):
+            messages, images = split_images(messages, None, where)
+        ids = observation_delta(self.tokenizer, messages, self.template_kwargs)
+        processed = process_images(self.processor, images, where)
+        if self.processor is not None:
+            ids = expand_image_pads(ids, processed, self._image_pad_id, where)
+        return Observation(ids, processed, messages)
 
     def add_observation_within(self, messages: list[dict[str, Any]], budget: int) -> int | None:
         """Append the messages' delta if a model turn still fits after it in ``budget`` response tokens.
@@ -122,19 +149,21 @@ class Trajectory:
         Returns the number of observation tokens added, or None (nothing added) when they do not fit:
         a trajectory never ends on an observation and never exceeds its budget.
         """
-        ids = self.observation(messages)
-        if len(self.response_ids) + len(ids) >= budget:
+        observation = self.observation(messages)
+        if len(self.response_ids) + len(observation.ids) >= budget:
             return None
-        self.add_observation(messages, ids)
-        return len(ids)
+        self.add_observation(observation)
+        return len(observation.ids)
 
-    def add_observation(self, messages: list[dict[str, Any]], ids: list[int]) -> None:
-        """Append observation ids (mask 0, logprob 0.0) and the messages they render."""
+    def add_observation(self, observation: Observation) -> None:
+        """Append an observation's ids (mask 0, logprob 0.0) and images, and the messages they render."""
+        ids = observation.ids
         self.response_ids += ids
         self.response_mask += [0] * len(ids)
         self.response_logprobs += [0.0] * len(ids)
-        self.messages += messages
-        self.observation_roles.append(",".join(dict.fromkeys(message["role"] for message in messages)))
+        self.images += observation.images
+        self.messages += observation.messages
+        self.observation_roles.append(",".join(dict.fromkeys(message["role"] for message in observation.messages)))
 
     def sanity_check(self, mode: str) -> int:
         """Compare the incremental ids with one full re-render; return the number of mismatching spans.
@@ -147,7 +176,10 @@ class Trajectory:
         if mode == "disable":
             return 0
         incremental = self.ids
-        full = _render(self.tokenizer, self.messages, tools=self.tools, **self.template_kwargs)[: len(incremental)]
+        full = _render(self.tokenizer, self.messages, tools=self.tools, **self.template_kwargs)
+        if self.images:
+            full = expand_image_pads(full, self.images, self._image_pad_id, "the trajectory's full re-render")
+        full = full[: len(incremental)]
         if incremental == full:
             return 0
         # Diff from the first difference on, letting difflib skip tokens that fill over 1% of the text
@@ -173,9 +205,20 @@ class Trajectory:
         )
         return len(spans)
 
+    @property
+    def multi_modal_inputs(self) -> dict[str, Any] | None:
+        """The processor's outputs for every image so far, merged (None without images)."""
+        return image_inputs(self.images) if self.images else None
+
+    @property
+    def _image_pad_id(self) -> int:
+        return self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
+
     def to_output(self, extra_fields: dict[str, Any] | None = None, **fields: Any) -> AgentLoopOutput:
-        """The finished trajectory; ``extra_fields`` also gets ``observation_roles`` (who spoke in each masked span)."""
+        """The finished trajectory; ``extra_fields`` also gets ``observation_roles`` (who spoke in each masked span).
+        Its images' processor outputs are merged here, once (``multi_modal_inputs``)."""
         return AgentLoopOutput(
+            multi_modal_inputs=self.multi_modal_inputs,
             prompt_ids=self.prompt_ids,
             response_ids=self.response_ids,
             response_mask=self.response_mask,

@@ -24,5 +24,7 @@ class BaseEnv:
         raise NotImplementedError(f"{type(self).__name__} must implement step()")
 
     def format_observation(self, observation: Any) -> dict[str, Any]:
-        """The chat message that shows the observation to the model (a user turn by default)."""
+        """The chat message that shows the observation to the model (a user turn by default). Its content may be
+        a list of parts with images (``{"type": "image", "image": <PIL image, bytes, path or data URI>}``) for a
+        vision-language model: slime's env contract."""
         return {"role": "user", "content": str(observation)}

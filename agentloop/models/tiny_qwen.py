@@ -33,6 +33,10 @@ SPECIAL_TOKENS = [
     "</think>",
 ]
 VOCAB_SIZE = 1024
+# the decoder's size, shared by the tiny vision-language model's language part
+DECODER_SIZE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096
+)
 CHAT_TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 
 
@@ -94,13 +98,8 @@ def build_tiny_model(directory: Path, seed: int = 0) -> None:
     tokenizer = build_tokenizer(rng)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **DECODER_SIZE,
         head_dim=16,
-        max_position_embeddings=4096,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,

@@ -13,6 +13,7 @@ import torch
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
+from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
 
 # rollout.name -> the engine class, imported only when chosen (sglang's client needs no torch GPU, hf no aiohttp)
@@ -37,8 +38,12 @@ class Engine(Protocol):
     def from_config(cls, config: DictConfig, rank: int) -> Engine:
         """Build the engine of data-parallel rank ``rank`` from the composed config."""
 
-    async def generate(self, prompt_ids: list[int], sampling_params: dict, request_id: str) -> TokenOutput:
-        """One turn: sample from exact prompt ids; ids, their logprobs and why it stopped."""
+    async def generate(
+        self, prompt_ids: list[int], sampling_params: dict, request_id: str, images: list[ProcessedImage] | None = None
+    ) -> TokenOutput:
+        """One turn: sample from exact prompt ids; ids, their logprobs and why it stopped. ``images``: the
+        conversation's images in order, their expanded pads in ``prompt_ids`` (passed only when there are
+        some, so a text-only engine may leave the argument out)."""
 
     async def abort(self, request_id: str) -> int:
         """Abort the session's in-flight requests (they return ``finish_reason='abort'``); how many."""

@@ -19,11 +19,14 @@ from typing import Any, Iterator, Mapping
 
 import torch
 from omegaconf import DictConfig
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import GenerationConfig
 
+from agentloop.images import ProcessedImage
+from agentloop.models.loading import is_vision_language, model_class, vision_token_ids
 from agentloop.protocol import FinishReason, TokenOutput, validate_prompt, validate_sampling_params
 from agentloop.server import hf_batching
 from agentloop.server.hf_batching import ContinuousBatchingConfig, GenerationOutput, RequestStatus
+from agentloop.server.hf_vision import ImageLane
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +63,16 @@ class HFEngine:
     ) -> None:
         hf_batching.check_internals()
         self.device = resolve_device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(
+        self.model = model_class(model_path).from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
         ).to(self.device)
-        self.vocab_size = self.model.config.vocab_size
+        text_config = self.model.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        # requests with images take the image lane (continuous batching cannot see pixels)
+        self._lane = ImageLane(self.model, seed, self._batching_paused) if is_vision_language(model_path) else None
         # what one request may span: the model's positions, and the whole paged KV cache
-        self.max_model_len = min(int(self.model.config.max_position_embeddings), page_size * num_blocks)
-        self.eos_token_ids = _as_list(self.model.generation_config.eos_token_id or self.model.config.eos_token_id)
+        self.max_model_len = min(int(text_config.max_position_embeddings), page_size * num_blocks)
+        self.eos_token_ids = _as_list(self.model.generation_config.eos_token_id or text_config.eos_token_id)
         self._cb_config = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
         self._seed, self._starts = seed, itertools.count()
         self._request_counter = itertools.count()
@@ -102,7 +108,8 @@ class HFEngine:
             top_k=self.vocab_size,
             top_p=0.99,
             eos_token_id=self.eos_token_ids or -1,
-            pad_token_id=self.model.config.pad_token_id,
+            pad_token_id=self.model.config.get_text_config().pad_token_id,
+            suppress_tokens=vision_token_ids(self.model.config) or None,
         )
         cb_config = ContinuousBatchingConfig(
             **self._cb_config,
@@ -136,9 +143,10 @@ class HFEngine:
     # ------------------------------------------------------------------ generation
 
     async def generate(
-        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, images: list[ProcessedImage] | None = None
     ) -> TokenOutput:
-        """Generate from exact prompt ids; return the sampled ids, their logprobs and why it stopped."""
+        """Generate from exact prompt ids (with ``images``: one image's pads each, expanded); return the sampled
+        ids, their logprobs and why it stopped."""
         if self._manager is None:
             raise RuntimeError("engine is asleep: call wake_up() before generate()")
         params = validate_sampling_params(sampling_params)
@@ -146,10 +154,16 @@ class HFEngine:
         prompt_ids = validate_prompt(prompt_ids, int(params["max_new_tokens"]), self.vocab_size, self.max_model_len)
         if any(not 0 <= int(token) < self.vocab_size for token in params["stop_token_ids"] or []):
             raise ValueError(f"stop_token_ids must be ids in [0, {self.vocab_size})")
+        if images and self._lane is None:
+            raise ValueError("the request has images, but this engine serves a text-only model")
+        if self._lane is not None:  # image pads without their images would be embedded as text: wrong logprobs
+            self._lane.check_pads(prompt_ids, images or [])
         self._restart_if_dead()
         stop_ids = list(params["stop_token_ids"] or [])
         if not params["ignore_eos"]:
             stop_ids += self.eos_token_ids
+        if images:
+            return await self._generate_with_images(prompt_ids, images, params, request_id, stop_ids)
         greedy = params["temperature"] == 0
         top_k = self.vocab_size if params["top_k"] == -1 else min(int(params["top_k"]), self.vocab_size)
         max_new_tokens = int(params["max_new_tokens"])
@@ -192,6 +206,22 @@ class HFEngine:
             if not self._by_session[request_id]:
                 del self._by_session[request_id]
 
+    def _batching_paused(self) -> contextlib.AbstractContextManager:
+        """Keeps the batching loop off the model (the image lane's steps run inside it)."""
+        manager = self._manager
+        return manager.pause() if manager is not None and manager.is_running() else contextlib.nullcontext()
+
+    async def _generate_with_images(
+        self, prompt_ids: list[int], images: list[ProcessedImage], params: dict[str, Any], request_id: str, stop_ids: list[int]
+    ) -> TokenOutput:
+        engine_id = f"{request_id}#{next(self._request_counter)}"
+        max_new_tokens = int(params["max_new_tokens"])
+        result = await self._lane.generate(engine_id, request_id, prompt_ids, images, params, stop_ids, max_new_tokens)
+        if result.ended == "abort":
+            return TokenOutput([], [], "abort", 0)
+        reason = _finish_reason(result.token_ids, stop_ids, max_new_tokens, result.ended or "stop")
+        return TokenOutput(result.token_ids, result.log_probs, reason, result.cached_tokens)
+
     async def _result(self, future: asyncio.Future[TokenOutput]) -> TokenOutput:
         # the manager's thread can die on an error no check foresaw: its requests would never be answered
         while not future.done():
@@ -228,7 +258,7 @@ class HFEngine:
         for engine_id in engine_ids:
             self._manager.cancel_request(engine_id)
             self._answer_unfinished(engine_id)
-        return len(engine_ids)
+        return len(engine_ids) + (self._lane.abort(request_id) if self._lane else 0)
 
     def _answer_unfinished(self, engine_id: str, partial: tuple[list[int], list[float]] | None = None) -> None:
         """Answer a request the manager never will: cancelled, ``abort`` with no tokens; interrupted by a weight
@@ -248,7 +278,7 @@ class HFEngine:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + (self._lane.num_in_flight if self._lane else 0)
 
     # ------------------------------------------------------------------ weights and memory
 
@@ -274,15 +304,20 @@ class HFEngine:
                     f"update_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}"
                 )
             updates.append((params[name], tensor))
-        with self._model_held(interrupt=True), torch.no_grad():
-            for target, tensor in updates:
-                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        async with self._lane_paused(new_weights=True):
+            with self._model_held(interrupt=True), torch.no_grad():
+                for target, tensor in updates:
+                    target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         return len(updates)
 
     async def flush_cache(self) -> None:
         """Drop every cached prefix (in-flight requests are aborted)."""
-        with self._model_held():
-            pass
+        async with self._lane_paused(abort=True):
+            with self._model_held():
+                pass
+
+    def _lane_paused(self, new_weights: bool = False, abort: bool = False) -> contextlib.AbstractAsyncContextManager:
+        return self._lane.paused(new_weights, abort) if self._lane else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _model_held(self, interrupt: bool = False) -> Iterator[None]:
@@ -320,14 +355,20 @@ class HFEngine:
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"update_weights_from_disk: no *.safetensors in {model_path!r}")
-        state: dict[str, torch.Tensor] = {}
-        for file in files:
-            state.update(load_file(file))
+        if self._lane is not None:
+            # a VLM's names on disk differ from its modules' (model.layers vs model.language_model.layers):
+            # transformers' loader maps them
+            state = (await asyncio.to_thread(model_class(model_path).from_pretrained, model_path)).state_dict()
+        else:
+            state = {}
+            for file in files:
+                state.update(load_file(file))
         await self.update_weights(state)
 
     async def sleep(self) -> None:
         """Free the KV cache (aborting in-flight requests); weights stay loaded."""
-        self._stop_manager()
+        async with self._lane_paused(abort=True):
+            self._stop_manager()
 
     async def wake_up(self) -> None:
         """Allocate a fresh KV cache and resume serving."""
@@ -339,7 +380,8 @@ class HFEngine:
         return self._manager is None
 
     async def shutdown(self) -> None:
-        self._stop_manager()
+        async with self._lane_paused(abort=True):
+            self._stop_manager()
 
 
 def _finish_reason(tokens: list[int], stop_ids: list[int], max_new_tokens: int, otherwise: FinishReason) -> FinishReason:

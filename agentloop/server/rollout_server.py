@@ -14,6 +14,7 @@ import ray
 import torch
 from omegaconf import DictConfig
 
+from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
 from agentloop.server.engine import Engine, build_engine
 from agentloop.server.weights import PackedWeights
@@ -41,11 +42,16 @@ class RolloutServer:
             "pid": os.getpid(),
         }
 
-    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> TokenOutput:
+    async def generate(
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, images: list[ProcessedImage] | None = None
+    ) -> TokenOutput:
         # a weight update interrupts the requests in flight (hf) or waits for them (sglang): either way the
         # tokens returned were sampled by the weights loaded when the request started
         version = self.weight_version
-        output = await self.engine.generate(prompt_ids, sampling_params, request_id)
+        if images:
+            output = await self.engine.generate(prompt_ids, sampling_params, request_id, images=images)
+        else:  # engines written for text only keep working
+            output = await self.engine.generate(prompt_ids, sampling_params, request_id)
         output.weight_version = version
         return output
 
@@ -86,6 +92,7 @@ class RolloutServer:
             return self.engine.http_url
         from transformers import AutoTokenizer
 
+        from agentloop.models.loading import load_processor
         from agentloop.server.http import build_app, serve
 
         http = self.config.actor_rollout_ref.rollout.http
@@ -97,6 +104,7 @@ class RolloutServer:
             tool_format=self.config.actor_rollout_ref.rollout.multi_turn.format,
             api_key=http.api_key,
             max_body_bytes=int(http.max_body_bytes),
+            processor=load_processor(self.config.actor_rollout_ref.model.path),
         )
         self.http_server, port = await serve(app, http.host, int(http.port) + self.rank if http.port else 0)
         # a wildcard bind is reached through this node's address

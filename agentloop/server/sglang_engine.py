@@ -13,11 +13,20 @@ Each call gets its own ``rid`` (``<session>#<n>``): SGLang rejects a rid that is
 and one session may have several calls in flight; ``abort(session)`` aborts every rid of the session.
 Calls share one HTTP connection pool per event loop (an ``aiohttp`` session is bound to the loop
 that opened it), so a turn does not pay for a new connection.
+
+Images travel as ``image_data`` (PNG data URIs, in order) with ONE ``<|image_pad|>`` per image in
+``input_ids``: SGLang runs the model directory's processor itself and keeps caller ids verbatim only in
+that form (it re-tokenizes ids that hold expanded pads). The trajectory's ids hold the expanded pads,
+so each image's run is collapsed before sending, and SGLang's ``meta_info.prompt_tokens`` must come back
+as the expanded length: otherwise its processor sized an image differently and the logprobs belong to
+other ids, which fails the call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import functools
 import itertools
 import os
 import subprocess
@@ -31,15 +40,24 @@ from typing import Any, Iterable, Mapping
 import aiohttp
 import torch
 from omegaconf import DictConfig
+from transformers import AutoConfig
 
+from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput, validate_sampling_params
 
 # Sent on every request: ids in and out, stop tokens kept, so the trajectory holds exactly what was sampled.
 FIXED_SAMPLING = {"skip_special_tokens": False, "no_stop_trim": True}
 
 
-def build_generate_request(prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> dict[str, Any]:
-    """SGLang ``/generate`` body for one token-in/token-out turn."""
+def build_generate_request(
+    prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
+    images: list[ProcessedImage] | None = None, *, image_pad_id: int | None = None,
+) -> dict[str, Any]:
+    """SGLang ``/generate`` body for one token-in/token-out turn.
+
+    ``images``: the prompt's images in order, each filling its ``num_tokens`` pads (``image_pad_id``) in
+    ``prompt_ids``; they go as PNG data URIs in ``image_data``, each run of pads collapsed to one.
+    """
     params = validate_sampling_params(sampling_params)
     sampling = {
         "max_new_tokens": int(params["max_new_tokens"]),
@@ -51,7 +69,66 @@ def build_generate_request(prompt_ids: list[int], sampling_params: dict[str, Any
     }
     if params["stop_token_ids"]:
         sampling["stop_token_ids"] = [int(token) for token in params["stop_token_ids"]]
-    return {"input_ids": list(prompt_ids), "sampling_params": sampling, "return_logprob": True, "rid": request_id, "stream": False}
+    request = {"input_ids": list(prompt_ids), "sampling_params": sampling, "return_logprob": True, "rid": request_id, "stream": False}
+    if images:
+        if image_pad_id is None:
+            raise ValueError("a request with images needs image_pad_id (the model's <|image_pad|> token id)")
+        request["input_ids"] = collapse_image_pads(prompt_ids, images, image_pad_id)
+        request["image_data"] = [png_data_uri(image.png) for image in images]
+    return request
+
+
+def png_data_uri(png: bytes) -> str:
+    """``data:image/png;base64,...``: a form every SGLang version reads from ``image_data``."""
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def collapse_image_pads(ids: list[int], images: list[ProcessedImage], pad_id: int) -> list[int]:
+    """``ids`` with each image's run of ``num_tokens`` pads replaced by one pad, as SGLang takes them
+    (the inverse of ``agentloop.images.expand_image_pads``)."""
+    expected = [image.num_tokens for image in images]
+    if ids.count(pad_id) != sum(expected):
+        raise ValueError(
+            f"the prompt has {ids.count(pad_id)} image pad token(s) but its {len(images)} image(s) fill {sum(expected)} "
+            f"({expected}): prompt ids must hold each image's expanded pads (agentloop.images.expand_image_pads)"
+        )
+    collapsed: list[int] = []
+    position, image = 0, 0
+    while position < len(ids):
+        if ids[position] != pad_id:
+            collapsed.append(ids[position])
+            position += 1
+            continue
+        run = ids[position : position + expected[image]]
+        if run.count(pad_id) != len(run):
+            raise ValueError(
+                f"image {image} needs {expected[image]} consecutive pad tokens at position {position}, "
+                "but the run there is shorter: prompt ids must hold each image's expanded pads in order"
+            )
+        collapsed.append(pad_id)
+        position += expected[image]
+        image += 1
+    return collapsed
+
+
+def check_prompt_tokens(body: dict[str, Any], expected: int, images: list[ProcessedImage], model_path: str) -> None:
+    """Fail unless SGLang counted ``expected`` prompt tokens (the trajectory's ids, image pads expanded).
+
+    SGLang expands each image's pad with its own processor; another count means its processor sizes
+    images differently, so the returned tokens were sampled after other ids than the trajectory holds.
+    """
+    meta = body.get("meta_info") or {}
+    if not body.get("output_ids") and (meta.get("finish_reason") or {}).get("type") == "abort":
+        return  # aborted before any token: nothing was sampled, and the prompt may not have been counted yet
+    counted = int(meta.get("prompt_tokens", -1))
+    if counted != expected:
+        raise RuntimeError(
+            f"SGLang counted {counted} prompt tokens, but the trajectory's prompt has {expected} with its "
+            f"{len(images)} image(s) expanded to {[image.num_tokens for image in images]} pads by the processor of "
+            f"{model_path}: the server's image processor sizes images differently (another model directory or "
+            "preprocessor_config.json, or other min_pixels/max_pixels); serve the same checkpoint as "
+            "actor_rollout_ref.model.path"
+        )
 
 
 def parse_generate_response(body: dict[str, Any]) -> TokenOutput:
@@ -220,13 +297,34 @@ class SGLangEngine:
                 raise RuntimeError(f"SGLang {path} answered {response.status}: {text[:500]}")
             return await response.json(content_type=None) if text else None
 
-    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> TokenOutput:
+    @functools.cached_property
+    def image_pad_id(self) -> int:
+        """The model's image pad token id, from its config (read once, on the first request with images)."""
+        try:
+            pad_id = getattr(AutoConfig.from_pretrained(self.model_path), "image_token_id", None)
+        except Exception as error:
+            raise ValueError(f"a request has images, but the model config at {self.model_path!r} cannot be read: {error}") from error
+        if pad_id is None:
+            raise ValueError(
+                f"a request has images, but the model at {self.model_path!r} has no image_token_id in its config "
+                "(a text-only model; actor_rollout_ref.model.path must be the vision-language checkpoint SGLang serves)"
+            )
+        return int(pad_id)
+
+    async def generate(
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, images: list[ProcessedImage] | None = None
+    ) -> TokenOutput:
+        """One turn; ``images`` (their pads expanded in ``prompt_ids``) go to SGLang as ``image_data``."""
         if self._sleeping:
             raise RuntimeError("engine is asleep: call wake_up() before generate()")
         rid = f"{request_id}#{next(self._call_counter)}"
+        request = build_generate_request(prompt_ids, sampling_params, rid, images, image_pad_id=self.image_pad_id if images else None)
         self._rids_by_session[request_id].add(rid)
         try:
-            return parse_generate_response(await self._post("/generate", build_generate_request(prompt_ids, sampling_params, rid)))
+            body = await self._post("/generate", request)
+            if images:
+                check_prompt_tokens(body, len(prompt_ids), images, self.model_path)
+            return parse_generate_response(body)
         finally:
             self._rids_by_session[request_id].discard(rid)
             if not self._rids_by_session[request_id]:

@@ -81,7 +81,8 @@ class ToolCall(BaseModel):
 
 
 class ToolResponse(BaseModel):
-    """What a tool returns to the model. Only ``text`` is rendered by text-only chat templates."""
+    """What a tool returns to the model: ``text`` and, for a vision-language model, ``image`` (one image or a
+    list: PIL images, bytes, paths or data URIs), shown to the model before the text."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     text: str | None = None

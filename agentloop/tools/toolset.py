@@ -34,6 +34,13 @@ class ToolResult:
     # too_many_calls for calls past multi_turn.max_parallel_calls
     error: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    images: list[Any] = field(default_factory=list)  # a ToolResponse's ``image`` (one or a list), shown before the text
+
+    def content(self, text: str) -> str | list[dict[str, Any]]:
+        """The tool message's content: ``text`` alone, or the images then the text as content parts."""
+        if not self.images:
+            return text
+        return [{"type": "image", "image": image} for image in self.images] + [{"type": "text", "text": text}]
 
 
 class ToolSet:
@@ -100,7 +107,8 @@ class ToolSet:
                 latency_s=time.perf_counter() - start,
                 error="exception",
             )
-        return ToolResult(response.text or "", float(step_reward), time.perf_counter() - start, None, dict(metrics or {}))
+        images = response.image if isinstance(response.image, list) else [response.image] if response.image is not None else []
+        return ToolResult(response.text or "", float(step_reward), time.perf_counter() - start, None, dict(metrics or {}), images)
 
     async def finish(self, instance_id: str, created: dict[str, asyncio.Future]) -> dict[str, float]:
         """Collect ``calc_reward`` from every tool this trajectory created, then release them."""

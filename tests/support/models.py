@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from agentloop.models.cache import cache_root
 from agentloop.models.sft import finetune
 from agentloop.models.tiny_qwen import tiny_model_path
+from agentloop.models.tiny_vlm import tiny_vlm_path
 from agentloop.tools.parsers import format_hermes as call
 from agentloop.tools.parsers import parse_hermes
 from agentloop.tools.toolset import load_tool_set
@@ -132,7 +133,9 @@ def says_yes(data_source: str, solution_str: str, ground_truth: Any, extra_info:
     return float(solution_str.strip().startswith("yes"))
 
 
-BUILDERS = {"tiny": tiny_model_path, "scripted": build_scripted_model, "ok": build_ok_model, "coin": build_coin_model}
+BUILDERS = {
+    "tiny": tiny_model_path, "scripted": build_scripted_model, "ok": build_ok_model, "coin": build_coin_model, "vlm": tiny_vlm_path,
+}
 
 
 if __name__ == "__main__":

@@ -13,18 +13,21 @@ from fastapi.responses import JSONResponse
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.server.http.chat import chat_routes
-from agentloop.server.http.native import native_routes
+from agentloop.server.http.native import ServerImages, native_routes
 
 
 def build_app(
     server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: str, tool_format: str, api_key: str | None,
-    max_body_bytes: int = 32 << 20,
+    max_body_bytes: int = 32 << 20, processor: Any | None = None,
 ) -> FastAPI:
     """The app over a ``RolloutServer`` (async ``generate``, ``abort``, weight, memory and cache controls).
 
     Bodies over ``max_body_bytes`` get 413 before they are read; malformed or mistyped bodies 422, bad
-    values 400; a missing or wrong API key 401.
+    values 400 (unreadable images, or images for a text-only model, among them); a missing or wrong API key 401.
+    ``processor``: the model's processor for image inputs (``agentloop.models.loading.load_processor``),
+    None for a text-only model.
     """
+    images = ServerImages(processor, tokenizer)
     app = FastAPI(title="agentloop rollout server")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
@@ -42,8 +45,9 @@ def build_app(
         return {"status": "ok"}
 
     authorized = [Depends(authorize)]
-    app.include_router(native_routes(server, tokenizer), dependencies=authorized)
-    app.include_router(chat_routes(server, tokenizer, model_name=model_name, tool_format=tool_format), dependencies=authorized)
+    app.include_router(native_routes(server, tokenizer, images), dependencies=authorized)
+    chat = chat_routes(server, tokenizer, model_name=model_name, tool_format=tool_format, images=images)
+    app.include_router(chat, dependencies=authorized)
     return app
 
 

@@ -1,8 +1,14 @@
 """OpenAI ``/v1/chat/completions`` over a rollout server, with the exact prompt and completion token ids and
-logprobs as extra fields so external agent code can produce trainable trajectories."""
+logprobs as extra fields so external agent code can produce trainable trajectories.
+
+Images come as OpenAI's ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``
+content parts (for a vision-language model): the template renders one pad per image, which the model's
+processor widens to the image's tokens; ``prompt_token_ids`` holds the widened ids.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -12,12 +18,14 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedTokenizerBase
 
+from agentloop.images import split_images
+from agentloop.server.http.native import ServerImages
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.reasoning import prompt_opens_reasoning, split_reasoning
 
 
 class ChatMessage(BaseModel):
-    """One message; ``content`` is text, a list of text parts, or null (an assistant turn of tool calls)."""
+    """One message; ``content`` is text, a list of text and image parts, or null (an assistant turn of tool calls)."""
 
     model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, name, reasoning_content ride along
     role: Literal["system", "user", "assistant", "tool"]
@@ -25,10 +33,18 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def text_parts_only(cls, content: Any) -> Any:
-        if isinstance(content, list) and any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
-            raise ValueError("content parts must be {type: text, text: ...}; this server's model reads text only")
+    def text_and_image_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list) and not all(_is_text_part(part) or _is_image_part(part) for part in content):
+            raise ValueError("content parts must be {type: text, text: ...} or {type: image_url, image_url: {url: ...}}")
         return content
+
+
+def _is_text_part(part: dict[str, Any]) -> bool:
+    return part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def _is_image_part(part: dict[str, Any]) -> bool:
+    return part.get("type") == "image_url" and isinstance(part.get("image_url"), dict) and isinstance(part["image_url"].get("url"), str)
 
 
 class ChatBody(BaseModel):
@@ -49,28 +65,38 @@ class ChatBody(BaseModel):
     user: str | None = None
 
 
-def chat_routes(server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: str, tool_format: str) -> APIRouter:
-    """``POST /v1/chat/completions``; tool calls in the completion are parsed in ``tool_format``."""
+def chat_routes(
+    server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: str, tool_format: str, images: ServerImages | None = None
+) -> APIRouter:
+    """``POST /v1/chat/completions``; tool calls in the completion are parsed in ``tool_format``. ``images``: how
+    image parts are processed (default: refused, a text-only model)."""
     router = APIRouter()
     parse_tool_calls = get_parser(tool_format)
+    images = images or ServerImages(None, tokenizer)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody) -> dict[str, Any]:
         if body.stream or body.n != 1:
             raise ValueError("only stream=false and n=1 are supported")
         messages = [message.model_dump(exclude_none=True) for message in body.messages]
+        pictures: list[Any] = []
+        if any(isinstance(message.get("content"), list) and any(map(_is_image_part, message["content"])) for message in messages):
+            # decoding images takes a while: off the event loop, which serves every request
+            messages, pictures = await asyncio.to_thread(split_message_images, messages)
+        processed = await images.process(pictures, "messages' images")
         try:
             prompt = list(
                 tokenizer.apply_chat_template(messages, tools=body.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
             )
         except Exception as error:  # the template's own checks (jinja raise_exception, bad tool schemas): the client's input
             raise ValueError(f"the chat template cannot render these messages: {type(error).__name__}: {error}") from error
+        prompt = images.expand(prompt, processed, "the rendered messages")
         params = {"temperature": body.temperature, "top_p": body.top_p}
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens:
             params["max_new_tokens"] = max_tokens
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        output = await server.generate(prompt, params, request_id)
+        output = await server.generate(prompt, params, request_id, images=processed or None)
         ids = output.token_ids[:-1] if output.finish_reason == "stop" else output.token_ids
         reasoning, visible = split_reasoning(
             tokenizer.decode(ids, skip_special_tokens=False), opened=prompt_opens_reasoning(tokenizer, prompt)
@@ -111,6 +137,21 @@ def chat_routes(server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: 
         }
 
     return router
+
+
+def split_message_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The messages with each ``image_url`` part as a bare ``{"type": "image"}`` part (one pad in the template),
+    and the images in order, read from their URLs.
+
+    Only content lists are looked at: a client's plain text is literal, never verl's ``<image>`` placeholder.
+    """
+    normalized, found = [], []
+    for index, message in enumerate(messages):
+        if isinstance(message.get("content"), list) and any(_is_image_part(part) for part in message["content"]):
+            [message], pictures = split_images([message], None, f"messages[{index}]")
+            found += pictures
+        normalized.append(message)
+    return normalized, found
 
 
 def _tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:

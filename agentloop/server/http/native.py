@@ -1,9 +1,17 @@
 """SGLang's native routes over a rollout server: token-in/token-out ``/generate`` (``input_ids``,
 ``sampling_params``, ``rid``, ``return_logprob`` → ``output_ids``, ``meta_info``), abort, and the weight,
-cache and memory controls, so SGLang clients (our ``sglang`` backend included) can drive it."""
+cache and memory controls, so SGLang clients (our ``sglang`` backend included) can drive it.
+
+Images come as SGLang takes them: ``image_data`` (one item per image, in order) and ONE image pad per
+image in ``input_ids``. The server runs the model's processor and widens each pad to the image's token
+count before the engine sees the ids, so ``meta_info.prompt_tokens`` is the expanded length, as SGLang's.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 import time
 import uuid
 from pathlib import Path
@@ -11,9 +19,11 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
+from agentloop.images import ProcessedImage, expand_image_pads, load_image, process_images
 from agentloop.protocol import SAMPLING_DEFAULTS, TokenOutput
 
 # SGLang sampling keys accepted here; the text-only ones have no effect on token ids.
@@ -31,6 +41,8 @@ class GenerateBody(BaseModel):
     rid: str | None = None
     return_logprob: bool = False
     stream: bool = False
+    # one item per image pad in the prompt, in order: a data URI, bare base64, a path on the server, or {"url": ...}
+    image_data: str | dict[str, Any] | list[str | dict[str, Any]] | None = None
 
 
 class AbortBody(BaseModel):
@@ -55,6 +67,67 @@ def sglang_to_engine_params(params: dict[str, Any]) -> dict[str, Any]:
     return mapped
 
 
+class ServerImages:
+    """The HTTP front's side of image inputs: the model's processor (None for a text-only model) and its pad id."""
+
+    def __init__(self, processor: Any | None, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.processor = processor
+        self.pad_id = int(tokenizer.convert_tokens_to_ids(processor.image_token)) if processor is not None else None
+
+    async def process(self, images: list[Any], where: str) -> list[ProcessedImage]:
+        """Read and process ``images`` (PIL images or ``image_data`` items) off the event loop, which serves every request."""
+        if not images:
+            return []
+        return await asyncio.to_thread(self._process, images, where)
+
+    def _process(self, images: list[Any], where: str) -> list[ProcessedImage]:
+        loaded = [
+            image if isinstance(image, Image.Image) else load_image(image_source(image, f"{where} {index}"), f"{where} {index}")
+            for index, image in enumerate(images)
+        ]
+        try:
+            return process_images(self.processor, loaded, where)
+        except ValueError:
+            raise
+        except Exception as error:  # the image processor's own refusals (sizes, modes) are the client's input too
+            raise ValueError(f"{where}: the image processor cannot process these images: {type(error).__name__}: {error}") from error
+
+    def expand(self, ids: list[int], images: list[ProcessedImage], where: str) -> list[int]:
+        """``ids`` with each image's single pad widened to its tokens (unchanged for a text-only model)."""
+        if self.pad_id is None:
+            return ids  # no images reach here: ``process`` refused them
+        return expand_image_pads(ids, images, self.pad_id, where)
+
+
+def image_source(value: str | dict[str, Any], where: str) -> Any:
+    """What ``load_image`` reads for one ``image_data`` item; SGLang also takes bare base64, which it does not."""
+    if isinstance(value, dict):
+        if set(value) != {"url"} or not isinstance(value["url"], str):
+            # per-image options (min_pixels, max_pixels, ...) would change the image's token count: refused, not ignored
+            raise ValueError(f"{where}: only {{'url': ...}} is supported in an image_data object, got keys {sorted(value)}")
+        value = value["url"]
+    if value.startswith(("http://", "https://")):
+        raise ValueError(f"{where}: this server does not fetch URLs; send the image as a data URI, base64 or a path on the server")
+    if value.startswith(("data:", "file://")):
+        return value
+    try:
+        if Path(value).is_file():
+            return value
+    except OSError:  # a long base64 string is no valid path
+        pass
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where}: neither a data URI, base64 nor a file on the server: {value[:60]!r}") from None
+
+
+def image_data_items(image_data: str | dict[str, Any] | list[str | dict[str, Any]] | None) -> list[str | dict[str, Any]]:
+    """``image_data`` as a list (SGLang takes one item bare)."""
+    if image_data is None:
+        return []
+    return list(image_data) if isinstance(image_data, list) else [image_data]
+
+
 def finish_reason_json(output: TokenOutput) -> dict[str, Any]:
     """SGLang's ``meta_info.finish_reason`` for an engine output."""
     if output.finish_reason == "stop":
@@ -64,9 +137,11 @@ def finish_reason_json(output: TokenOutput) -> dict[str, Any]:
     return {"type": "abort", "message": "aborted"}
 
 
-def native_routes(server: Any, tokenizer: PreTrainedTokenizerBase) -> APIRouter:
-    """Every SGLang-native route but ``/health``, which the app serves without the API key."""
+def native_routes(server: Any, tokenizer: PreTrainedTokenizerBase, images: ServerImages | None = None) -> APIRouter:
+    """Every SGLang-native route but ``/health``, which the app serves without the API key. ``images``: how
+    ``image_data`` is read (default: refused, a text-only model)."""
     router = APIRouter()
+    images = images or ServerImages(None, tokenizer)
 
     @router.get("/health_generate")
     async def health_generate() -> dict[str, str]:
@@ -80,9 +155,12 @@ def native_routes(server: Any, tokenizer: PreTrainedTokenizerBase) -> APIRouter:
         if body.input_ids is None and body.text is None:
             raise ValueError("send input_ids (token ids) or text")
         ids = body.input_ids if body.input_ids is not None else tokenizer.encode(body.text, add_special_tokens=False)
+        params = sglang_to_engine_params(body.sampling_params)
+        processed = await images.process(image_data_items(body.image_data), "image_data")
+        ids = images.expand(ids, processed, "input_ids (one image pad per image_data item)")
         rid = body.rid or uuid.uuid4().hex
         start = time.perf_counter()
-        output = await server.generate(ids, sglang_to_engine_params(body.sampling_params), rid)
+        output = await server.generate(ids, params, rid, images=processed or None)
         meta: dict[str, Any] = {
             "id": rid,
             "prompt_tokens": len(ids),
