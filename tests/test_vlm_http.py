@@ -17,10 +17,10 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from agentloop import AgentLoopManager
 from agentloop.images import ProcessedImage, expand_image_pads, image_inputs, process_images
 from agentloop.models.loading import load_processor, vision_token_ids
 from agentloop.server.http import build_app
+from agentloop.server.rollout_server import RolloutServer
 from agentloop.server.sglang_engine import SGLangEngine, build_generate_request
 from tests.support.config import small_config
 from tests.support.sglang_contract import load_api_types
@@ -83,25 +83,22 @@ def assert_logprobs_of(model, prompt, images, tokens, log_probs) -> None:
 
 
 @pytest.fixture(scope="module")
-def manager(local_ray, vlm_path):
-    manager = AgentLoopManager(
-        small_config(
-            f"actor_rollout_ref.model.path={vlm_path}",
-            f"actor_rollout_ref.rollout.http.api_key={API_KEY}",
-            "data.max_prompt_length=256",
-        )
-    )
-    yield manager
-    manager.shutdown()
+def server(local_ray, vlm_path):
+    """One rollout server with its HTTP front (what the manager starts per rank; no workers needed here)."""
+    config = small_config(f"actor_rollout_ref.model.path={vlm_path}", f"actor_rollout_ref.rollout.http.api_key={API_KEY}")
+    server = RolloutServer.remote(config, 0)
+    yield server
+    ray.get(server.shutdown.remote(), timeout=60)
+    ray.kill(server)
 
 
 @pytest.fixture(scope="module")
-def url(manager) -> str:
-    return manager.server_addresses[0]
+def url(server) -> str:
+    return ray.get(server.start_http.remote(), timeout=120)
 
 
 @pytest.fixture(scope="module")
-def client(manager, vlm_path, url):
+def client(vlm_path, url):
     return SGLangEngine(vlm_path, url=url, api_key=API_KEY, startup_timeout_s=60)
 
 
@@ -126,9 +123,9 @@ def one_pad_prompt(processor, pictures: list[Image.Image], text: str = "what col
     )
 
 
-def direct(manager, ids: list[int], images: list[ProcessedImage], rid: str, params=GREEDY):
+def direct(server, ids: list[int], images: list[ProcessedImage], rid: str, params=GREEDY):
     """The same request through ``RolloutServer.generate``, no HTTP in between."""
-    return ray.get(manager.servers[0].generate.remote(ids, params, rid, images=images or None), timeout=60)
+    return ray.get(server.generate.remote(ids, params, rid, images=images or None), timeout=60)
 
 
 def post(url: str, path: str, body: dict) -> requests.Response:
@@ -150,11 +147,11 @@ def test_image_requests_validate_against_sglangs_schema(processor, pad_id):
         build_generate_request(one_pad, GREEDY, "rid-3", images, image_pad_id=pad_id)  # pads not expanded
 
 
-def test_sglang_client_with_images_matches_the_engine(manager, client, model, processor, pad_id):
+def test_sglang_client_with_images_matches_the_engine(server, client, model, processor, pad_id):
     images = process_images(processor, PICTURES, "test")
     prompt = expand_image_pads(one_pad_prompt(processor, PICTURES), images, pad_id, "test")
     through_http = call(client, client.generate(prompt, GREEDY, "vlm-client", images=images))
-    reference = direct(manager, prompt, images, "vlm-direct")
+    reference = direct(server, prompt, images, "vlm-direct")
     assert through_http.token_ids == reference.token_ids and len(reference.token_ids) == GREEDY["max_new_tokens"]
     assert through_http.log_probs == pytest.approx(reference.log_probs, abs=1e-5)
     sampled = call(client, client.generate(prompt, SAMPLED, "vlm-sampled", images=images))
@@ -176,7 +173,7 @@ def test_sglang_client_fails_when_the_server_counts_other_image_tokens(client, p
 
 
 @needs_sglang
-def test_generate_route_takes_image_data_in_every_form(manager, url, model, processor, pad_id, tmp_path):
+def test_generate_route_takes_image_data_in_every_form(url, model, processor, pad_id, tmp_path):
     images = process_images(processor, PICTURES, "test")
     one_pad = one_pad_prompt(processor, PICTURES)
     expanded = expand_image_pads(one_pad, images, pad_id, "test")
@@ -208,7 +205,7 @@ def test_generate_route_refuses_bad_images(url, processor):
     assert no_images.status_code == 400 and "1 image pad(s) in the rendered text for 0 image(s)" in no_images.text
 
 
-def test_chat_route_with_an_image_url(manager, url, model, processor, pad_id):
+def test_chat_route_with_an_image_url(url, model, processor, pad_id):
     messages = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_uri(PICTURES[1])}},
         {"type": "text", "text": "what colour? <image> is literal text here"},

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # how often a waiting request checks that the generation thread is still alive
 WATCHDOG_S = 1.0
+# the manager warns at every start that it does not know the token suppression a VLM's engine adds; it is stateless
+logging.getLogger("ContinuousBatchingLogger").addFilter(lambda record: "SuppressTokensLogitsProcessor" not in record.getMessage())
 
 
 def resolve_device(device: str) -> torch.device:
