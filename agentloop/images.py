@@ -145,6 +145,20 @@ def expand_image_pads(ids: list[int], images: list[ProcessedImage], pad_id: int,
     return expanded
 
 
+def mrope_positions(
+    model: Any, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A vision-language model's position ids ``[4, B, L]`` for ``input_ids`` with these images: row 0 the plain
+    positions (0 on padding), rows 1-3 the temporal, height and width positions of its ``get_rope_index``."""
+    image_tokens = (input_ids == model.config.image_token_id).int()
+    mrope, _ = model.model.get_rope_index(input_ids, image_tokens, image_grid_thw, attention_mask=attention_mask)
+    if attention_mask is None:
+        plain = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+    else:
+        plain = (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask
+    return torch.cat([plain.unsqueeze(0), mrope])
+
+
 def image_inputs(images: list[ProcessedImage]) -> dict[str, torch.Tensor]:
     """The model's ``pixel_values`` and ``image_grid_thw`` for these images, concatenated in order."""
     return {

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from agentloop.images import mrope_positions
 from agentloop.protocol import AgentLoopOutput
 
 
@@ -73,12 +74,12 @@ def pad_outputs(
         "rm_scores": scores,
     }
     if vision_model is not None:
-        tensors.update(_images(outputs, vision_model, tensors["input_ids"], attention_mask, position_ids))
+        tensors.update(_images(outputs, vision_model, tensors["input_ids"], attention_mask))
     return TensorDict(tensors, batch_size=[size])
 
 
 def _images(
-    outputs: list[AgentLoopOutput], vision_model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor
+    outputs: list[AgentLoopOutput], vision_model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     vision = vision_model.config.vision_config
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
@@ -90,10 +91,8 @@ def _images(
     for row, (grid, pixel) in enumerate(zip(grids, pixels)):
         pixel_values[row, : len(pixel)] = pixel
         image_grid_thw[row, : len(grid)] = grid
-    image_token = (input_ids == vision_model.config.image_token_id).int()
-    mrope, _ = vision_model.model.get_rope_index(input_ids, image_token, torch.cat(grids), attention_mask=attention_mask)
     return {
         "pixel_values": pixel_values,
         "image_grid_thw": image_grid_thw,
-        "position_ids": torch.cat([positions.unsqueeze(0), mrope]).permute(1, 0, 2).contiguous(),
+        "position_ids": mrope_positions(vision_model, input_ids, torch.cat(grids), attention_mask).permute(1, 0, 2).contiguous(),
     }

@@ -8,8 +8,9 @@ Before its loop runs, a row also gets verl's derived fields (``verl_row_fields``
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -51,3 +52,11 @@ def write_rows(rows: list[dict[str, Any]], path: str) -> str:
     else:
         file.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(file)
+
+
+def write_rows_once(path: Path, make_rows: Callable[[], list[dict[str, Any]]]) -> str:
+    """``path``, writing ``make_rows()`` there first if nothing is there yet (a cache of built data). Each writer
+    writes its own copy and renames it into place, so concurrent builders never leave a partial file."""
+    if not path.exists():
+        os.replace(write_rows(make_rows(), str(path.with_suffix(f".{os.getpid()}{path.suffix}"))), path)
+    return str(path)

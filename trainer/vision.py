@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 from tensordict import TensorDict
 
-from agentloop.models.loading import vision_token_ids
+from agentloop.models.loading import without_vision_tokens
 
 
 def model_inputs(batch: TensorDict) -> dict[str, torch.Tensor]:
@@ -64,5 +64,4 @@ def forward_logits(model: Any, batch: TensorDict) -> torch.Tensor:
         return model(**inputs).logits
     with vision_tower_in_step(model, inputs, batch["pixel_values"].shape[-1]):
         logits = model(**inputs).logits
-    # -1e9, not -inf: exp() is 0 all the same, and entropy's 0 * logit stays 0 instead of nan
-    return logits.index_fill(-1, torch.tensor(vision_token_ids(model.config), device=logits.device), -1e9)
+    return without_vision_tokens(logits, model.config)

@@ -53,6 +53,15 @@ def vision_token_ids(config: Any) -> list[int]:
     return [int(getattr(config, name)) for name in names if getattr(config, name, None) is not None]
 
 
+def without_vision_tokens(logits: torch.Tensor, config: Any) -> torch.Tensor:
+    """``logits`` scored as the engines sample: a VLM's vision special tokens out of the softmax (-1e9, not
+    -inf: exp() is 0 all the same, and entropy's 0 * logit stays 0 instead of nan). Unchanged for text."""
+    hidden = vision_token_ids(config)
+    if not hidden:
+        return logits
+    return logits.index_fill(-1, torch.tensor(hidden, device=logits.device), -1e9)
+
+
 def structure(path: str) -> Any | None:
     """A vision-language model's modules without weights (meta device), for what needs only its config and
     code: M-RoPE positions (``model.model.get_rope_index``). None for a text-only model."""

@@ -15,9 +15,9 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agentloop.images import ProcessedImage, expand_image_pads, image_inputs, process_images, split_images
+from agentloop.images import ProcessedImage, expand_image_pads, image_inputs, mrope_positions, process_images, split_images
 from agentloop.models.cache import build_once
-from agentloop.models.loading import load_processor, model_class, vision_token_ids
+from agentloop.models.loading import load_processor, model_class, without_vision_tokens
 
 
 def assistant_token_mask(ids: list[int], assistant_header: list[int], end_id: int) -> list[int]:
@@ -135,14 +135,13 @@ def _train_chats(
     end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     header = tokenizer.encode("<|im_start|>assistant\n")
     samples = [_encode_chat(processor, chat, pad_id, header, end_id, f"finetune_chats: conversation {i}") for i, chat in enumerate(chats)]
-    hidden = torch.tensor(vision_token_ids(model.config))
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     order = torch.cat([torch.randperm(len(samples)) for _ in range(steps * batch_size // len(samples) + 1)])
     for step in tqdm(range(steps), desc=desc, unit="step", dynamic_ncols=True):
         inputs, labels = _collate(model, [samples[int(i)] for i in order[step * batch_size : (step + 1) * batch_size]], tokenizer.pad_token_id)
-        logits = model(**inputs).logits.index_fill(-1, hidden, -1e9)  # as trainer.vision.forward_logits scores
+        logits = without_vision_tokens(model(**inputs).logits, model.config)  # as the trainer scores
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         optimizer.zero_grad()
         loss.backward()
@@ -178,9 +177,5 @@ def _collate(model: Any, samples: list[tuple[list[int], list[int], list[Processe
     images = [image for _, _, processed in samples for image in processed]
     if images:
         inputs.update(image_inputs(images))
-    # M-RoPE positions as the rollout's batches carry them: row 0 the plain positions, then (t, h, w)
-    image_token = (input_ids == model.config.image_token_id).int()
-    mrope, _ = model.model.get_rope_index(input_ids, image_token, inputs.get("image_grid_thw"), attention_mask=attention)
-    plain = (attention.cumsum(-1) - 1).clamp(min=0)
-    inputs["position_ids"] = torch.cat([plain.unsqueeze(0), mrope])
+    inputs["position_ids"] = mrope_positions(model, input_ids, inputs.get("image_grid_thw"), attention)  # as the rollout's batches
     return inputs, labels

@@ -31,7 +31,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from agentloop.images import ProcessedImage, image_inputs
+from agentloop.images import ProcessedImage, image_inputs, mrope_positions
 from agentloop.models.loading import vision_token_ids
 
 
@@ -148,8 +148,7 @@ class ImageLane:
         device = self.model.device
         ids = torch.tensor([prompt_ids], device=device)
         grid = torch.tensor([image.grid_thw for image in images], device=device)
-        mrope, _ = self.model.model.get_rope_index(ids, (ids == self.image_token_id).int(), grid)
-        positions = torch.cat([torch.arange(len(prompt_ids), device=device).view(1, 1, -1), mrope])  # [4, 1, L]
+        positions = mrope_positions(self.model, ids, grid)  # [4, 1, L]
         reuse, first_new_image = self._reusable(prompt_ids, images, entry)
         cache = entry.cache if reuse else DynamicCache(config=self.model.config)
         if cache.get_seq_length() > reuse:

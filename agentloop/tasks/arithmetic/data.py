@@ -9,12 +9,11 @@ The compute tool is ``calculator`` (the quick start) or the sandboxed ``python_e
 from __future__ import annotations
 
 import argparse
-import os
 import random
 from typing import Any
 
 from agentloop.models.cache import cache_root
-from agentloop.rows import write_rows
+from agentloop.rows import write_rows, write_rows_once
 
 SYSTEM = {
     "calculator": "Use the calculator tool to compute, then call submit_answer with the result.",
@@ -58,11 +57,7 @@ def cached_split(split: str, count: int, max_operand: int = 99, seed: int = 0, c
     """A cached parquet of ``make_rows(count, seed, split, max_operand, compute_tool)``, written on first use."""
     tool = "" if compute_tool == "calculator" else f"-{compute_tool}"  # the quick start's cache keeps its name
     path = cache_root() / "data" / f"arithmetic{tool}-{count}-{max_operand}-{seed}" / f"{split}.parquet"
-    if not path.exists():
-        rows = make_rows(count, seed, split, max_operand, compute_tool)
-        staging = write_rows(rows, str(path.with_suffix(f".{os.getpid()}.parquet")))
-        os.replace(staging, path)
-    return str(path)
+    return write_rows_once(path, lambda: make_rows(count, seed, split, max_operand, compute_tool))
 
 
 def main() -> None:

@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
-import os
 import random
 from typing import Any
 
 from PIL import Image, ImageDraw
 
 from agentloop.models.cache import cache_root
-from agentloop.rows import write_rows
+from agentloop.rows import write_rows, write_rows_once
 from agentloop.tasks.colours.reward import COLOURS
 
 ENV_CLASS = "agentloop.tasks.colours.env.ColoursEnv"
@@ -91,10 +90,7 @@ def cached_split(split: str, count: int, turns: int = 2, seed: int = 0) -> str:
     and colours too, so a change to the task never reads stale rows)."""
     design = hashlib.sha256(repr((SYSTEM, QUESTION, FOLLOW_UP, SIZES, _BASE)).encode()).hexdigest()[:8]
     path = cache_root() / "data" / f"colours-{count}-{turns}-{seed}-{design}" / f"{split}.parquet"
-    if not path.exists():
-        staging = write_rows(make_rows(count, seed, split, turns), str(path.with_suffix(f".{os.getpid()}.parquet")))
-        os.replace(staging, path)
-    return str(path)
+    return write_rows_once(path, lambda: make_rows(count, seed, split, turns))
 
 
 def main() -> None:
