@@ -6,7 +6,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import ray
@@ -22,6 +22,7 @@ from agentloop.router import RouterStats
 from agentloop.rows import check_row, verl_row_fields
 from agentloop.server_pool import ServerPool
 from agentloop.server.weights import PackedWeights
+from agentloop.streaming import GroupStream
 from agentloop.waiting import wait_for
 from agentloop.worker import AgentLoopWorker
 
@@ -52,7 +53,7 @@ class AgentLoopManager:
 
         self.pool = ServerPool(config, self._give_workers)
         self.worker_restarts = 0
-        self.workers = [self._start_worker() for _ in range(int(self.rollout.agent.num_workers))]
+        self.workers = [self.start_worker() for _ in range(int(self.rollout.agent.num_workers))]
         wait_for([worker.__ray_ready__.remote() for worker in self.workers], timeout, "agent loop workers to start")
 
     @property
@@ -65,7 +66,7 @@ class AgentLoopManager:
         """Each server's HTTP base URL (``rollout.http``; empty when off)."""
         return self.pool.addresses
 
-    def _start_worker(self) -> ray.actor.ActorHandle:
+    def start_worker(self) -> ray.actor.ActorHandle:
         return AgentLoopWorker.options(num_cpus=0).remote(self.config, self.servers)
 
     def _give_workers(self, rank: int, server: ray.actor.ActorHandle) -> None:
@@ -85,13 +86,7 @@ class AgentLoopManager:
         """
         if not rows:
             raise ValueError("generate_sequences needs at least one row")
-        samples = self._expand(rows, validate)
-        names = {sample["agent_name"] for sample in samples}
-        registered = self._agent_loops()
-        check_agent_names(names, registered)
-        # Only the loops this batch uses travel: an unrelated registration need not be importable remotely.
-        agent_loops = {name: registered[name] for name in names}
-        params = sampling_params(self.rollout, validate)
+        samples, agent_loops, params = self.prepare(rows, validate)
 
         self.pool.check()  # a server that died since the last call is replaced before this one starts
         start = time.perf_counter()
@@ -102,7 +97,7 @@ class AgentLoopManager:
         self.pool.check()  # servers that died during the rollout (their sessions were re-homed) are replaced now
         elapsed = time.perf_counter() - start
         batch = RolloutBatch.concat([part for part, _ in parts])
-        self._check_failures(batch)
+        self.check_failures(batch)
         batch.meta_info = rollout_metrics(batch, RouterStats.merge([stats for _, stats in parts]), elapsed)
         # supervision so far (cumulative): replaced and given-up servers, replaced workers
         batch.meta_info.update({
@@ -112,7 +107,22 @@ class AgentLoopManager:
         })
         return batch
 
-    def _check_failures(self, batch: RolloutBatch) -> None:
+    def prepare(self, rows: list[dict[str, Any]], validate: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+        """Rows checked and expanded into samples (``n`` per row, consecutive, one ``uid`` each), the specs of the
+        agent loops they name, and the sampling params."""
+        samples = self._expand(rows, validate)
+        names = {sample["agent_name"] for sample in samples}
+        registered = self._agent_loops()
+        check_agent_names(names, registered)
+        # Only the loops this batch uses travel: an unrelated registration need not be importable remotely.
+        return samples, {name: registered[name] for name in names}, sampling_params(self.rollout, validate)
+
+    def stream(self, steps: Iterator[list[dict[str, Any]]], groups_per_batch: int, max_staleness: int, capacity: int, version: int = 0) -> GroupStream:
+        """Roll out continuously: each item of ``steps`` is one training step's rows; finished GRPO groups wait
+        in a bounded buffer for ``GroupStream.take`` (see ``agentloop.streaming``)."""
+        return GroupStream(self, steps, groups_per_batch, max_staleness, capacity, version)
+
+    def check_failures(self, batch: RolloutBatch) -> None:
         """Raise with the first traceback when more than ``rollout.max_failed_sample_ratio`` of the samples failed."""
         failures = [extra["failure"] for extra in batch.non_tensor_batch["extra_fields"] if is_failed(extra)]
         limit = float(self.rollout.max_failed_sample_ratio)
@@ -150,7 +160,7 @@ class AgentLoopManager:
                 if reruns > 2 * len(chunks):
                     raise
                 logger.warning("agent-loop worker %d died (%s); rerunning its %d samples on a replacement", index, error, len(chunks[index]))
-                self.workers[index] = self._start_worker()
+                self.workers[index] = self.start_worker()
                 self.worker_restarts += 1
                 pending[submit(index)] = index
         return [results[index] for index in range(len(chunks))]

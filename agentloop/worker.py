@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -37,6 +38,9 @@ class AgentLoopWorker:
         slack = self.rollout.agent.group_affinity_slack
         self.router = Router(servers, request_timeout_s=self.rollout.request_timeout_s, group_affinity_slack=slack)
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._groups: dict[int, asyncio.Task] = {}  # streamed groups in flight
+        self._finished: list[tuple[int, RolloutBatch | Exception]] = []
+        self._group_done = asyncio.Event()
 
     async def generate_sequences(
         self, rows: list[dict[str, Any]], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
@@ -46,6 +50,43 @@ class AgentLoopWorker:
         Returns the padded batch and this worker's router counters for the call.
         """
         results = await asyncio.gather(*(self._run_one(row, sampling_params, agent_loops) for row in rows))
+        return self._pad(rows, results), self.router.take_stats()
+
+    # ------------------------------------------------------------------ streaming (agentloop.streaming)
+
+    async def start_group(
+        self, group_id: int, rows: list[dict[str, Any]], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
+    ) -> None:
+        """Start one GRPO group's samples; the padded group is handed out by ``finished_groups`` once all are done."""
+        async def run_group() -> None:
+            try:
+                results = await asyncio.gather(*(self._run_one(row, sampling_params, agent_loops) for row in rows))
+                self._finished.append((group_id, self._pad(rows, results)))
+            except Exception as error:  # padding failed: the stream raises it rather than wait for the group
+                self._finished.append((group_id, error))
+            self._groups.pop(group_id, None)
+            self._group_done.set()
+
+        self._groups[group_id] = asyncio.get_running_loop().create_task(run_group())
+
+    async def finished_groups(self, wait_s: float) -> tuple[list[tuple[int, RolloutBatch | Exception]], RouterStats]:
+        """The groups finished since the last call (a group whose padding failed: the error), waiting up to
+        ``wait_s`` for one; the router's counters."""
+        if not self._finished:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._group_done.wait(), wait_s)
+        finished, self._finished = self._finished, []
+        self._group_done.clear()
+        return finished, self.router.take_stats()
+
+    async def cancel_groups(self) -> int:
+        """Drop every group in flight (a stopping stream); how many."""
+        for task in self._groups.values():
+            task.cancel()
+        cancelled, self._groups = len(self._groups), {}
+        return cancelled
+
+    def _pad(self, rows: list[dict[str, Any]], results: list[tuple[AgentLoopOutput, float]]) -> RolloutBatch:
         outputs = [output for output, _ in results]
         batch = pad_outputs(outputs, self.rollout.prompt_length, self.rollout.response_length, self._pad_id, self.vision_model)
         non_tensor = {key: object_array([row.get(key) for row in rows]) for key in rows[0]}
@@ -54,7 +95,7 @@ class AgentLoopWorker:
         non_tensor["metrics"] = object_array([output.metrics for output in outputs])
         non_tensor["extra_fields"] = object_array([output.extra_fields for output in outputs])
         non_tensor["generate_time_s"] = object_array([seconds for _, seconds in results])
-        return RolloutBatch(batch, non_tensor), self.router.take_stats()
+        return RolloutBatch(batch, non_tensor)
 
     def replace_server(self, rank: int, server: ray.actor.ActorHandle) -> None:
         """Route to ``server`` for ``rank`` from now on (the manager replaced a dead one)."""

@@ -94,6 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. actor_rollout_ref.rollout.hf.num_blocks=4096")
     args = parser.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     config = compose_config(
@@ -102,6 +103,7 @@ def main() -> None:
             f"data.max_response_length={8 * TOKENS_PER_TURN}",
             "actor_rollout_ref.rollout.resources_per_server.CPU=2",
             "actor_rollout_ref.rollout.agent.num_workers=1",  # lock step needs every sample in one process
+            *args.overrides,
         ]
     )
     manager = AgentLoopManager(config)

@@ -1,4 +1,4 @@
-"""Shared fixtures: the test models (built once per session, before any test), and a local Ray per module."""
+"""Shared fixtures: the test models (built once per session, before any test), and a local Ray."""
 
 from __future__ import annotations
 
@@ -73,11 +73,24 @@ def vlm_path() -> str:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """A fresh local Ray instance for the module (logical CPUs so two servers fit on two cores)."""
-    if ray.is_initialized():
-        ray.shutdown()
-    # workers import the test helpers (tests.support) named in YAML files and configs
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    """A local Ray instance (logical CPUs so two servers fit on two cores), shared by consecutive modules
+    (starting one costs seconds) as long as each gives back every resource it took: a module that leaves
+    an actor behind hands the next one a fresh instance."""
+    if not ray.is_initialized():
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield
-    ray.shutdown()
+    if not ray.is_initialized():
+        return
+    deadline = time.monotonic() + 10  # killed actors give their resources back asynchronously
+    while _resources_held() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _resources_held():
+        ray.shutdown()
+
+
+def _resources_held() -> dict[str, float]:
+    """Resources (memory and the object store aside) some actor or task still holds."""
+    available = ray.available_resources()
+    return {key: total - available.get(key, 0.0) for key, total in ray.cluster_resources().items()
+            if "memory" not in key and available.get(key, 0.0) < total}

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agentloop import AgentLoopManager
-from agentloop.server.sglang_engine import SGLangEngine, build_generate_request
+from agentloop.server.sglang_engine import SGLangEngine
+from agentloop.server.sglang_requests import build_generate_request
 from tests.support.config import small_config
 from tests.support.sglang_contract import load_api_types
 
@@ -57,20 +58,47 @@ def test_generate_logprobs_and_finish_reasons(client, hf_manager):
     assert stopped.finish_reason == "stop" and stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(greedy.token_ids[1]) + 1]
 
 
+async def long_request_in_flight(client, server, session: str) -> asyncio.Task:
+    """A 4000-token request, once the engine has it."""
+    task = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 4000, "ignore_eos": True}, session))
+    deadline = time.monotonic() + 30
+    while await server.in_flight.remote() == 0:
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        await asyncio.sleep(0.05)
+    return task
+
+
 def test_abort(client, hf_manager):
     server = hf_manager.servers[0]
 
     async def scenario():
-        task = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 4000, "ignore_eos": True}, "long"))
         # abort once the request is in the engine (an abort that arrives first finds nothing to abort)
-        deadline = time.monotonic() + 30
-        while await server.in_flight.remote() == 0:
-            assert time.monotonic() < deadline, "the request never reached the engine"
-            await asyncio.sleep(0.05)
+        task = await long_request_in_flight(client, server, "long")
         await client.abort("long")
         return await asyncio.wait_for(task, 30)
 
     assert asyncio.run(scenario()).finish_reason == "abort"
+
+
+def test_a_weight_update_pauses_generation_and_interrupts_requests_in_flight(client, hf_manager):
+    server, path = hf_manager.servers[0], hf_manager.config.actor_rollout_ref.model.path
+    short = {"max_new_tokens": 4, "ignore_eos": True}
+
+    async def scenario():
+        task = await long_request_in_flight(client, server, "pushed")
+        await client.update_weights_from_disk(path)
+        interrupted = await asyncio.wait_for(task, 30)
+        # while paused, a new request waits for /continue_generation
+        await client._post("/pause_generation", {"mode": "in_place"})
+        waiting = asyncio.create_task(client.generate(PROMPT, short, "held"))
+        await asyncio.sleep(0.5)
+        held = not waiting.done()
+        await client._post("/continue_generation", {})
+        return interrupted, held, await asyncio.wait_for(waiting, 30)
+
+    interrupted, held, after = asyncio.run(scenario())
+    assert interrupted.finish_reason == "interrupted"  # SGLang's abort, which the router continues
+    assert held and after.finish_reason == "length" and len(after.token_ids) == 4
 
 
 def test_weight_update_from_disk_and_memory_release(client, hf_manager, tmp_path):

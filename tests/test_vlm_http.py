@@ -21,7 +21,8 @@ from agentloop.images import ProcessedImage, expand_image_pads, image_inputs, pr
 from agentloop.models.loading import load_processor, vision_token_ids
 from agentloop.server.http import build_app
 from agentloop.server.rollout_server import RolloutServer
-from agentloop.server.sglang_engine import SGLangEngine, build_generate_request
+from agentloop.server.sglang_engine import SGLangEngine
+from agentloop.server.sglang_requests import build_generate_request
 from tests.support.config import small_config
 from tests.support.sglang_contract import load_api_types
 

@@ -33,6 +33,10 @@ def check_config(config: DictConfig) -> None:
         raise ValueError(f"algorithm.adv_estimator={config.algorithm.adv_estimator!r}; choose grpo or gae")
     if int(config.async_training.max_staleness) < 0:
         raise ValueError(f"async_training.max_staleness={config.async_training.max_staleness}: a lag in policy versions, 0 (synchronous) or more")
+    buffer, batch = config.async_training.get("buffer_groups"), int(config.data.train_batch_size)
+    if buffer is not None and int(buffer) < batch:
+        raise ValueError(f"async_training.buffer_groups={buffer} cannot hold one batch of {batch} GRPO groups (data.train_batch_size); "
+                         f"set it to at least {batch}, or null for (1 + max_staleness) batches")
     if not config.data.train_files:
         raise ValueError("data.train_files is empty: name one or more .parquet / .jsonl files")
     ranks = world_size(config)

@@ -38,13 +38,14 @@ from agentloop.config import CONFIG_PACKAGE, composition_message
 from agentloop.metrics import spread
 from agentloop.preflight import check_job
 from agentloop.protocol import is_failed
+from agentloop.streaming import GroupStream
 from agentloop.tools.toolset import load_tool_set
 from agentloop.waiting import wait_for
 from trainer import algorithms, checkpoint
 from trainer.config_checks import check_config, warn_ignored_keys, world_size
 from trainer.data import BatchSampler, load_dataset
 from trainer.fsdp_workers import needs_reference, rank_gpus, start_workers
-from trainer.rollout_ahead import RolloutAhead, async_settings, staleness_metrics
+from trainer.async_training import async_settings, staleness_metrics
 from trainer.rollout_correction import RolloutCorrection, correct_batch
 from trainer.rollout_dump import RolloutDumps
 from trainer.tracking import Tracking, plot, summarize
@@ -78,7 +79,7 @@ class RayPPOTrainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
         self.max_staleness, self.partial_rollout, self.correction = async_settings(config, RolloutCorrection.from_config(config))
-        self.ahead: RolloutAhead | None = None  # the rollouts ahead of training, while an async run fits
+        self.stream: GroupStream | None = None  # the rollouts running ahead of training, while an async run fits
         self.dumps = RolloutDumps(config.trainer.rollout_data_dir, self.tokenizer) if config.trainer.rollout_data_dir else None
 
         with tqdm(total=2, desc="starting rollout servers and agent-loop workers", bar_format=STARTUP_BAR) as startup:
@@ -189,13 +190,16 @@ class RayPPOTrainer:
             metrics.update(_mean_over_ranks(self._on_ranks("update_policy", batch)))
         timing["train"] = time.perf_counter() - start - timing["gen"]  # scoring passes and updates
 
-        if self.ahead is None:
+        if self.stream is None:
             timing["weight_push"] = self._push_weights(step)
-        else:  # interrupting the rollout in flight (partial rollouts), or waiting for it to end
+        else:  # interrupting the requests in flight (partial rollouts), or once none is in flight
             push_start = time.perf_counter()
-            ranks_idle_s += self.ahead.push(functools.partial(self._push_weights, step), version=step)
+            with contextlib.nullcontext() if self.partial_rollout else self.stream.drained(float(config.trainer.step_timeout_s)):
+                ranks_idle_s += time.perf_counter() - push_start
+                self._push_weights(step)
+            self.stream.set_version(step)
             timing["weight_push"] = time.perf_counter() - push_start
-        if config.actor_rollout_ref.rollout.free_cache_engine and self.ahead is None:
+        if config.actor_rollout_ref.rollout.free_cache_engine and self.stream is None:
             self.manager.wake_up()
         if self.dumps is not None:
             arrays = {key: batch[key] for key in ("old_log_probs", "ref_log_probs", "rollout_is_weights", "advantages") if key in batch.keys()}
@@ -270,19 +274,16 @@ class RayPPOTrainer:
             first_batch = self.sampler.position
             batch_of = lambda step: self.sampler.batch(first_batch + step - done - 1)  # noqa: E731
             if self.max_staleness:
-                self.ahead = RolloutAhead(
-                    lambda step: self.manager.generate_sequences([self.rows[i] for i in batch_of(step)]),
-                    done + 1, self.total_steps, self.max_staleness, version=done,
-                    partial_rollout=self.partial_rollout,
-                    timeout_s=float(self.config.actor_rollout_ref.rollout.generate_timeout_s),
-                )
+                steps = ([self.rows[i] for i in batch_of(step)] for step in range(done + 1, self.total_steps + 1))
+                groups = int(self.config.data.train_batch_size)  # one GRPO group per row
+                buffer = int(self.config.async_training.buffer_groups or (1 + self.max_staleness) * groups)
+                self.stream = self.manager.stream(steps, groups, self.max_staleness, buffer, version=done)
             for step in range(done + 1, self.total_steps + 1):
-                metrics = self.step(step, batch_of(step)) if self.ahead is None else self._learn_ahead(step)
+                metrics = self.step(step, batch_of(step)) if self.stream is None else self._learn_streamed(step)
                 self.sampler.position = first_batch + step - done  # trained batches: where a resume continues
                 last = step == self.total_steps
                 if self.val_rows and int(trainer.test_freq) > 0 and (step % int(trainer.test_freq) == 0 or last):
-                    with self.ahead.lane if self.ahead else contextlib.nullcontext():  # the servers between rollouts
-                        metrics.update(self._validate_showing(progress))
+                    metrics.update(self._validate_showing(progress))  # beside the stream's rollouts, if any
                 # logged first: a run killed between the two resumes from the previous checkpoint and
                 # drops this line, rather than resuming after a step it never logged
                 tracking.log(metrics, step)
@@ -290,8 +291,8 @@ class RayPPOTrainer:
                     self.save_checkpoint(step)
                 progress.update(1)
         finally:
-            if self.ahead is not None:
-                self.ahead.stop()
+            if self.stream is not None:
+                self.stream.stop()
             progress.close()
             tracking.close()
             if self.dumps is not None:
@@ -300,12 +301,12 @@ class RayPPOTrainer:
             summarize(tracking.history, plot(tracking.history, self.output_dir / "training_curves.png"))
         return tracking.history
 
-    def _learn_ahead(self, step: int) -> dict[str, float]:
-        """An async step: train on the batch the servers generated ahead, and push between two rollouts."""
-        start, busy = time.perf_counter(), self.ahead.busy_s()
-        rollout = self.ahead.take(step)
+    def _learn_streamed(self, step: int) -> dict[str, float]:
+        """An async step: train on the first groups the stream finished (none older than the staleness bound)."""
+        start, busy = time.perf_counter(), self.stream.busy_s()
+        rollout = self.stream.take(step - 1 - self.max_staleness, float(self.config.actor_rollout_ref.rollout.generate_timeout_s))
         metrics = self.learn(step, rollout, start, ranks_idle_s=time.perf_counter() - start)
-        metrics["perf/idle_share/servers"] = 1 - (self.ahead.busy_s() - busy) / (time.perf_counter() - start)
+        metrics["perf/idle_share/servers"] = 1 - (self.stream.busy_s() - busy) / (time.perf_counter() - start)
         return metrics
 
     def _validate_showing(self, progress: tqdm) -> dict[str, float]:

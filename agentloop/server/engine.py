@@ -49,7 +49,8 @@ class Engine(Protocol):
         """Abort the session's in-flight requests (they return ``finish_reason='abort'``); how many."""
 
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
-        """Load new weights in place and flush the prefix cache; how many tensors were loaded."""
+        """Load new weights in place and flush the prefix cache; how many tensors were loaded. Requests in
+        flight end ``interrupted`` with the tokens they have (the router continues them under the new weights)."""
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Load the weights of a checkpoint directory in place and flush the prefix cache."""

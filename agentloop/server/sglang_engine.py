@@ -14,18 +14,13 @@ and one session may have several calls in flight; ``abort(session)`` aborts ever
 Calls share one HTTP connection pool per event loop (an ``aiohttp`` session is bound to the loop
 that opened it), so a turn does not pay for a new connection.
 
-Images travel as ``image_data`` (PNG data URIs, in order) with ONE ``<|image_pad|>`` per image in
-``input_ids``: SGLang runs the model directory's processor itself and keeps caller ids verbatim only in
-that form (it re-tokenizes ids that hold expanded pads). The trajectory's ids hold the expanded pads,
-so each image's run is collapsed before sending, and SGLang's ``meta_info.prompt_tokens`` must come back
-as the expanded length: otherwise its processor sized an image differently and the logprobs belong to
-other ids, which fails the call.
+Request bodies and answers are in ``sglang_requests`` (images included).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
+import contextlib
 import functools
 import itertools
 import os
@@ -35,7 +30,7 @@ import tempfile
 import time
 from collections import defaultdict, deque
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, AsyncIterator, Iterable, Mapping
 
 import aiohttp
 import torch
@@ -43,103 +38,9 @@ from omegaconf import DictConfig
 from transformers import AutoConfig
 
 from agentloop.images import ProcessedImage
-from agentloop.protocol import TokenOutput, validate_sampling_params
+from agentloop.protocol import TokenOutput
+from agentloop.server.sglang_requests import build_generate_request, check_prompt_tokens, parse_generate_response
 
-# Sent on every request: ids in and out, stop tokens kept, so the trajectory holds exactly what was sampled.
-FIXED_SAMPLING = {"skip_special_tokens": False, "no_stop_trim": True}
-
-
-def build_generate_request(
-    prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
-    images: list[ProcessedImage] | None = None, *, image_pad_id: int | None = None,
-) -> dict[str, Any]:
-    """SGLang ``/generate`` body for one token-in/token-out turn.
-
-    ``images``: the prompt's images in order, each filling its ``num_tokens`` pads (``image_pad_id``) in
-    ``prompt_ids``; they go as PNG data URIs in ``image_data``, each run of pads collapsed to one.
-    """
-    params = validate_sampling_params(sampling_params)
-    sampling = {
-        "max_new_tokens": int(params["max_new_tokens"]),
-        "temperature": float(params["temperature"]),
-        "top_p": float(params["top_p"]),
-        "top_k": int(params["top_k"]),
-        "ignore_eos": bool(params["ignore_eos"]),
-        **FIXED_SAMPLING,
-    }
-    if params["stop_token_ids"]:
-        sampling["stop_token_ids"] = [int(token) for token in params["stop_token_ids"]]
-    request = {"input_ids": list(prompt_ids), "sampling_params": sampling, "return_logprob": True, "rid": request_id, "stream": False}
-    if images:
-        if image_pad_id is None:
-            raise ValueError("a request with images needs image_pad_id (the model's <|image_pad|> token id)")
-        request["input_ids"] = collapse_image_pads(prompt_ids, images, image_pad_id)
-        request["image_data"] = [png_data_uri(image.png) for image in images]
-    return request
-
-
-def png_data_uri(png: bytes) -> str:
-    """``data:image/png;base64,...``: a form every SGLang version reads from ``image_data``."""
-    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
-
-
-def collapse_image_pads(ids: list[int], images: list[ProcessedImage], pad_id: int) -> list[int]:
-    """``ids`` with each image's run of ``num_tokens`` pads replaced by one pad, as SGLang takes them
-    (the inverse of ``agentloop.images.expand_image_pads``)."""
-    expected = [image.num_tokens for image in images]
-    if ids.count(pad_id) != sum(expected):
-        raise ValueError(
-            f"the prompt has {ids.count(pad_id)} image pad token(s) but its {len(images)} image(s) fill {sum(expected)} "
-            f"({expected}): prompt ids must hold each image's expanded pads (agentloop.images.expand_image_pads)"
-        )
-    collapsed: list[int] = []
-    position, image = 0, 0
-    while position < len(ids):
-        if ids[position] != pad_id:
-            collapsed.append(ids[position])
-            position += 1
-            continue
-        run = ids[position : position + expected[image]]
-        if run.count(pad_id) != len(run):
-            raise ValueError(
-                f"image {image} needs {expected[image]} consecutive pad tokens at position {position}, "
-                "but the run there is shorter: prompt ids must hold each image's expanded pads in order"
-            )
-        collapsed.append(pad_id)
-        position += expected[image]
-        image += 1
-    return collapsed
-
-
-def check_prompt_tokens(body: dict[str, Any], expected: int, images: list[ProcessedImage], model_path: str) -> None:
-    """Fail unless SGLang counted ``expected`` prompt tokens (the trajectory's ids, image pads expanded).
-
-    SGLang expands each image's pad with its own processor; another count means its processor sizes
-    images differently, so the returned tokens were sampled after other ids than the trajectory holds.
-    """
-    meta = body.get("meta_info") or {}
-    if not body.get("output_ids") and (meta.get("finish_reason") or {}).get("type") == "abort":
-        return  # aborted before any token: nothing was sampled, and the prompt may not have been counted yet
-    counted = int(meta.get("prompt_tokens", -1))
-    if counted != expected:
-        raise RuntimeError(
-            f"SGLang counted {counted} prompt tokens, but the trajectory's prompt has {expected} with its "
-            f"{len(images)} image(s) expanded to {[image.num_tokens for image in images]} pads by the processor of "
-            f"{model_path}: the server's image processor sizes images differently (another model directory or "
-            "preprocessor_config.json, or other min_pixels/max_pixels); serve the same checkpoint as "
-            "actor_rollout_ref.model.path"
-        )
-
-
-def parse_generate_response(body: dict[str, Any]) -> TokenOutput:
-    """``output_ids``, ``meta_info.output_token_logprobs``, finish reason and cached tokens."""
-    meta = body.get("meta_info") or {}
-    ids = list(body.get("output_ids") or [])
-    logprobs = [float(entry[0]) if entry[0] is not None else 0.0 for entry in meta.get("output_token_logprobs") or []]
-    if len(logprobs) != len(ids):
-        raise ValueError(f"SGLang returned {len(ids)} output ids but {len(logprobs)} logprobs")
-    reason = (meta.get("finish_reason") or {}).get("type", "abort")
-    return TokenOutput(ids, logprobs, reason if reason in ("stop", "length") else "abort", int(meta.get("cached_tokens", 0)))
 
 
 def launch_args(config: DictConfig, rank: int) -> list[str]:
@@ -193,6 +94,8 @@ class SGLangEngine:
         self._http: aiohttp.ClientSession | None = None
         self._http_loop: asyncio.AbstractEventLoop | None = None
         self._sleeping = False
+        self._pausing = False  # a weight update has paused generation (and aborted the requests in flight)
+        self._interrupted: set[str] = set()  # rids in flight while it did: their ``abort`` means ``interrupted``
         if url:
             self.http_url = url.rstrip("/")
         else:
@@ -320,12 +223,18 @@ class SGLangEngine:
         rid = f"{request_id}#{next(self._call_counter)}"
         request = build_generate_request(prompt_ids, sampling_params, rid, images, image_pad_id=self.image_pad_id if images else None)
         self._rids_by_session[request_id].add(rid)
+        if self._pausing:
+            self._interrupted.add(rid)
         try:
             body = await self._post("/generate", request)
             if images:
                 check_prompt_tokens(body, len(prompt_ids), images, self.model_path)
-            return parse_generate_response(body)
+            output = parse_generate_response(body)
+            if output.finish_reason == "abort" and rid in self._interrupted:
+                output.finish_reason = "interrupted"  # the router continues it under the new weights
+            return output
         finally:
+            self._interrupted.discard(rid)
             self._rids_by_session[request_id].discard(rid)
             if not self._rids_by_session[request_id]:
                 del self._rids_by_session[request_id]
@@ -343,7 +252,8 @@ class SGLangEngine:
     # ------------------------------------------------------------------ weights and memory
 
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
-        """In-place update between ``begin_weight_update`` and ``end_weight_update``, then flush the cache.
+        """In-place update between ``begin_weight_update`` and ``end_weight_update``, then flush the cache, with
+        generation paused: requests in flight end ``interrupted`` with their tokens so far.
 
         Tensors travel with SGLang's own serializer as CUDA IPC handles: they are copied to this
         actor's GPU (the one its SGLang server uses) first, and each tensor-parallel rank gets the same
@@ -362,22 +272,41 @@ class SGLangEngine:
         torch.cuda.synchronize()
         payload = MultiprocessingSerializer.serialize(on_gpu, output_str=True)
         body = {"serialized_named_tensors": [payload] * self.tensor_parallel_size, "flush_cache": False}
-        await self._post("/begin_weight_update", {})
-        try:
-            await self._post("/update_weights_from_tensor", body)
-        finally:
-            await self._post("/end_weight_update", {})
-        await self.flush_cache()
+        async with self._generation_paused():
+            await self._post("/begin_weight_update", {})
+            try:
+                await self._post("/update_weights_from_tensor", body)
+            finally:
+                await self._post("/end_weight_update", {})
+            await self.flush_cache()
         return len(named_tensors)
 
     async def update_weights_from_disk(self, model_path: str) -> None:
-        """Load a checkpoint directory the server can read, between begin/end, then flush the cache."""
-        await self._post("/begin_weight_update", {})
+        """Load a checkpoint directory the server can read, between begin/end, then flush the cache (requests in
+        flight end ``interrupted``, as with ``update_weights``)."""
+        async with self._generation_paused():
+            await self._post("/begin_weight_update", {})
+            try:
+                await self._post("/update_weights_from_disk", {"model_path": model_path})
+            finally:
+                await self._post("/end_weight_update", {})
+            await self.flush_cache()
+
+    @contextlib.asynccontextmanager
+    async def _generation_paused(self) -> AsyncIterator[None]:
+        """SGLang's ``/pause_generation`` in ``abort`` mode around a weight update: the requests in flight come
+        back at once with the tokens they have (``interrupted``: the router continues them under the new
+        weights) and new ones wait in SGLang until ``/continue_generation``."""
+        self._pausing = True
+        self._interrupted.update(rid for rids in self._rids_by_session.values() for rid in rids)
         try:
-            await self._post("/update_weights_from_disk", {"model_path": model_path})
+            await self._post("/pause_generation", {"mode": "abort"})
+            yield
         finally:
-            await self._post("/end_weight_update", {})
-        await self.flush_cache()
+            try:
+                await self._post("/continue_generation", {})
+            finally:
+                self._pausing = False
 
     async def flush_cache(self) -> None:
         await self._post("/flush_cache", {})

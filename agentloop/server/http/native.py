@@ -15,7 +15,7 @@ import binascii
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -48,6 +48,13 @@ class GenerateBody(BaseModel):
 class AbortBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rid: str
+
+
+class PauseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # abort: requests in flight end now (here with no tokens: the engine's abort keeps none); in_place and
+    # retract keep them, and the next weight update interrupts them with the tokens they have
+    mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
 class WeightsFromDiskBody(BaseModel):
@@ -142,6 +149,9 @@ def native_routes(server: Any, tokenizer: PreTrainedTokenizerBase, images: Serve
     ``image_data`` is read (default: refused, a text-only model)."""
     router = APIRouter()
     images = images or ServerImages(None, tokenizer)
+    generating = asyncio.Event()  # cleared while /pause_generation holds new requests back
+    generating.set()
+    in_flight: set[str] = set()
 
     @router.get("/health_generate")
     async def health_generate() -> dict[str, str]:
@@ -159,8 +169,13 @@ def native_routes(server: Any, tokenizer: PreTrainedTokenizerBase, images: Serve
         processed = await images.process(image_data_items(body.image_data), "image_data")
         ids = images.expand(ids, processed, "input_ids (one image pad per image_data item)")
         rid = body.rid or uuid.uuid4().hex
+        await generating.wait()
         start = time.perf_counter()
-        output = await server.generate(ids, params, rid, images=processed or None)
+        in_flight.add(rid)
+        try:
+            output = await server.generate(ids, params, rid, images=processed or None)
+        finally:
+            in_flight.discard(rid)
         meta: dict[str, Any] = {
             "id": rid,
             "prompt_tokens": len(ids),
@@ -180,6 +195,18 @@ def native_routes(server: Any, tokenizer: PreTrainedTokenizerBase, images: Serve
             message = f"no request with rid {body.rid!r} is in flight (finished, already aborted, or never sent)"
             return JSONResponse(status_code=404, content={"aborted": 0, "error": {"message": message, "code": 404}})
         return JSONResponse({"aborted": aborted})
+
+    @router.post("/pause_generation")
+    async def pause_generation(body: PauseBody) -> dict[str, str]:
+        generating.clear()
+        if body.mode == "abort":
+            await asyncio.gather(*(server.abort(rid) for rid in list(in_flight)))
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @router.post("/continue_generation")
+    async def continue_generation() -> dict[str, str]:
+        generating.set()
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     # Weight and memory control in SGLang's shapes, so the sglang backend's client can drive this server.
     @router.post("/begin_weight_update")

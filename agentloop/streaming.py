@@ -1,0 +1,277 @@
+"""Streaming rollouts: rows go in, finished GRPO groups come out, with no batch boundary between steps.
+
+A daemon thread keeps the agent-loop workers busy: each group (one row's ``n`` samples, all on one
+worker, so its router keeps them on one server) starts as soon as three limits allow it, and is handed
+back padded once all of its samples are done, into a bounded buffer that ``take`` empties batch by batch.
+
+- **Staleness.** Group ``i`` of the stream belongs to the stream's step ``i // groups_per_batch``, which
+  trains policy version ``version + i // groups_per_batch``; it starts only once the servers hold a
+  version at most ``max_staleness`` behind that one (AReaL's rule), so the rollout pauses rather than
+  run ever further ahead of a trainer that falls behind.
+- **Capacity.** Buffered plus in-flight groups never exceed ``capacity``.
+- **Holds.** ``drained()`` starts nothing new and waits for the groups in flight (a weight push that must
+  not interrupt any request).
+
+A group may still finish later than its step (a slow tool call while other groups overtake it); one that
+``take`` finds older than its ``min_version`` is dropped and its row regenerated, never trained on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from agentloop.batch import RolloutBatch, object_array
+from agentloop.metrics import rollout_metrics
+from agentloop.router import RouterStats
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how long a worker holds a poll for finished groups
+
+
+@dataclass
+class Group:
+    """One row's samples in flight: where, since which policy version, with what."""
+
+    id: int
+    samples: list[dict[str, Any]]
+    agent_loops: dict[str, Any]
+    sampling_params: dict[str, Any]
+    worker: int = -1
+    version: int = -1
+    new: bool = True  # False for a regeneration (it does not count against the staleness gate again)
+
+
+class GroupStream:
+    """Continuous rollouts over a manager's workers (``AgentLoopManager.stream`` builds one).
+
+    ``steps`` yields one training step's rows at a time; ``take`` returns the next ``groups_per_batch``-sized
+    batch of finished groups; ``set_version`` tells the stream which policy the servers hold.
+    """
+
+    def __init__(
+        self, manager: Any, steps: Iterator[list[dict[str, Any]]], groups_per_batch: int, max_staleness: int,
+        capacity: int, version: int = 0,
+    ) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if capacity < groups_per_batch:
+            raise ValueError(
+                f"a stream buffer of {capacity} groups cannot hold one batch of {groups_per_batch} groups "
+                "(async_training.buffer_groups must be at least data.train_batch_size)"
+            )
+        self.manager = manager
+        self.groups_per_batch = groups_per_batch
+        self.max_staleness = max_staleness
+        self.capacity = capacity
+        self.version = version  # the policy version the servers hold
+        self._first_version = version
+        self._steps = steps
+        self._steps_left = True
+        self._queued: deque[Group] = deque()  # groups prepared, not started (regenerations first)
+        self._started = 0  # new groups started so far
+        self._next_id = 0
+        self._in_flight: dict[int, Group] = {}
+        self._buffer: list[tuple[Group, RolloutBatch]] = []
+        self._stats: list[RouterStats] = []
+        self._regenerated = 0
+        self._holds = 0
+        self._busy_s, self._busy_since = 0.0, None
+        self._last_take = time.perf_counter()
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="group-stream", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the trainer's side
+
+    def take(self, min_version: int, timeout_s: float) -> RolloutBatch:
+        """The next batch: ``groups_per_batch`` finished groups, in the order they finished, none with a token
+        older than ``min_version`` (older ones are dropped and regenerated); waits up to ``timeout_s``."""
+        self.manager.pool.check()  # a server that died is replaced (its sessions were re-homed already)
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                if self._error is not None:
+                    raise RuntimeError(f"the rollout stream failed: {self._error!r}") from self._error
+                self._drop_older_than(min_version)
+                if len(self._buffer) >= self.groups_per_batch:
+                    break
+                if not (self._steps_left or self._queued or self._in_flight):
+                    raise RuntimeError(f"the rows ran out: {len(self._buffer)} finished groups left, a batch needs {self.groups_per_batch}")
+                if deadline <= time.monotonic():
+                    raise TimeoutError(
+                        f"timed out after {timeout_s:.0f}s waiting for {self.groups_per_batch} finished groups ({len(self._buffer)} "
+                        f"ready, {len(self._in_flight)} in flight; actor_rollout_ref.rollout.generate_timeout_s)"
+                    )
+                self._changed.wait(min(1.0, deadline - time.monotonic()))
+            taken, self._buffer = self._buffer[: self.groups_per_batch], self._buffer[self.groups_per_batch :]
+            stats, self._stats = RouterStats.merge(self._stats) if self._stats else RouterStats([]), []
+            regenerated, self._regenerated = self._regenerated, 0
+            buffered = len(self._buffer)
+            self._changed.notify_all()
+        batch = RolloutBatch.concat([group_batch for _, group_batch in taken])
+        self.manager.check_failures(batch)
+        now = time.perf_counter()
+        batch.meta_info = {
+            **rollout_metrics(batch, stats, now - self._last_take),
+            "async/regenerated_groups": regenerated,
+            "async/buffered_groups": buffered,
+        }
+        self._last_take = now
+        return batch
+
+    def set_version(self, version: int) -> None:
+        """The servers now hold policy ``version``: groups of later steps may start."""
+        with self._changed:
+            self.version = version
+            self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def drained(self, timeout_s: float) -> Iterator[None]:
+        """Start no group and wait (up to ``timeout_s``) until none is in flight, for the ``with`` block."""
+        with self._changed:
+            self._holds += 1
+            try:
+                if not self._changed.wait_for(lambda: not self._in_flight or self._error is not None, timeout_s):
+                    raise TimeoutError(f"{len(self._in_flight)} groups were still in flight after {timeout_s:.0f}s")
+            except BaseException:
+                self._holds -= 1
+                raise
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._holds -= 1
+                self._changed.notify_all()
+
+    def busy_s(self) -> float:
+        """Seconds so far with at least one group in flight (the servers' busy time)."""
+        with self._changed:
+            return self._busy_s + (time.perf_counter() - self._busy_since if self._busy_since is not None else 0.0)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Start nothing more and drop the groups in flight (their workers cancel them)."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        self._thread.join(timeout_s)
+        with contextlib.suppress(Exception):
+            ray.get([worker.cancel_groups.remote() for worker in self.manager.workers], timeout=timeout_s)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        polls: dict[ray.ObjectRef, int] = {}  # one outstanding poll per worker with groups in flight
+        try:
+            while not self._stopping:
+                self._start_groups()
+                busy = {group.worker for group in self._in_flight.values()} - set(polls.values())
+                for index in busy:
+                    polls[self.manager.workers[index].finished_groups.remote(POLL_S)] = index
+                if not polls:
+                    with self._changed:
+                        self._changed.wait(0.1)
+                    continue
+                ready, _ = ray.wait(list(polls), num_returns=1, timeout=0.1)
+                for ref in ready:
+                    self._receive(ref, polls.pop(ref))
+        except BaseException as error:  # handed to take(), which raises it
+            logger.exception("the rollout stream failed")
+            with self._changed:
+                self._error = error
+                self._changed.notify_all()
+
+    def _start_groups(self) -> None:
+        starting = []
+        with self._changed:
+            while not self._holds and len(self._buffer) + len(self._in_flight) < self.capacity:
+                group = self._next_group()
+                if group is None:
+                    break
+                counts = [0] * len(self.manager.workers)
+                for other in self._in_flight.values():
+                    counts[other.worker] += 1
+                group.worker, group.version = counts.index(min(counts)), self.version
+                self._started += group.new
+                group.new = False
+                self._in_flight[group.id] = group
+                starting.append(group)
+            if self._in_flight and self._busy_since is None:
+                self._busy_since = time.perf_counter()
+        for group in starting:
+            self.manager.workers[group.worker].start_group.remote(group.id, group.samples, group.sampling_params, group.agent_loops)
+
+    def _next_group(self) -> Group | None:
+        """The next group allowed to start: a regeneration, or a new one the staleness gate admits."""
+        if self._queued and not self._queued[0].new:
+            return self._queued.popleft()
+        step = self._started // self.groups_per_batch  # the stream's step the next new group belongs to
+        if self.version < self._first_version + step - self.max_staleness:
+            return None
+        if not self._queued and self._steps_left:
+            rows = next(self._steps, None)
+            if rows is None:
+                self._steps_left = False
+            else:
+                samples, agent_loops, params = self.manager.prepare(rows)
+                for uid in dict.fromkeys(sample["uid"] for sample in samples):
+                    self._queued.append(Group(self._next_id, [s for s in samples if s["uid"] == uid], agent_loops, params))
+                    self._next_id += 1
+        return self._queued.popleft() if self._queued else None
+
+    def _receive(self, ref: ray.ObjectRef, worker: int) -> None:
+        try:
+            finished, stats = ray.get(ref)
+        except RayActorError as error:
+            lost = [group for group in self._in_flight.values() if group.worker == worker]
+            logger.warning("agent-loop worker %d died (%s); restarting its %d groups on a replacement", worker, error, len(lost))
+            self.manager.workers[worker] = self.manager.start_worker()
+            self.manager.worker_restarts += 1
+            for group in lost:
+                self.manager.workers[worker].start_group.remote(group.id, group.samples, group.sampling_params, group.agent_loops)
+            return
+        with self._changed:
+            self._stats.append(stats)
+            for group_id, result in finished:
+                if isinstance(result, Exception):
+                    raise result
+                group = self._in_flight.pop(group_id)
+                result.non_tensor_batch["policy_version"] = object_array([group.version] * len(result))
+                self._buffer.append((group, result))
+            if not self._in_flight and self._busy_since is not None:
+                self._busy_s += time.perf_counter() - self._busy_since
+                self._busy_since = None
+            self._changed.notify_all()
+
+    def _drop_older_than(self, min_version: int) -> None:
+        stale = [entry for entry in self._buffer if int(oldest_versions(entry[1]).min()) < min_version]
+        for group, _ in stale:
+            logger.info("group %d (policy version %d) is older than version %d: regenerating it", group.id, group.version, min_version)
+            for sample in group.samples:  # a fresh session per sample: nothing of the stale one is reused
+                sample["request_id"] = str(uuid.uuid4())
+            self._queued.appendleft(group)
+        self._buffer = [entry for entry in self._buffer if all(entry is not old for old in stale)]
+        self._regenerated += len(stale)
+
+
+def oldest_versions(batch: RolloutBatch) -> torch.Tensor:
+    """Each sample's oldest policy version: its oldest model token's (``rollout_policy_versions``), or the
+    batch's ``policy_version`` stamp where no token's version is known."""
+    versions = batch.batch["rollout_policy_versions"]
+    known = versions >= 0
+    stamped = torch.tensor([int(version) for version in batch.non_tensor_batch["policy_version"]])
+    oldest = versions.masked_fill(~known, torch.iinfo(versions.dtype).max).min(-1).values
+    return torch.where(known.any(-1), oldest, stamped)

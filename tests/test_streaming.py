@@ -1,0 +1,88 @@
+"""The rollout stream on real Ray, workers and the hf engine: GRPO groups start as far ahead as the staleness
+bound allows and no further, come out as soon as they finish (a slow one is overtaken), and a group that
+finished too late for the batch taking it is regenerated under the current policy, never handed out."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+import agentloop.testing  # noqa: F401  (registers fixed_length)
+from agentloop import AgentLoopManager
+from agentloop.streaming import GroupStream, oldest_versions
+from tests.support.config import small_config
+
+SLOW = (0, 0)  # step 0's first row waits this long before generating
+SLOW_S = 3.0
+
+
+def row(step: int, position: int) -> dict:
+    delay = SLOW_S if (step, position) == SLOW else 0.0
+    return {"prompt": [{"role": "user", "content": f"step {step} row {position}"}], "agent_name": "fixed_length",
+            "extra_info": {"length": 4, "delay_s": delay, "index": f"{step}.{position}"}}
+
+
+def groups_of(batch) -> list[tuple[str, int, int]]:
+    """(row, the version its group started at, its oldest token's version) per group, checking that a group's
+    two samples are contiguous and share the row and the start."""
+    uids, rows, versions = (batch.non_tensor_batch[key] for key in ("uid", "index", "policy_version"))
+    oldest = oldest_versions(batch)
+    groups = []
+    for start in range(0, len(batch), 2):
+        assert len({uids[start], uids[start + 1]}) == 1 and rows[start] == rows[start + 1] and versions[start] == versions[start + 1]
+        groups.append((rows[start], int(versions[start]), int(oldest[start : start + 2].min())))
+    return groups
+
+
+def test_the_stream_runs_ahead_within_the_bound_and_regenerates_late_groups(local_ray, model_path):
+    manager = AgentLoopManager(small_config("actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.agent.num_workers=2"))
+    pulled: list[int] = []
+
+    def steps():
+        for step in range(4):
+            pulled.append(step)
+            yield [row(step, 0), row(step, 1)]
+
+    stream = manager.stream(steps(), groups_per_batch=2, max_staleness=1, capacity=4, version=0)
+    try:
+        # step 1 trains version 0: the first two groups to finish, the slow one overtaken
+        first = groups_of(stream.take(min_version=-1, timeout_s=60))
+        assert len(first) == 2 and "0.0" not in {name for name, _, _ in first} and {v for _, start, oldest in first for v in (start, oldest)} == {0}
+        time.sleep(0.5)
+        assert pulled == [0, 1]  # version 0 admits the stream's steps 0 and 1 (max_staleness=1), not step 2
+
+        weights = AutoModelForCausalLM.from_pretrained(model_path).state_dict()
+        for version in (1, 2):  # the trainer pushed twice: version 0's two unclaimed groups are now too old
+            manager.update_weights(weights, version=version)
+            stream.set_version(version)
+        taken = [*first]
+        regenerated = 0
+        for _ in range(3):
+            batch = stream.take(min_version=1, timeout_s=60)
+            regenerated += batch.meta_info["async/regenerated_groups"]
+            groups = groups_of(batch)
+            assert all(oldest >= 1 for _, _, oldest in groups)  # no token older than the bound
+            taken += groups
+        assert pulled == [0, 1, 2, 3]
+        assert sorted(name for name, _, _ in taken) == sorted(f"{step}.{i}" for step in range(4) for i in range(2))  # each row once
+        # the third quick group of version 0 (and the slow one, had it generated before the pushes) came back
+        # regenerated: started again at version 2. The slow one's tokens are of version 2 either way.
+        again = [name for name, start, _ in taken[2:] if name[0] in "01" and start == 2]
+        assert regenerated == len(again) >= 1 and dict((name, oldest) for name, _, oldest in taken)["0.0"] == 2
+        stream.set_version(3)  # admits a fifth step, which the rows do not have
+        with pytest.raises(RuntimeError, match="the rows ran out"):
+            stream.take(min_version=1, timeout_s=10)
+        with stream.drained(timeout_s=10):
+            assert stream.busy_s() > 0
+    finally:
+        stream.stop()
+        manager.shutdown()
+
+
+def test_a_buffer_smaller_than_a_batch_is_refused():
+    with pytest.raises(ValueError, match="cannot hold one batch of 4 groups .*buffer_groups"):
+        GroupStream(None, iter([]), groups_per_batch=4, max_staleness=1, capacity=3)
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        GroupStream(None, iter([]), groups_per_batch=4, max_staleness=-1, capacity=8)

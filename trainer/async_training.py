@@ -1,0 +1,74 @@
+"""Asynchronous training: the rollout servers keep generating while the FSDP ranks train.
+
+With ``async_training.max_staleness`` = K ≥ 1 the trainer reads its batches from a rollout stream
+(``agentloop.streaming``): GRPO groups run continuously, up to K steps ahead (step s trains policy
+version s - 1, and its groups may start from version s - 1 - K on), and each step takes the first
+``data.train_batch_size`` groups to finish. With ``async_training.partial_rollout`` (the default) a
+weight push interrupts the requests in flight: the servers load the new weights and the routers continue
+each request from the tokens it has, so one trajectory may hold tokens of several versions (each
+token's version is in ``rollout_policy_versions``). Without it, a push waits until no group is in flight
+and every sample comes from one version. Either way no token lags the policy it trains by more than K
+versions: a group that finished too late for that is regenerated, never trained on.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import replace
+
+import torch
+from omegaconf import DictConfig
+
+from agentloop.batch import RolloutBatch
+from agentloop.streaming import oldest_versions
+from trainer.rollout_correction import RolloutCorrection
+
+logger = logging.getLogger(__name__)
+
+
+def async_settings(config: DictConfig, correction: RolloutCorrection) -> tuple[int, bool, RolloutCorrection]:
+    """``async_training.max_staleness`` and ``partial_rollout`` as this run can use them, and the rollout
+    correction it trains with.
+
+    Servers that sleep while the ranks train (``rollout.free_cache_engine=true``, the colocated layout)
+    cannot generate meanwhile: the run then trains synchronously and says so. Samples of an older policy
+    need the off-policy correction: without one configured, token-level truncated importance weights are
+    turned on (decoupled PPO: clip against the re-scored old log-probs, weight by their ratio to the
+    rollout's, truncated at ``rollout_is_threshold``).
+    """
+    max_staleness = int(config.async_training.max_staleness)
+    partial_rollout = bool(config.async_training.partial_rollout)
+    if max_staleness and config.actor_rollout_ref.rollout.free_cache_engine:
+        warnings.warn(
+            f"async_training.max_staleness={max_staleness} needs the rollout servers awake while the ranks train, but "
+            "actor_rollout_ref.rollout.free_cache_engine=true puts them to sleep then (the colocated layout); this run "
+            "trains synchronously. Set free_cache_engine=false (servers and ranks on their own devices) to overlap.",
+            stacklevel=2,
+        )
+        return 0, partial_rollout, correction
+    if max_staleness and not correction.uses_rollout_log_probs:
+        logger.warning("async training: algorithm.rollout_correction.rollout_is=token (threshold %g) corrects for the "
+                       "older policies that generated the samples", correction.rollout_is_threshold)
+        correction = replace(correction, rollout_is="token")
+    return max_staleness, partial_rollout, correction
+
+
+def staleness_metrics(batch: RolloutBatch, trained_version: int, max_staleness: int) -> dict[str, float]:
+    """How many policy versions the batch's samples lag the policy they train (mean, max, histogram), by each
+    sample's oldest token (the batch's stamp where no token's version is known), and the share of samples
+    whose tokens come from more than one version (``async/partial_share``)."""
+    versions = batch.batch["rollout_policy_versions"]
+    oldest = oldest_versions(batch)
+    newest = torch.where((versions >= 0).any(-1), versions.max(-1).values, oldest)
+    lags = trained_version - oldest
+    if int(lags.max()) > max_staleness:  # the stream regenerates such groups; a bug if it happens
+        raise RuntimeError(f"a sample lags {int(lags.max())} policy versions, more than async_training.max_staleness={max_staleness}")
+    metrics = {
+        "async/staleness/mean": float(lags.float().mean()),
+        "async/staleness/max": float(lags.max()),
+        "async/partial_share": float((newest != oldest).float().mean()),
+    }
+    for lag in range(max_staleness + 1):
+        metrics[f"async/staleness_histogram/{lag}"] = float((lags == lag).sum())
+    return metrics
