@@ -1,6 +1,6 @@
 """Synchronous vs asynchronous training on the quick start's task, with a long-tailed tool latency.
 
-    python benchmarks/async_training.py [--steps 8] [--repeats 2]
+    python benchmarks/async_training.py [--steps 8] [--repeats 2] [--max-staleness 1] [overrides ...]
 
 Both modes train the quick start's job (``arithmetic_grpo``: warm-started tiny model, same data order,
 same number of trained samples) for ``--steps`` steps; the calculator answers after a lognormal delay
@@ -50,13 +50,14 @@ def slow_tools_yaml(directory: Path) -> str:
     return str(path)
 
 
-def train(mode: str, steps: int, tools: str, out: Path) -> dict[str, Any]:
+def train(mode: str, steps: int, tools: str, out: Path, max_staleness: int, extra: list[str]) -> dict[str, Any]:
     overrides = [
         f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
         "trainer.logger=[]", f"trainer.default_local_dir={out}", "trainer.rollout_data_dir=null",
         "actor_rollout_ref.rollout.free_cache_engine=false",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
-        f"async_training.max_staleness={1 if mode == 'async' else 0}",
+        f"async_training.max_staleness={max_staleness if mode == 'async' else 0}",
+        *extra,
     ]
     if mode == "sync":  # the same loss as the async runs, whose correction is on by default
         overrides.append("algorithm.rollout_correction.rollout_is=token")
@@ -73,6 +74,7 @@ def train(mode: str, steps: int, tools: str, out: Path) -> dict[str, Any]:
         "staleness": float(np.mean([line["async/staleness/mean"] for line in history])),
         "idle_ranks": float(np.mean([line["perf/idle_share/ranks"] for line in history])),
         "idle_servers": float(np.mean([line["perf/idle_share/servers"] for line in history])),
+        "regenerated": float(sum(line.get("async/regenerated_groups", 0) for line in history)),
     }
 
 
@@ -80,6 +82,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("overrides", nargs="*", help="config overrides for both modes, e.g. async_training.partial_rollout=false")
     args = parser.parse_args()
     random.seed(0)
     ray.init(include_dashboard=False, log_to_driver=False,
@@ -89,7 +93,7 @@ def main() -> None:
         tools = slow_tools_yaml(Path(tmp))
         for repeat in range(args.repeats):
             for mode in ("sync", "async"):
-                result = train(mode, args.steps, tools, Path(tmp) / f"{mode}-{repeat}")
+                result = train(mode, args.steps, tools, Path(tmp) / f"{mode}-{repeat}", args.max_staleness, args.overrides)
                 results[mode].append(result)
                 print(f"{mode:5s} run {repeat}: " + ", ".join(f"{key} {value:.3f}" for key, value in result.items()), flush=True)
     mean = {mode: {key: float(np.mean([r[key] for r in runs])) for key in runs[0]} for mode, runs in results.items()}

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 # fixture -> the model it needs, built before the first test by one bounded subprocess
 MODEL_FIXTURES = {"model_path": "tiny", "scripted_model": "scripted", "ok_model": "ok", "coin_model": "coin", "vlm_path": "vlm"}
 BUILD_TIMEOUT_S = float(os.environ.get("AGENTLOOP_TEST_BUILD_TIMEOUT_S", 1800))
+RAY_MODULES: set[str] = set()  # modules whose local_ray fixture is up (their managers may still be alive)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -72,20 +73,31 @@ def vlm_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(request):
     """A local Ray instance (logical CPUs so two servers fit on two cores), shared by consecutive modules
     (starting one costs seconds) as long as each gives back every resource it took: a module that leaves
     an actor behind hands the next one a fresh instance."""
     if not ray.is_initialized():
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    RAY_MODULES.add(request.module.__name__)
     yield
+    RAY_MODULES.discard(request.module.__name__)
     if not ray.is_initialized():
         return
     deadline = time.monotonic() + 10  # killed actors give their resources back asynchronously
     while _resources_held() and time.monotonic() < deadline:
         time.sleep(0.2)
     if _resources_held():
+        ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def ray_only_where_asked(request):
+    """A test that does not ask for ``local_ray`` runs without the shared instance: its processes would count
+    as the test's own (the sandbox checks them), and its idle workers would compete with a job the test
+    starts in a subprocess."""
+    if "local_ray" not in request.fixturenames and not RAY_MODULES and ray.is_initialized():
         ray.shutdown()
 
 
