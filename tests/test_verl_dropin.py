@@ -49,6 +49,7 @@ VERL_RUN_SCRIPT = [
     "actor_rollout_ref.rollout.gpu_memory_utilization=0.85",
     "actor_rollout_ref.rollout.multi_stage_wake_up=True",
     "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.rollout.agent.num_workers=1",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
     "actor_rollout_ref.ref.fsdp_config.param_offload=True",
     "actor_rollout_ref.rollout.over_sample_rate=0.1",

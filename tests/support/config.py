@@ -14,6 +14,8 @@ SMALL = [
     "actor_rollout_ref.rollout.hf.num_blocks=256",
     "actor_rollout_ref.rollout.request_timeout_s=120",
     "actor_rollout_ref.rollout.server_startup_timeout_s=120",
+    # one agent-loop worker process to start per manager; tests of several workers ask for them
+    "actor_rollout_ref.rollout.agent.num_workers=1",
 ]
 
 
