@@ -61,21 +61,21 @@ def fit(config) -> list[dict]:
 
 def test_async_training_overlaps_stamps_versions_corrects_and_resumes(local_ray, coin_model, tmp_path):
     run = tmp_path / "run"
-    # a command-line run, stopped with Ctrl-C after its step-4 checkpoint (the servers already generating ahead)
+    # a command-line run, stopped with Ctrl-C after its step-3 checkpoint (the servers already generating ahead)
     command = [sys.executable, "-m", "trainer.main_ppo", *SMALL, *coin_overrides(
-        coin_model, tmp_path, "trainer.total_training_steps=40", "trainer.save_freq=4", "trainer.ray_address=auto",
+        coin_model, tmp_path, "trainer.total_training_steps=40", "trainer.save_freq=3", "trainer.ray_address=auto",
         f"hydra.run.dir={tmp_path / 'hydra'}",
     )]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    code, output, stopped_s = signal_at_checkpoint(command, env, run / "latest_checkpointed_iteration.txt", 4, signal.SIGINT)
+    code, output, stopped_s = signal_at_checkpoint(command, env, run / "latest_checkpointed_iteration.txt", 3, signal.SIGINT)
     assert code != 0 and "KeyboardInterrupt" in output, output[-3000:]
     print(f"stopped {stopped_s:.1f}s after Ctrl-C")
     assert stopped_s < 60  # the rollout in flight gets 30 s at most, the ranks 5 s
-    state = json.loads((run / "global_step_4" / "trainer_state.json").read_text())
-    assert state["sampler_position"] == 4  # the trained batches, not those generated ahead
-    history = fit(coin_job(coin_model, tmp_path, "trainer.total_training_steps=8", "trainer.resume_mode=auto"))
+    state = json.loads((run / "global_step_3" / "trainer_state.json").read_text())
+    assert state["sampler_position"] == 3  # the trained batches, not those generated ahead
+    history = fit(coin_job(coin_model, tmp_path, "trainer.total_training_steps=6", "trainer.resume_mode=auto"))
     # the metrics file's lines up to the checkpoint, then the resumed run's (lines the stopped run logged after it are dropped)
-    assert [line["step"] for line in history] == list(range(1, 9))
+    assert [line["step"] for line in history] == list(range(1, 7))
 
     for line in history:
         step = line["step"]
@@ -83,7 +83,7 @@ def test_async_training_overlaps_stamps_versions_corrects_and_resumes(local_ray,
         assert len(records) == 64
         # step s trains version s - 1 on samples of version s - 2 (the previous step's policy), except
         # the first step after a start or a resume, whose batch waited for nothing older
-        expected = step - 1 if step in (1, 5) else step - 2
+        expected = step - 1 if step in (1, 4) else step - 2
         assert {record["policy_version"] for record in records} == {expected}
         assert line["async/staleness/max"] == line["async/staleness/mean"] == step - 1 - expected
         assert line["async/staleness_histogram/0"] + line["async/staleness_histogram/1"] == 64
