@@ -98,14 +98,16 @@ class AgentLoopManager:
         elapsed = time.perf_counter() - start
         batch = RolloutBatch.concat([part for part, _ in parts])
         self.check_failures(batch)
-        batch.meta_info = rollout_metrics(batch, RouterStats.merge([stats for _, stats in parts]), elapsed)
-        # supervision so far (cumulative): replaced and given-up servers, replaced workers
-        batch.meta_info.update({
+        batch.meta_info = {**rollout_metrics(batch, RouterStats.merge([stats for _, stats in parts]), elapsed), **self.supervision_metrics()}
+        return batch
+
+    def supervision_metrics(self) -> dict[str, int]:
+        """Supervision so far (cumulative): replaced and given-up servers, replaced workers."""
+        return {
             "supervision/server_restarts": sum(event.kind == "restarted" for event in self.pool.events),
             "supervision/servers_given_up": len(self.pool.given_up),
             "supervision/worker_restarts": self.worker_restarts,
-        })
-        return batch
+        }
 
     def prepare(self, rows: list[dict[str, Any]], validate: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
         """Rows checked and expanded into samples (``n`` per row, consecutive, one ``uid`` each), the specs of the

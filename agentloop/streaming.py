@@ -127,6 +127,7 @@ class GroupStream:
         now = time.perf_counter()
         batch.meta_info = {
             **rollout_metrics(batch, stats, now - self._last_take),
+            **self.manager.supervision_metrics(),
             "async/regenerated_groups": regenerated,
             "async/buffered_groups": buffered,
         }

@@ -62,6 +62,7 @@ def test_the_stream_runs_ahead_within_the_bound_and_regenerates_late_groups(loca
         for _ in range(3):
             batch = stream.take(min_version=1, timeout_s=60)
             regenerated += batch.meta_info["async/regenerated_groups"]
+            assert batch.meta_info["supervision/worker_restarts"] == 0
             groups = groups_of(batch)
             assert all(oldest >= 1 for _, _, oldest in groups)  # no token older than the bound
             taken += groups
