@@ -53,7 +53,7 @@ class AgentLoopManager:
 
         self.pool = ServerPool(config, self._give_workers)
         self.worker_restarts = 0
-        self.workers = [self.start_worker() for _ in range(int(self.rollout.agent.num_workers))]
+        self.workers = [self._start_worker() for _ in range(int(self.rollout.agent.num_workers))]
         wait_for([worker.__ray_ready__.remote() for worker in self.workers], timeout, "agent loop workers to start")
 
     @property
@@ -66,8 +66,14 @@ class AgentLoopManager:
         """Each server's HTTP base URL (``rollout.http``; empty when off)."""
         return self.pool.addresses
 
-    def start_worker(self) -> ray.actor.ActorHandle:
+    def _start_worker(self) -> ray.actor.ActorHandle:
         return AgentLoopWorker.options(num_cpus=0).remote(self.config, self.servers)
+
+    def replace_worker(self, index: int) -> ray.actor.ActorHandle:
+        """Start a successor for worker ``index``, which died, and count the restart."""
+        self.workers[index] = self._start_worker()
+        self.worker_restarts += 1
+        return self.workers[index]
 
     def _give_workers(self, rank: int, server: ray.actor.ActorHandle) -> None:
         # a replacement server is handed to every router; a worker that died meanwhile is replaced later
@@ -162,8 +168,7 @@ class AgentLoopManager:
                 if reruns > 2 * len(chunks):
                     raise
                 logger.warning("agent-loop worker %d died (%s); rerunning its %d samples on a replacement", index, error, len(chunks[index]))
-                self.workers[index] = self.start_worker()
-                self.worker_restarts += 1
+                self.replace_worker(index)
                 pending[submit(index)] = index
         return [results[index] for index in range(len(chunks))]
 

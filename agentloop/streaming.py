@@ -239,10 +239,9 @@ class GroupStream:
         except RayActorError as error:
             lost = [group for group in self._in_flight.values() if group.worker == worker]
             logger.warning("agent-loop worker %d died (%s); restarting its %d groups on a replacement", worker, error, len(lost))
-            self.manager.workers[worker] = self.manager.start_worker()
-            self.manager.worker_restarts += 1
+            successor = self.manager.replace_worker(worker)
             for group in lost:
-                self.manager.workers[worker].start_group.remote(group.id, group.samples, group.sampling_params, group.agent_loops)
+                successor.start_group.remote(group.id, group.samples, group.sampling_params, group.agent_loops)
             return
         with self._changed:
             self._stats.append(stats)

@@ -6,9 +6,8 @@ import pytest
 import ray
 import torch
 
-from agentloop import AgentLoopManager
 from tests.support.config import small_config
-from trainer.fsdp_workers import start_workers
+from tests.support.ranks import manager_and_two_ranks, scores
 
 ROWS = [{"prompt": [{"role": "user", "content": f"question number {i}"}]} for i in range(4)]
 
@@ -18,23 +17,14 @@ def setup(local_ray):
     config = small_config("actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.optim.lr=1e-3",
                           "actor_rollout_ref.actor.optim.warmup_style=cosine",
                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
-    manager = AgentLoopManager(config)
-    actors = start_workers(manager.config, 2, 10, 120)
-    yield manager, actors
-    ray.get([actor.shutdown.remote() for actor in actors], timeout=60)
-    manager.shutdown()
-
-
-def scores(actors, batch):
-    halves = batch.batch.split(len(batch) // 2)
-    return torch.cat(ray.get([actor.compute_log_prob.remote(half) for actor, half in zip(actors, halves)], timeout=120))
+    yield from manager_and_two_ranks(config)
 
 
 def test_sharded_scores_match_the_engine_update_moves_them_and_the_push_keeps_them_equal(setup):
     manager, actors = setup
     batch = manager.generate_sequences(ROWS)
     mask = batch.batch["response_mask"].bool()
-    old = scores(actors, batch)
+    old = scores(actors, batch.batch)
     # the trainer's re-scoring of the rollout equals the engine's own logprobs (no rollout/train mismatch)
     assert torch.allclose(old[mask], batch.batch["rollout_log_probs"][mask], atol=1e-4)
 
@@ -44,7 +34,7 @@ def test_sharded_scores_match_the_engine_update_moves_them_and_the_push_keeps_th
     halves = train.split(len(batch) // 2)
     metrics = ray.get([actor.update_policy.remote(half) for actor, half in zip(actors, halves)], timeout=120)
     assert all(m["actor/grad_norm"] > 0 for m in metrics)
-    new = scores(actors, batch)
+    new = scores(actors, batch.batch)
     gain = (new - old) * mask
     assert gain[0::2].sum() > 0 > gain[1::2].sum(), "positive advantages raise log-probs, negative ones lower them"
 
@@ -54,14 +44,14 @@ def test_sharded_scores_match_the_engine_update_moves_them_and_the_push_keeps_th
     manager.update_weights(state)
     fresh = manager.generate_sequences(ROWS)
     fresh_mask = fresh.batch["response_mask"].bool()
-    assert torch.allclose(scores(actors, fresh)[fresh_mask], fresh.batch["rollout_log_probs"][fresh_mask], atol=1e-4)
+    assert torch.allclose(scores(actors, fresh.batch)[fresh_mask], fresh.batch["rollout_log_probs"][fresh_mask], atol=1e-4)
 
 
 def test_checkpoint_restores_weights_optimizer_and_lr_schedule(setup, tmp_path):
     manager, actors = setup
     batch = manager.generate_sequences(ROWS)
     train = batch.batch.clone()
-    train["old_log_probs"] = scores(actors, batch)
+    train["old_log_probs"] = scores(actors, batch.batch)
     train["advantages"] = torch.ones_like(train["old_log_probs"]) * train["response_mask"]
 
     def update():

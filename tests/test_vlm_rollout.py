@@ -11,7 +11,6 @@ import torch
 from transformers import AutoTokenizer
 
 import agentloop.testing  # noqa: F401  (registers picture_turns)
-from agentloop import AgentLoopManager
 from agentloop.agent_loop.single_turn import SingleTurnAgentLoop
 from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.agent_loop.base import DictConfigWrap
@@ -21,8 +20,8 @@ from agentloop.protocol import TokenOutput
 from agentloop.tools.schemas import OpenAIFunctionToolSchema, ToolCall
 from agentloop.tools.toolset import ToolSet
 from tests.support.config import small_config
+from tests.support.ranks import manager_and_two_ranks, scores
 from tests.support.vision import CAMERA_SCHEMA, CameraTool, picture, picture_message
-from trainer.fsdp_workers import start_workers
 
 # three turns of six tokens; the first two answered by an 84x112 picture, then a 56x56 one
 PICTURES = {"extra_info": {"turns": 3, "length": 6, "sizes": [[84, 112], [56, 56]]}, "agent_name": "picture_turns"}
@@ -51,16 +50,7 @@ def setup(local_ray, vlm_path):
         "actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.actor.optim.lr=1e-2",
         "actor_rollout_ref.rollout.max_failed_sample_ratio=1.0",  # the bad-input test fails five of six samples on purpose
     )
-    manager = AgentLoopManager(config)
-    actors = start_workers(manager.config, 2, 10, 120)
-    yield manager, actors
-    ray.get([actor.shutdown.remote() for actor in actors], timeout=60)
-    manager.shutdown()
-
-
-def scores(actors, batch):
-    halves = batch.split(len(batch) // 2)
-    return torch.cat(ray.get([actor.compute_log_prob.remote(half) for actor, half in zip(actors, halves)], timeout=120))
+    yield from manager_and_two_ranks(config)
 
 
 def test_image_trajectories_are_exact_and_train_on_two_ranks(setup, vlm_path, tmp_path):

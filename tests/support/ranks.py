@@ -1,0 +1,28 @@
+"""A rollout manager with two FSDP ranks on its config, for tests that score and train what it generates."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import ray
+import torch
+from omegaconf import DictConfig
+from tensordict import TensorDict
+
+from agentloop import AgentLoopManager
+from trainer.fsdp_workers import start_workers
+
+
+def manager_and_two_ranks(config: DictConfig) -> Iterator[tuple[AgentLoopManager, list[Any]]]:
+    """Yield the manager and its two ranks (a module fixture's body); shut both down afterwards."""
+    manager = AgentLoopManager(config)
+    actors = start_workers(manager.config, 2, 10, 120)
+    yield manager, actors
+    ray.get([actor.shutdown.remote() for actor in actors], timeout=60)
+    manager.shutdown()
+
+
+def scores(actors: list[Any], batch: TensorDict) -> torch.Tensor:
+    """The ranks' log-probs of ``batch``'s responses, half of the batch on each."""
+    halves = batch.split(len(batch) // 2)
+    return torch.cat(ray.get([actor.compute_log_prob.remote(half) for actor, half in zip(actors, halves)], timeout=120))
