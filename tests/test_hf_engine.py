@@ -177,3 +177,45 @@ def test_bad_prompts_fail_alone_and_a_dead_generation_thread_is_replaced(engine)
         run(asyncio.wait_for(engine.generate(PROMPT, greedy, "victim"), timeout=60))
     assert run(asyncio.wait_for(engine.generate(PROMPT, greedy, "after-fault"), timeout=60)).token_ids == expected
     assert engine.num_in_flight == 0
+
+
+def test_per_request_attention_matches_one_sdpa_call_per_request():
+    from agentloop.server.hf_varlen import varlen_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 16
+    lengths_q, lengths_k = [1, 7, 1, 3, 12, 1], [9, 7, 30, 10, 12, 1]  # decodes, a fresh prefill, prefill chunks after a cache hit
+    query = torch.randn(heads, sum(lengths_q), dim)
+    key, value = torch.randn(2, kv_heads, sum(lengths_k), dim)
+    cumulative = lambda lengths: torch.tensor([0, *lengths]).cumsum(0).int()  # noqa: E731
+    output = varlen_attention(query, key, value, cumulative(lengths_q), cumulative(lengths_k), scaling=0.3)
+
+    starts_q, starts_k = cumulative(lengths_q).tolist(), cumulative(lengths_k).tolist()
+    for i, (n_q, n_k) in enumerate(zip(lengths_q, lengths_k)):
+        q = query[:, starts_q[i] : starts_q[i] + n_q]
+        k, v = (x[:, starts_k[i] : starts_k[i] + n_k].repeat_interleave(heads // kv_heads, 0) for x in (key, value))
+        scores = (q @ k.transpose(1, 2)) * 0.3
+        # query j is token n_k - n_q + j of the request: it sees the keys up to itself
+        scores[:, torch.arange(n_q)[:, None] < torch.arange(n_k)[None, :] - (n_k - n_q)] = float("-inf")
+        expected = (scores.softmax(-1) @ v).transpose(0, 1)
+        assert torch.allclose(output[starts_q[i] : starts_q[i] + n_q], expected, atol=1e-5), f"request {i}"
+
+
+def test_a_busy_batch_keeps_exact_logprobs_and_each_request_its_own_top_k(engine, model_path):
+    assert engine._varlen  # on CPU the engine attends per request (agentloop.server.hf_varlen)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(12)]
+    sampled = {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True}
+    first = run(_gather(engine, prompts, sampled))
+    # second turns hit the prefix cache: their queries are the last of their keys
+    follow_ups = [p + o.token_ids + [7, 8, 9] for p, o in zip(prompts, first)]
+
+    async def mixed():
+        top1 = engine.generate(follow_ups[0], {**sampled, "top_k": 1}, "top1")
+        return await asyncio.gather(top1, *(engine.generate(p, sampled, f"lp2-{i}") for i, p in enumerate(follow_ups[1:])))
+
+    second = run(mixed())
+    for prompt, output in [*zip(prompts, first), *zip(follow_ups[1:], second[1:])]:
+        assert torch.allclose(torch.tensor(output.log_probs), teacher_forced_logprobs(model, prompt, output.token_ids), atol=LOGPROB_TOLERANCE)
+    assert all(lp == pytest.approx(0.0, abs=1e-6) for lp in second[0].log_probs)  # top-1: the warped distribution's
+    assert all(lp < -1e-3 for output in second[1:] for lp in output.log_probs)  # the rest sample the whole vocabulary

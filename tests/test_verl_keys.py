@@ -182,3 +182,20 @@ def test_verls_rollout_keys_set_the_sglang_launch_flags():
     assert flags[flags.index("--attention-backend") + 1] == "triton" and "--enable-torch-compile" in flags
     with pytest.raises(ValueError, match="the hf engine has no tensor parallelism"):
         check_config(compose_config(["data.train_files=[x]", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
+
+
+def test_left_padding_that_every_row_has_is_not_computed(model_path):
+    from trainer.vision import model_inputs
+
+    batch = make_batch([(prompt - 3, response) for prompt, response in LENGTHS if prompt > 3])  # every prompt >= 3 pads short
+    extra = 40
+    widened = batch.clone()
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        pad = torch.randint(1, 1000, (len(batch), extra)) if key == "input_ids" else torch.zeros(len(batch), extra, dtype=torch.long)
+        widened[key] = torch.cat([pad, batch[key]], dim=1)
+    assert model_inputs(widened)["input_ids"].shape[1] == PROMPT + RESPONSE - 3
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    with torch.no_grad():
+        expected, computed = (response_log_probs(model, b, 1.0)[0] for b in (batch, widened))
+    mask = batch["response_mask"].bool()
+    assert torch.allclose(computed[mask], expected[mask], atol=1e-5)

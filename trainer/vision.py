@@ -19,11 +19,16 @@ from agentloop.models.loading import without_vision_tokens
 
 
 def model_inputs(batch: TensorDict) -> dict[str, torch.Tensor]:
-    """The keyword arguments of the model's forward for this (micro-)batch, text or vision."""
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "position_ids": batch["position_ids"]}
+    """The keyword arguments of the model's forward for this (micro-)batch, text or vision.
+
+    Columns that are left padding in every row are dropped (prompts are padded to ``data.max_prompt_length``,
+    often several times a micro-batch's longest): positions are explicit, so no remaining logit changes.
+    """
+    first = int(batch["attention_mask"].any(0).int().argmax())
+    inputs = {key: batch[key][..., first:] for key in ("input_ids", "attention_mask", "position_ids")}
     if "image_grid_thw" not in batch.keys():
         return inputs
-    inputs["position_ids"] = batch["position_ids"].transpose(0, 1)  # [b, 4, L] -> [4, b, L]
+    inputs["position_ids"] = inputs["position_ids"].transpose(0, 1)  # [b, 4, L] -> [4, b, L]
     grids = batch["image_grid_thw"]
     patches = grids.prod(-1)  # 0 on the padding rows
     if patches.sum() > 0:

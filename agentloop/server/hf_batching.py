@@ -1,10 +1,11 @@
 """Every use the ``hf`` engine makes of transformers' continuous-batching internals, in one place.
 
 transformers' public continuous-batching API (``init_continuous_batching``, ``add_request``,
-``register_result_handler``, ``cancel_request``, ``pause``) lacks three things RL rollouts need: the
+``register_result_handler``, ``cancel_request``, ``pause``) lacks what RL rollouts need: the
 count of prompt tokens served from the prefix cache, answering a cancelled request (the manager
-sends no output for it), the tokens an interrupted request has so far, and dropping cached prefixes
-after an in-place weight update. Those reach
+sends no output for it), the tokens an interrupted request has so far, dropping cached prefixes
+after an in-place weight update, and skipping the top-k/top-p sorts for batches that sample from the
+whole vocabulary. Those reach
 into private attributes, checked against transformers 5.23 (``CHECKED_WITH``); a version without
 them fails here, at engine start, with a message naming what is missing, rather than mid-rollout.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 import transformers
 
 CHECKED_WITH = "transformers 5.23"
@@ -20,6 +22,11 @@ CHECKED_WITH = "transformers 5.23"
 try:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessor,
+        ContinuousBatchingTopKLogitsWarper,
+        ContinuousBatchingTopPLogitsWarper,
+    )
     from transformers.generation.continuous_batching.continuous_api import (
         ContinuousBatchingManager,
         ContinuousBatchProcessor,
@@ -31,7 +38,7 @@ except ImportError as error:  # pragma: no cover - depends on the installed tran
         f"{transformers.__version__} lacks it ({error}). Install transformers>=5.23,<6."
     ) from error
 
-__all__ = ["ContinuousBatchingConfig", "GenerationOutput", "RequestStatus", "check_internals"]
+__all__ = ["ContinuousBatchingConfig", "GenerationOutput", "PagedAttentionCache", "RequestStatus", "check_internals"]
 
 _REQUIRED = {
     ContinuousBatchingManager: ("_create_batch_processor", "pause", "cancel_request", "register_result_handler"),
@@ -110,3 +117,47 @@ def partial_outputs(manager: Any, request_ids: list[str]) -> dict[str, tuple[lis
 def evict_cached_blocks(manager: Any) -> None:
     """Drop every cached prefix block: KV computed under old weights must not be reused."""
     manager.batch_processor.cache.evict_cached_blocks()
+
+
+class _SkippedWhenNeutral(ContinuousBatchingLogitsProcessor):
+    """A per-request top-k or top-p warper that leaves a batch alone when no request in it narrows the
+    vocabulary. Its full-vocabulary sorts would change nothing then, yet cost on CPU about a fifth of a
+    small model's decoding step."""
+
+    def __init__(self, warper: ContinuousBatchingLogitsProcessor, is_neutral: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+        self.warper, self.is_neutral = warper, is_neutral
+        self.supported_kwargs, self.ignored_kwargs = warper.supported_kwargs, warper.ignored_kwargs
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        self.warper.fill_defaults(int32_tensor)
+
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
+        return self.warper.prepare_tensor_args(requests_with_new_token)
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        if bool(self.is_neutral(tensor_arg[: scores.size(0)], scores.size(-1)).all()):
+            return scores
+        return self.warper(scores, tensor_arg)
+
+
+_NEUTRAL = {
+    ContinuousBatchingTopKLogitsWarper: lambda top_k, vocab_size: top_k >= vocab_size,
+    ContinuousBatchingTopPLogitsWarper: lambda top_p, vocab_size: top_p.view(dtype=torch.float32) >= 1.0,
+}
+
+
+def skip_neutral_warpers(manager: Any) -> None:
+    """On CPU, run the top-k and top-p warpers only for batches where some request sets them.
+
+    Not on accelerators: there the check would cost a device sync per step, and a captured CUDA graph
+    or compiled step cannot branch on it.
+    """
+    if manager.model.device.type != "cpu":
+        return
+    if not hasattr(manager, "logit_processor"):
+        raise RuntimeError(f"transformers {transformers.__version__}'s continuous-batching manager has no logit_processor "
+                           f"(checked with {CHECKED_WITH}); update agentloop/server/hf_batching.py")
+    processors = manager.logit_processor.logits_processor
+    for index, processor in enumerate(processors):
+        if type(processor) in _NEUTRAL:
+            processors[index] = _SkippedWhenNeutral(processor, _NEUTRAL[type(processor)])

@@ -24,7 +24,7 @@ from transformers import GenerationConfig
 from agentloop.images import ProcessedImage
 from agentloop.models.loading import is_vision_language, model_class, vision_token_ids
 from agentloop.protocol import FinishReason, TokenOutput, validate_prompt, validate_sampling_params
-from agentloop.server import hf_batching
+from agentloop.server import hf_batching, hf_varlen
 from agentloop.server.hf_batching import ContinuousBatchingConfig, GenerationOutput, RequestStatus
 from agentloop.server.hf_vision import ImageLane
 
@@ -62,12 +62,17 @@ class HFEngine:
         num_blocks: int = 512,
         max_batch_tokens: int = 1024,
         seed: int = 0,
+        attention: str = "auto",
     ) -> None:
         hf_batching.check_internals()
+        if attention not in ("auto", "sdpa"):
+            raise ValueError(f"rollout.hf.attention must be auto or sdpa, got {attention!r}")
         self.device = resolve_device(device)
         self.model = model_class(model_path).from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
         ).to(self.device)
+        # auto: per-request attention where it applies (CPU), else transformers' SDPA over the whole batch
+        self._varlen = attention == "auto" and hf_varlen.applies_to(self.model)
         text_config = self.model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         # requests with images take the image lane (continuous batching cannot see pixels)
@@ -97,6 +102,7 @@ class HFEngine:
             num_blocks=rollout.hf.num_blocks,
             max_batch_tokens=rollout.hf.max_batch_tokens,
             seed=rollout.seed + rank,
+            attention=rollout.hf.attention,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -122,10 +128,14 @@ class HFEngine:
             per_request_processors=True,
             auto_switch_to_flash=False,
         )
+        self.model.set_attn_implementation("sdpa")  # the batching manager is built only on its own attention names
         manager = self.model.init_continuous_batching(
             generation_config=generation_config, continuous_batching_config=cb_config
         )
+        if self._varlen:  # before start(): the manager's thread decides then whether to build dense masks
+            self.model.set_attn_implementation(hf_varlen.NAME)
         hf_batching.observe_prefix_hits(manager, self._cached_tokens.__setitem__)
+        hf_batching.skip_neutral_warpers(manager)
         manager.start()
         self._manager = manager
 
@@ -137,7 +147,7 @@ class HFEngine:
         partial = hf_batching.partial_outputs(self._manager, list(self._pending)) if interrupt else {}
         for engine_id in list(self._pending):
             self._answer_unfinished(engine_id, partial.get(engine_id, ([], [])) if interrupt else None)
-        self._manager.stop(block=True, timeout=30, keep_for_next_session=False)
+        self._manager.stop(block=True, timeout=30, keep_for_next_session=False, hard_stop=True)
         self._manager = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
