@@ -8,6 +8,8 @@ after an in-place weight update, and skipping the top-k/top-p sorts for batches 
 whole vocabulary. Those reach
 into private attributes, checked against transformers 5.23 (``CHECKED_WITH``); a version without
 them fails here, at engine start, with a message naming what is missing, rather than mid-rollout.
+(``hf_varlen``, the CPU attention, calls the paged cache's ``update`` as transformers' own attention
+functions do; that is checked here too.)
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ __all__ = ["ContinuousBatchingConfig", "GenerationOutput", "PagedAttentionCache"
 _REQUIRED = {
     ContinuousBatchingManager: ("_create_batch_processor", "pause", "cancel_request", "register_result_handler"),
     ContinuousBatchProcessor: ("has_pending_requests",),
-    PagedAttentionCache: ("search_prefix_match", "evict_cached_blocks"),
+    PagedAttentionCache: ("search_prefix_match", "evict_cached_blocks", "update"),
 }
 
 

@@ -65,14 +65,11 @@ class HFEngine:
         attention: str = "auto",
     ) -> None:
         hf_batching.check_internals()
-        if attention not in ("auto", "sdpa"):
-            raise ValueError(f"rollout.hf.attention must be auto or sdpa, got {attention!r}")
         self.device = resolve_device(device)
         self.model = model_class(model_path).from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
         ).to(self.device)
-        # auto: per-request attention where it applies (CPU), else transformers' SDPA over the whole batch
-        self._varlen = attention == "auto" and hf_varlen.applies_to(self.model)
+        self._varlen = hf_varlen.wanted(attention, self.model)
         text_config = self.model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         # requests with images take the image lane (continuous batching cannot see pixels)
@@ -129,9 +126,7 @@ class HFEngine:
             auto_switch_to_flash=False,
         )
         self.model.set_attn_implementation("sdpa")  # the batching manager is built only on its own attention names
-        manager = self.model.init_continuous_batching(
-            generation_config=generation_config, continuous_batching_config=cb_config
-        )
+        manager = self.model.init_continuous_batching(generation_config=generation_config, continuous_batching_config=cb_config)
         if self._varlen:  # before start(): the manager's thread decides then whether to build dense masks
             self.model.set_attn_implementation(hf_varlen.NAME)
         hf_batching.observe_prefix_hits(manager, self._cached_tokens.__setitem__)
@@ -148,9 +143,7 @@ class HFEngine:
         for engine_id in list(self._pending):
             self._answer_unfinished(engine_id, partial.get(engine_id, ([], [])) if interrupt else None)
         self._manager.stop(block=True, timeout=30, keep_for_next_session=False, hard_stop=True)
-        self._manager = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self._manager = None  # (transformers' stop empties the accelerator's cache)
 
     # ------------------------------------------------------------------ generation
 
@@ -336,12 +329,10 @@ class HFEngine:
         """Keep the generation loop off the model inside the block; no cached prefix survives it.
 
         Idle and awake (weights pushed between rollouts without sleeping), the loop is paused in place and
-        its cached prefix blocks are evicted. Restarting the manager instead costs the same whatever the model
-        (transformers' ``stop`` runs two full ``gc.collect()`` passes and waits out the idle loop's 0.1 s
-        poll), many times the copy itself for small models. With requests in flight (or aborted but not
-        yet dropped by the loop) the manager is restarted, which ends them: ``abort``, or with ``interrupt``
-        (a weight update) ``interrupted`` with their tokens so far, which the router continues under the
-        new weights (a partial rollout).
+        its cached prefix blocks are evicted: cheaper than a restart (transformers' ``stop`` runs two full
+        ``gc.collect()`` passes). With requests in flight (or aborted but not yet dropped by the loop) the
+        manager is restarted, which ends them: ``abort``, or with ``interrupt`` (a weight update)
+        ``interrupted`` with their tokens so far, which the router continues under the new weights.
         """
         manager = self._manager
         if manager is not None and not self._pending and manager.is_running():

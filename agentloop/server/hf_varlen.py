@@ -23,11 +23,14 @@ from agentloop.server.hf_batching import PagedAttentionCache
 NAME = "agentloop_varlen"
 
 
-def applies_to(model: PreTrainedModel) -> bool:
-    """CPU, and every layer full causal attention (sliding windows and attention sinks are not handled here)."""
-    config = model.config.get_text_config()
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    return model.device.type == "cpu" and set(layer_types) == {"full_attention"} and not hasattr(model.config, "vision_config")
+def wanted(attention: str, model: PreTrainedModel) -> bool:
+    """Whether the engine should switch ``model`` to this attention: ``rollout.hf.attention=auto`` on CPU,
+    for a text model whose layers are all full causal attention (no sliding windows here); ``sdpa`` never."""
+    if attention not in ("auto", "sdpa"):
+        raise ValueError(f"rollout.hf.attention must be auto or sdpa, got {attention!r}")
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"]
+    text_only = not hasattr(model.config, "vision_config")
+    return attention == "auto" and model.device.type == "cpu" and set(layer_types) == {"full_attention"} and text_only
 
 
 def varlen_attention_forward(
