@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import ray
 from transformers import AutoModelForCausalLM
 
 import agentloop.testing  # noqa: F401  (registers fixed_length)
@@ -36,8 +37,14 @@ def groups_of(batch) -> list[tuple[str, int, int]]:
     return groups
 
 
-def test_the_stream_runs_ahead_within_the_bound_and_regenerates_late_groups(local_ray, model_path):
+@pytest.fixture(scope="module")
+def manager(local_ray):
     manager = AgentLoopManager(small_config("actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.agent.num_workers=2"))
+    yield manager
+    manager.shutdown()
+
+
+def test_the_stream_runs_ahead_within_the_bound_and_regenerates_late_groups(manager, model_path):
     pulled: list[int] = []
 
     def steps():
@@ -79,7 +86,19 @@ def test_the_stream_runs_ahead_within_the_bound_and_regenerates_late_groups(loca
             assert stream.busy_s() > 0
     finally:
         stream.stop()
-        manager.shutdown()
+
+
+def test_a_worker_that_dies_mid_stream_is_replaced_and_its_groups_run_again(manager):
+    restarts = manager.worker_restarts
+    stream = manager.stream(iter([[row(0, 0), row(0, 1)]]), groups_per_batch=2, max_staleness=0, capacity=2, version=0)
+    try:
+        time.sleep(1.0)  # the slow group (the first, on worker 0) is waiting out its delay
+        ray.kill(manager.workers[0])
+        batch = stream.take(min_version=0, timeout_s=120)
+        assert sorted(name for name, _, _ in groups_of(batch)) == ["0.0", "0.1"]  # the lost group ran again, once
+        assert batch.meta_info["supervision/worker_restarts"] == restarts + 1
+    finally:
+        stream.stop()
 
 
 def test_a_buffer_smaller_than_a_batch_is_refused():

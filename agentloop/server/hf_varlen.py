@@ -25,12 +25,14 @@ NAME = "agentloop_varlen"
 
 def wanted(attention: str, model: PreTrainedModel) -> bool:
     """Whether the engine should switch ``model`` to this attention: ``rollout.hf.attention=auto`` on CPU,
-    for a text model whose layers are all full causal attention (no sliding windows here); ``sdpa`` never."""
+    for a text model whose layers are all plain full causal attention (no sliding windows or logit
+    soft-capping here); ``sdpa`` never."""
     if attention not in ("auto", "sdpa"):
         raise ValueError(f"rollout.hf.attention must be auto or sdpa, got {attention!r}")
-    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"]
-    text_only = not hasattr(model.config, "vision_config")
-    return attention == "auto" and model.device.type == "cpu" and set(layer_types) == {"full_attention"} and text_only
+    config = model.config.get_text_config()
+    plain = set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"}
+    plain = plain and getattr(config, "attn_logit_softcapping", None) is None and not hasattr(model.config, "vision_config")
+    return attention == "auto" and model.device.type == "cpu" and plain
 
 
 def varlen_attention_forward(
