@@ -102,18 +102,19 @@ class AgentLoopManager:
         parts = self._run_chunks(chunks, params, agent_loops, time.monotonic() + float(self.rollout.generate_timeout_s))
         self.pool.check()  # servers that died during the rollout (their sessions were re-homed) are replaced now
         elapsed = time.perf_counter() - start
-        batch = RolloutBatch.concat([part for part, _ in parts])
-        self.check_failures(batch)
-        batch.meta_info = {**rollout_metrics(batch, RouterStats.merge([stats for _, stats in parts]), elapsed), **self.supervision_metrics()}
-        return batch
+        return self.finish_batch(RolloutBatch.concat([part for part, _ in parts]), RouterStats.merge([stats for _, stats in parts]), elapsed)
 
-    def supervision_metrics(self) -> dict[str, int]:
-        """Supervision so far (cumulative): replaced and given-up servers, replaced workers."""
-        return {
+    def finish_batch(self, batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -> RolloutBatch:
+        """Fail on too many failed samples (``_check_failures``), else give ``batch`` its rollout metrics and the
+        supervision so far (cumulative: replaced and given-up servers, replaced workers)."""
+        self._check_failures(batch)
+        batch.meta_info = {
+            **rollout_metrics(batch, stats, elapsed_s),
             "supervision/server_restarts": sum(event.kind == "restarted" for event in self.pool.events),
             "supervision/servers_given_up": len(self.pool.given_up),
             "supervision/worker_restarts": self.worker_restarts,
         }
+        return batch
 
     def prepare(self, rows: list[dict[str, Any]], validate: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
         """Rows checked and expanded into samples (``n`` per row, consecutive, one ``uid`` each), the specs of the
@@ -130,7 +131,7 @@ class AgentLoopManager:
         in a bounded buffer for ``GroupStream.take`` (see ``agentloop.streaming``)."""
         return GroupStream(self, steps, groups_per_batch, max_staleness, capacity, version)
 
-    def check_failures(self, batch: RolloutBatch) -> None:
+    def _check_failures(self, batch: RolloutBatch) -> None:
         """Raise with the first traceback when more than ``rollout.max_failed_sample_ratio`` of the samples failed."""
         failures = [extra["failure"] for extra in batch.non_tensor_batch["extra_fields"] if is_failed(extra)]
         limit = float(self.rollout.max_failed_sample_ratio)

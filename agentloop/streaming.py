@@ -32,7 +32,6 @@ import torch
 from ray.exceptions import RayActorError
 
 from agentloop.batch import RolloutBatch, object_array
-from agentloop.metrics import rollout_metrics
 from agentloop.router import RouterStats
 
 logger = logging.getLogger(__name__)
@@ -122,15 +121,9 @@ class GroupStream:
             regenerated, self._regenerated = self._regenerated, 0
             buffered = len(self._buffer)
             self._changed.notify_all()
-        batch = RolloutBatch.concat([group_batch for _, group_batch in taken])
-        self.manager.check_failures(batch)
         now = time.perf_counter()
-        batch.meta_info = {
-            **rollout_metrics(batch, stats, now - self._last_take),
-            **self.manager.supervision_metrics(),
-            "async/regenerated_groups": regenerated,
-            "async/buffered_groups": buffered,
-        }
+        batch = self.manager.finish_batch(RolloutBatch.concat([group_batch for _, group_batch in taken]), stats, now - self._last_take)
+        batch.meta_info.update({"async/regenerated_groups": regenerated, "async/buffered_groups": buffered})
         self._last_take = now
         return batch
 

@@ -272,22 +272,21 @@ class SGLangEngine:
         torch.cuda.synchronize()
         payload = MultiprocessingSerializer.serialize(on_gpu, output_str=True)
         body = {"serialized_named_tensors": [payload] * self.tensor_parallel_size, "flush_cache": False}
-        async with self._generation_paused():
-            await self._post("/begin_weight_update", {})
-            try:
-                await self._post("/update_weights_from_tensor", body)
-            finally:
-                await self._post("/end_weight_update", {})
-            await self.flush_cache()
+        await self._update_paused("/update_weights_from_tensor", body)
         return len(named_tensors)
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Load a checkpoint directory the server can read, between begin/end, then flush the cache (requests in
         flight end ``interrupted``, as with ``update_weights``)."""
+        await self._update_paused("/update_weights_from_disk", {"model_path": model_path})
+
+    async def _update_paused(self, route: str, body: dict[str, Any]) -> None:
+        """``route`` between ``/begin_weight_update`` and ``/end_weight_update`` with generation paused, then the
+        prefix cache flushed."""
         async with self._generation_paused():
             await self._post("/begin_weight_update", {})
             try:
-                await self._post("/update_weights_from_disk", {"model_path": model_path})
+                await self._post(route, body)
             finally:
                 await self._post("/end_weight_update", {})
             await self.flush_cache()
