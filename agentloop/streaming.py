@@ -44,6 +44,7 @@ class Group:
     """One row's samples in flight: where, since which policy version, with what."""
 
     id: int
+    row: dict[str, Any]  # the row as the steps gave it
     samples: list[dict[str, Any]]
     agent_loops: dict[str, Any]
     sampling_params: dict[str, Any]
@@ -80,6 +81,7 @@ class GroupStream:
         self._steps_left = True
         self._queued: deque[Group] = deque()  # groups prepared, not started (regenerations first)
         self._started = 0  # new groups started so far
+        self._pulled = 0  # items taken from steps so far
         self._next_id = 0
         self._in_flight: dict[int, Group] = {}
         self._buffer: list[tuple[Group, RolloutBatch]] = []
@@ -151,6 +153,13 @@ class GroupStream:
                 self._holds -= 1
                 self._changed.notify_all()
 
+    def untrained_rows(self) -> tuple[int, list[dict[str, Any]]]:
+        """How many items of ``steps`` the stream has taken, and those of their rows whose groups no ``take`` has
+        returned yet (queued, in flight or buffered), in the order they came: what a checkpoint must replay."""
+        with self._changed:
+            groups = sorted([*self._queued, *self._in_flight.values(), *(group for group, _ in self._buffer)], key=lambda group: group.id)
+            return self._pulled, [group.row for group in groups]
+
     def busy_s(self) -> float:
         """Seconds so far with at least one group in flight (the servers' busy time)."""
         with self._changed:
@@ -220,9 +229,10 @@ class GroupStream:
             if rows is None:
                 self._steps_left = False
             else:
+                self._pulled += 1
                 samples, agent_loops, params = self.manager.prepare(rows)
-                for uid in dict.fromkeys(sample["uid"] for sample in samples):
-                    self._queued.append(Group(self._next_id, [s for s in samples if s["uid"] == uid], agent_loops, params))
+                for row, uid in zip(rows, dict.fromkeys(sample["uid"] for sample in samples)):  # a row's samples are consecutive
+                    self._queued.append(Group(self._next_id, row, [s for s in samples if s["uid"] == uid], agent_loops, params))
                     self._next_id += 1
         return self._queued.popleft() if self._queued else None
 

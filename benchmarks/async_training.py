@@ -7,7 +7,10 @@ same number of trained samples) for ``--steps`` steps; the calculator answers af
 (median 0.2 s, sigma 1, capped at 3 s), as a slow sandbox or web tool would. Runs alternate
 sync, async, sync, ... (``--repeats`` each) so that machine noise hits both. Prints the wall-time ratio
 sync/async of the training steps (start-up excluded; target >= 1.5), the mean reward of the last three
-steps of each mode, the async runs' mean staleness, and each side's idle share (``perf/idle_share/*``).
+steps of each mode and the trained policy's mean reward on the 64 validation rows x 8 samples (the
+reward it reached: an async run's batches come from policies about k versions older), each with its
+standard error over the runs, the async runs' mean staleness, and each side's idle share
+(``perf/idle_share/*``).
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ def train(mode: str, steps: int, tools: str, out: Path, max_staleness: int, extr
         f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
         "trainer.logger=[]", f"trainer.default_local_dir={out}", "trainer.rollout_data_dir=null",
         "actor_rollout_ref.rollout.free_cache_engine=false",
+        # the final validation samples as training does (a greedy score saturates within these few steps)
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        "actor_rollout_ref.rollout.val_kwargs.n=8",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
         f"async_training.max_staleness={max_staleness if mode == 'async' else 0}",
         *extra,
@@ -66,11 +72,15 @@ def train(mode: str, steps: int, tools: str, out: Path, max_staleness: int, extr
         start = time.perf_counter()
         history = trainer.fit()
         wall = time.perf_counter() - start
+        # the trained policy itself on the held-out rows: the batches' reward lags it by the samples'
+        # staleness in async mode
+        validation = trainer.validate()["val/score/mean"]
     finally:
         trainer.shutdown()
     return {
         "wall_s": wall,
         "reward": float(np.mean([line["critic/score/mean"] for line in history[-3:]])),
+        "validation": validation,
         "staleness": float(np.mean([line["async/staleness/mean"] for line in history])),
         "idle_ranks": float(np.mean([line["perf/idle_share/ranks"] for line in history])),
         "idle_servers": float(np.mean([line["perf/idle_share/servers"] for line in history])),
@@ -99,7 +109,10 @@ def main() -> None:
     mean = {mode: {key: float(np.mean([r[key] for r in runs])) for key in runs[0]} for mode, runs in results.items()}
     print(f"\n{args.steps} steps x 64 samples, {args.repeats} runs per mode")
     print(f"wall time sync/async: {mean['sync']['wall_s'] / mean['async']['wall_s']:.2f}  (target >= 1.5)")
-    print(f"reward, mean of the last 3 steps: sync {mean['sync']['reward']:.3f}, async {mean['async']['reward']:.3f}")
+    error = {mode: {key: float(np.std([r[key] for r in runs], ddof=1) / np.sqrt(len(runs))) if len(runs) > 1 else float("nan")
+                    for key in runs[0]} for mode, runs in results.items()}
+    for key, title in (("reward", "reward, mean of the last 3 steps"), ("validation", "validation reward of the trained policy")):
+        print(f"{title}: " + ", ".join(f"{mode} {mean[mode][key]:.3f} ± {error[mode][key]:.3f}" for mode in mean) + " (± standard error)")
     print(f"mean staleness: sync {mean['sync']['staleness']:.2f}, async {mean['async']['staleness']:.2f}")
     for side in ("ranks", "servers"):
         print(f"idle share of the {side}: sync {mean['sync'][f'idle_{side}']:.2f}, async {mean['async'][f'idle_{side}']:.2f}")

@@ -85,7 +85,7 @@ def test_grpo_steps_in_bypass_mode_with_validation_loggers_and_rollout_dumps(loc
     assert len(dump) == 4 and all(record["input"].startswith("<|im_start|>system") for record in dump)
     # bypass mode skipped the old-log-prob pass: the old log-probs are the rollout's, bit for bit
     assert all(record["old_log_probs"] == record["rollout_log_probs"] for record in dump)
-    order = next(iter(BatchSampler(8, 2, seed=0)))
+    order = next(BatchSampler(8, 2, seed=0).batches(1))
     assert sorted({int(record["index"]) for record in dump}) == sorted(order)
 
 
@@ -171,8 +171,7 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
     # the servers got the restored policy: the trainer re-scores their rollouts without mismatch
     assert history[2]["rollout_corr/abs_log_prob_diff"] < 1e-3
     # the batches of steps 3 and 4 are those an uninterrupted run takes
-    batches = iter(BatchSampler(16, 2, seed=0))
-    expected = [next(batches) for _ in range(4)]
+    expected = list(BatchSampler(16, 2, seed=0).batches(4))
     for step in (3, 4):
         indices = {int(record["index"]) for record in read_rollout_dump(dumps / f"step_{step:06d}.parquet")[1]}
         assert sorted(indices) == sorted(expected[step - 1])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 
@@ -56,15 +55,34 @@ def test_filter_overlong_prompts(tmp_path):
 
 def test_batch_sampler_is_seeded_and_resumes_in_the_same_order():
     sampler = BatchSampler(10, 3, seed=7)
-    first = list(itertools.islice(iter(sampler), 7))  # crosses into the third epoch
+    first = list(sampler.batches(7))  # crosses into the third epoch
     assert all(len(batch) == 3 for batch in first)
     assert sorted(sum(first[:3], [])) == sorted(set(sum(first[:3], [])))  # no repeats within an epoch
     assert first[:3] != first[3:6]  # a new shuffle each epoch
-    resumed = BatchSampler(10, 3, seed=7, start=4)
-    assert list(itertools.islice(iter(resumed), 3)) == first[4:7]
+    assert list(sampler.batches(2)) == first[:2]  # reading does not move it
+    resumed = BatchSampler(10, 3, seed=7)
+    resumed.restore(sampler.state(handed_out=4))
+    assert list(resumed.batches(3)) == first[4:7]
     assert BatchSampler(10, 3, seed=8)._order(0) != BatchSampler(10, 3, seed=7)._order(0)
     with pytest.raises(ValueError, match="train_batch_size=11 is larger than the dataset"):
         BatchSampler(10, 11)
+
+
+def test_batch_sampler_replays_rows_handed_out_but_not_trained():
+    """An async run's stream takes batches ahead: a checkpoint records the rows not trained yet, and a
+    resume hands them out first, so every row is trained exactly once."""
+    sampler = BatchSampler(12, 2, shuffle=False)
+    # 3 batches handed out ([0, 1], [2, 3], [4, 5]); rows 3, 4 and 5 not trained yet (one row of batch 2 was)
+    state = sampler.state(handed_out=3, untrained=[3, 4, 5, 2])
+    assert state == {"sampler_position": 3, "untrained_rows": [3, 4, 5, 2]}
+    resumed = BatchSampler(12, 2, shuffle=False)
+    resumed.restore(state)
+    assert list(resumed.batches(4)) == [[3, 4], [5, 2], [6, 7], [8, 9]]
+    # saved again before the replayed rows all went out: those not handed out stay to replay
+    assert resumed.state(handed_out=1, untrained=[4]) == {"sampler_position": 3, "untrained_rows": [4, 5, 2]}
+    assert resumed.state(handed_out=3, untrained=[7]) == {"sampler_position": 4, "untrained_rows": [7]}
+    with pytest.raises(ValueError, match="3 rows to train, not whole batches of data.train_batch_size=2"):
+        resumed.restore({"sampler_position": 0, "untrained_rows": [1, 2, 3]})
 
 
 def test_main_job_config_builds_its_data_on_first_use(tmp_path, monkeypatch):

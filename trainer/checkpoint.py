@@ -69,5 +69,5 @@ def checkpoint_to_resume(config: DictConfig, output_dir: Path) -> Path | None:
 
 
 def read_trainer_state(directory: Path) -> dict[str, Any]:
-    """A checkpoint's ``step``, ``sampler_position`` and ``kl_coef`` (absent from older checkpoints)."""
+    """A checkpoint's ``step``, ``sampler_position``, ``untrained_rows`` and ``kl_coef`` (the last two absent from older checkpoints)."""
     return json.loads((directory / STATE).read_text())

@@ -6,6 +6,7 @@ file and the row.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -74,17 +75,20 @@ def load_dataset(
 
 
 class BatchSampler:
-    """Batches of ``batch_size`` rows in a seeded, per-epoch shuffled order, resumable from a position.
+    """Batches of ``batch_size`` rows in a seeded, per-epoch shuffled order, resumable from a checkpoint.
 
-    ``state()`` / ``BatchSampler(..., start=state)`` continue at the same batch with the same order,
-    which is what checkpoint-resume needs. A last partial batch of an epoch is dropped.
+    ``batches(count)`` reads the next batches without moving; ``state(handed_out, untrained)`` is what a
+    checkpoint records once some of them went out, and ``restore`` continues from it with the same order.
+    Rows handed out but not trained (an async run's stream generates ahead) are replayed first, so a
+    resumed run trains every row exactly once. A last partial batch of an epoch is dropped.
     """
 
-    def __init__(self, num_rows: int, batch_size: int, *, shuffle: bool = True, seed: int = 0, start: int = 0) -> None:
+    def __init__(self, num_rows: int, batch_size: int, *, shuffle: bool = True, seed: int = 0) -> None:
         if batch_size > num_rows:
             raise ValueError(f"data.train_batch_size={batch_size} is larger than the dataset ({num_rows} rows)")
         self.num_rows, self.batch_size, self.shuffle, self.seed = num_rows, batch_size, shuffle, seed
-        self.position = start
+        self.position = 0  # batches of the order handed out before
+        self.replay: list[int] = []  # rows to hand out first, whole batches
         self.batches_per_epoch = num_rows // batch_size
 
     def _order(self, epoch: int) -> list[int]:
@@ -94,15 +98,31 @@ class BatchSampler:
         return order
 
     def batch(self, position: int) -> list[int]:
-        """The row indices of the batch at ``position`` (batches handed out before it), without moving."""
+        """The row indices of the batch at ``position`` of the order."""
         epoch, batch = divmod(position, self.batches_per_epoch)
         return self._order(epoch)[batch * self.batch_size : (batch + 1) * self.batch_size]
 
-    def __iter__(self) -> Iterator[list[int]]:
-        while True:
-            self.position += 1
-            yield self.batch(self.position - 1)
+    def batches(self, count: int) -> Iterator[list[int]]:
+        """The next ``count`` batches of row indices: the replayed rows first, then the order."""
+        replayed = [self.replay[start : start + self.batch_size] for start in range(0, len(self.replay), self.batch_size)]
+        ordered = (self.batch(self.position + k) for k in itertools.count())
+        return itertools.islice(itertools.chain(replayed, ordered), count)
 
-    def state(self) -> int:
-        """Batches handed out so far (the position to resume from)."""
-        return self.position
+    def state(self, handed_out: int, untrained: list[int] = ()) -> dict[str, Any]:
+        """The checkpoint's data state once ``handed_out`` of ``batches``' batches went out and the rows
+        ``untrained`` of them have not been trained yet."""
+        replayed = len(self.replay) // self.batch_size
+        return {
+            "sampler_position": self.position + max(0, handed_out - replayed),
+            "untrained_rows": [*untrained, *self.replay[handed_out * self.batch_size :]],
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's ``state`` (older checkpoints have no ``untrained_rows``)."""
+        replay = [int(index) for index in state.get("untrained_rows", [])]
+        if len(replay) % self.batch_size:
+            raise ValueError(
+                f"the checkpoint left {len(replay)} rows to train, not whole batches of data.train_batch_size="
+                f"{self.batch_size}: resume with the batch size it was saved with"
+            )
+        self.position, self.replay = int(state["sampler_position"]), replay

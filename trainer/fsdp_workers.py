@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 import torch
@@ -31,6 +31,9 @@ from trainer.rollout_correction import RolloutCorrection, correct
 from trainer.micro_batches import MicroBatching, micro_batch_weight
 from trainer.sharding import clip_grad_norm, load_sharded, move_optimizer_state
 from trainer.vision import forward_logits
+
+if TYPE_CHECKING:
+    from agentloop import AgentLoopManager
 
 WARMUP_STYLES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
 
@@ -372,3 +375,18 @@ def needs_reference(config: DictConfig) -> bool:
 def _accumulate(metrics: dict[str, float], values: dict[str, Any], count: int) -> None:
     for key, value in values.items():
         metrics[key] = metrics.get(key, 0.0) + float(value.detach() if isinstance(value, torch.Tensor) else value) / count
+
+
+def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float, version: int | None = None) -> None:
+    """Gather the policy on rank 0 and load it into every rollout server as policy ``version``.
+
+    The servers read rank 0's packed weights straight from Ray's object store: the bytes never pass
+    through the driver, and are never pickled.
+    """
+    refs = [worker.packed_state_dict.remote() for worker in workers]
+    # every rank first (a failed rank surfaces as itself), without fetching rank 0's weights here
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+    if pending:
+        raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for the weight gather on the FSDP ranks")
+    ray.get(refs[1:])
+    manager.update_weights(refs[0], version)

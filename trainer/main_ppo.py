@@ -44,7 +44,7 @@ from agentloop.waiting import wait_for
 from trainer import algorithms, checkpoint
 from trainer.config_checks import check_config, warn_ignored_keys, world_size
 from trainer.data import BatchSampler, load_dataset
-from trainer.fsdp_workers import needs_reference, rank_gpus, start_workers
+from trainer.fsdp_workers import needs_reference, push_weights, rank_gpus, start_workers
 from trainer.async_training import async_settings, staleness_metrics
 from trainer.rollout_correction import RolloutCorrection, correct_batch
 from trainer.rollout_dump import RolloutDumps
@@ -80,6 +80,7 @@ class RayPPOTrainer:
         self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
         self.max_staleness, self.partial_rollout, self.correction = async_settings(config, RolloutCorrection.from_config(config))
         self.stream: GroupStream | None = None  # the rollouts running ahead of training, while an async run fits
+        self.fit_from_step = 0  # the step the current fit started after (a resume's checkpoint)
         self.dumps = RolloutDumps(config.trainer.rollout_data_dir, self.tokenizer) if config.trainer.rollout_data_dir else None
 
         with tqdm(total=2, desc="starting rollout servers and agent-loop workers", bar_format=STARTUP_BAR) as startup:
@@ -242,9 +243,18 @@ class RayPPOTrainer:
             step,
             lambda shards, hf: self._wait([w.save_checkpoint.remote(str(shards), str(hf)) for w in self.workers], "the checkpoint save"),
             self.tokenizer,
-            {"sampler_position": self.sampler.state(), "kl_coef": self.kl_coef},
+            {**self._data_state(step), "kl_coef": self.kl_coef},
             int(self.config.trainer.max_actor_ckpt_to_keep or 0),
         )
+
+    def _data_state(self, step: int) -> dict[str, Any]:
+        """Where the data continues after ``step``: past the batches handed out, with the rows of those that
+        were not trained yet (an async run's stream generates ahead) to replay first."""
+        if self.stream is None:
+            return self.sampler.state(step - self.fit_from_step)
+        handed_out, rows = self.stream.untrained_rows()
+        position = {id(row): index for index, row in enumerate(self.rows)}
+        return self.sampler.state(handed_out, [position[id(row)] for row in rows])
 
     def resume(self) -> int:
         """Restore the checkpoint ``trainer.resume_mode`` points at; return its step (0: start fresh)."""
@@ -253,7 +263,7 @@ class RayPPOTrainer:
             return 0
         state = checkpoint.read_trainer_state(directory)
         self._wait([w.load_checkpoint.remote(str(directory / checkpoint.WORKERS)) for w in self.workers], "the checkpoint load")
-        self.sampler.position = int(state["sampler_position"])
+        self.sampler.restore(state)
         self.kl_coef = float(state.get("kl_coef", self.kl_coef))
         # the servers start from the base model: give them the restored policy
         self._push_weights(int(state["step"]))
@@ -271,16 +281,15 @@ class RayPPOTrainer:
         try:
             if self.val_rows and trainer.val_before_train and done == 0:
                 tracking.log(self._validate_showing(progress), step=0)
-            first_batch = self.sampler.position
-            batch_of = lambda step: self.sampler.batch(first_batch + step - done - 1)  # noqa: E731
+            self.fit_from_step = done
+            batches = self.sampler.batches(self.total_steps - done)
             if self.max_staleness:
-                steps = ([self.rows[i] for i in batch_of(step)] for step in range(done + 1, self.total_steps + 1))
+                steps = ([self.rows[i] for i in indices] for indices in batches)
                 groups = int(self.config.data.train_batch_size)  # one GRPO group per row
                 buffer = int(self.config.async_training.buffer_groups or (1 + self.max_staleness) * groups)
                 self.stream = self.manager.stream(steps, groups, self.max_staleness, buffer, version=done)
             for step in range(done + 1, self.total_steps + 1):
-                metrics = self.step(step, batch_of(step)) if self.stream is None else self._learn_streamed(step)
-                self.sampler.position = first_batch + step - done  # trained batches: where a resume continues
+                metrics = self.step(step, next(batches)) if self.stream is None else self._learn_streamed(step)
                 last = step == self.total_steps
                 if self.val_rows and int(trainer.test_freq) > 0 and (step % int(trainer.test_freq) == 0 or last):
                     metrics.update(self._validate_showing(progress))  # beside the stream's rollouts, if any
@@ -350,21 +359,6 @@ def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
     # missing from its dict: average over the ranks that have it
     keys = dict.fromkeys(key for metrics in per_rank for key in metrics)
     return {key: float(np.mean([metrics[key] for metrics in per_rank if key in metrics])) for key in keys}
-
-
-def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float, version: int | None = None) -> None:
-    """Gather the policy on rank 0 and load it into every rollout server as policy ``version``.
-
-    The servers read rank 0's packed weights straight from Ray's object store: the bytes never pass
-    through the driver, and are never pickled.
-    """
-    refs = [worker.packed_state_dict.remote() for worker in workers]
-    # every rank first (a failed rank surfaces as itself), without fetching rank 0's weights here
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
-    if pending:
-        raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for the weight gather on the FSDP ranks")
-    ray.get(refs[1:])
-    manager.update_weights(refs[0], version)
 
 
 def run(config: DictConfig) -> list[dict[str, Any]]:
