@@ -8,6 +8,7 @@ import torch
 
 from tests.support.config import small_config
 from tests.support.ranks import manager_and_two_ranks, scores
+from trainer.rollout_correction import RolloutCorrection, correct_batch
 
 ROWS = [{"prompt": [{"role": "user", "content": f"question number {i}"}]} for i in range(4)]
 
@@ -79,3 +80,38 @@ def test_checkpoint_restores_weights_optimizer_and_lr_schedule(setup, tmp_path):
 
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).state_dict()
     assert all(torch.equal(exported[k], v) for k, v in saved.items())
+
+
+def test_update_scoring_its_own_old_log_probs_is_the_rescore_then_update_step(setup, tmp_path):
+    """With one optimizer step per batch, the update's own forward passes give the old log-probs: the step
+    (importance weights, loss, new weights) is the one a re-scoring pass followed by the update makes."""
+    manager, actors = setup
+    batch = manager.generate_sequences(ROWS)
+    mask = batch.batch["response_mask"]
+    train = batch.batch.clone()
+    # a behaviour policy away from the current one: the importance weights vary, and some are truncated
+    train["rollout_log_probs"] = train["rollout_log_probs"] + torch.linspace(-1.0, 1.0, mask.shape[1]) * mask
+    train["advantages"] = torch.where(torch.arange(len(batch))[:, None] % 2 == 0, 1.0, -1.0) * mask
+    correction = RolloutCorrection(rollout_is="token", rollout_is_threshold=1.5)
+
+    def on_ranks(method, data, **kwargs):
+        return ray.get([getattr(actor, method).remote(half, **kwargs) for actor, half in zip(actors, data.split(len(data) // 2))], timeout=120)
+
+    def weights():
+        return ray.get([actor.full_state_dict.remote() for actor in actors], timeout=120)[0]
+
+    ray.get([actor.save_checkpoint.remote(str(tmp_path / "ckpt")) for actor in actors], timeout=120)
+    rescored = train.clone()
+    rescored["old_log_probs"] = scores(actors, train)
+    correct_batch(rescored, correction)
+    truncated = int(((rescored["rollout_is_weights"] == 1.5) & mask.bool()).sum())
+    assert 0 < truncated < int(mask.sum())
+    expected_metrics, expected_weights = on_ranks("update_policy", rescored), weights()
+
+    ray.get([actor.load_checkpoint.remote(str(tmp_path / "ckpt")) for actor in actors], timeout=120)
+    updates = on_ranks("update_policy_scoring_old", train, correction=correction)
+    old_log_probs = torch.cat([old for _, old in updates])
+    assert torch.allclose(old_log_probs * mask, rescored["old_log_probs"] * mask, atol=1e-5)
+    for (metrics, _), expected in zip(updates, expected_metrics):
+        assert metrics == pytest.approx(expected, rel=1e-4, abs=1e-6)
+    assert all(torch.allclose(value, expected_weights[key], atol=1e-6) for key, value in weights().items())

@@ -13,7 +13,7 @@ from tensordict import TensorDict
 from tests.support.config import small_config
 from trainer import rollout_correction as rc
 from trainer.config_checks import check_config
-from trainer.fsdp_workers import policy_gradient_loss
+from trainer.fsdp_workers import has_dropout, policy_gradient_loss
 
 
 def T(values):
@@ -205,3 +205,31 @@ def test_bypass_mode_corrects_against_the_current_policy():
     rejecting = settings(bypass_mode="true", rollout_rs="token_k1", rollout_rs_threshold=2.0)
     loss, mask, _ = policy_gradient_loss(micro_batch(), log_probs, ACTOR, rejecting)
     assert mask.tolist() == [[0, 1, 0]] and loss.item() == pytest.approx(1.0)
+
+
+def test_the_update_scores_old_log_probs_only_when_one_step_and_row_by_row_weights_allow():
+    def scores_in_update(*overrides, batch_size=8):
+        config = small_config("actor_rollout_ref.rollout.n=2", *overrides)
+        return rc.old_log_probs_in_update(config, rc.RolloutCorrection.from_config(config), batch_size)
+
+    assert scores_in_update()  # one epoch over one mini-batch (null: the whole batch)
+    assert scores_in_update("algorithm.rollout_correction.rollout_is=sequence", "actor_rollout_ref.actor.ppo_mini_batch_size=4")
+    assert not scores_in_update("actor_rollout_ref.actor.ppo_mini_batch_size=2")  # two optimizer steps
+    assert not scores_in_update("actor_rollout_ref.actor.ppo_epochs=2")
+    assert not scores_in_update("algorithm.use_kl_in_reward=true")  # the reward needs them before the update
+    assert not scores_in_update("algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_batch_normalize=true")
+    assert not scores_in_update("algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2")
+    assert not scores_in_update("algorithm.rollout_correction.bypass_mode=true")
+
+
+def test_dropout_in_a_module_or_a_config_is_seen():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    assert not has_dropout(Qwen3ForCausalLM(config))
+    config.attention_dropout = 0.1  # applied inside the attention function in training mode: no module to find
+    assert has_dropout(Qwen3ForCausalLM(config))
+    model = Qwen3ForCausalLM(Qwen3Config(**{**config.to_dict(), "attention_dropout": 0.0}))
+    model.lm_head = torch.nn.Sequential(torch.nn.Dropout(0.2), model.lm_head)
+    assert has_dropout(model)

@@ -21,7 +21,8 @@ from tests.support.config import small_config
 from trainer.algorithms import LOSS_AGG_MODES, aggregate_loss
 from trainer.config_checks import check_config
 from trainer.data import load_dataset
-from trainer.fsdp_workers import _Trainable, response_log_probs, start_workers
+from trainer.fsdp_workers import response_log_probs, start_workers
+from trainer.trainable import Trainable
 from trainer.micro_batches import MicroBatching, balanced_groups, bins_needed
 
 PROMPT, RESPONSE = 8, 8
@@ -61,7 +62,7 @@ def gradient_after_update(model_path: str, batch: TensorDict, batching: MicroBat
     """One update through the trainer's own loop; Adam's first moment after one step is 0.1 x the gradient."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     optim = OmegaConf.create({"lr": 1e-4, "weight_decay": 0.0, "lr_warmup_steps": 0})
-    trainable = _Trainable(model, optim, total_steps=1, role="actor")
+    trainable = Trainable(model, optim, total_steps=1, role="actor")
     section = OmegaConf.create({
         "ppo_epochs": 1, "ppo_micro_batch_size_per_gpu": batching.size, "use_dynamic_bsz": batching.dynamic,
         "ppo_max_token_len_per_gpu": batching.max_tokens, "grad_clip": 1e9, "loss_agg_mode": mode,

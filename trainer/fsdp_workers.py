@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -20,22 +20,21 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
 from tensordict import TensorDict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
-from transformers import AutoConfig, AutoModelForTokenClassification, get_scheduler
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoConfig, AutoModelForTokenClassification
 
 from agentloop.models.loading import is_vision_language, model_class
 from agentloop.server.weights import PackedWeights
 from agentloop.waiting import wait_for
 from trainer import algorithms
-from trainer.rollout_correction import RolloutCorrection, correct
-from trainer.micro_batches import MicroBatching, micro_batch_weight
-from trainer.sharding import clip_grad_norm, load_sharded, move_optimizer_state
+from trainer.rollout_correction import RolloutCorrection, correct, correct_batch
+from trainer.micro_batches import MicroBatching
+from trainer.sharding import load_sharded
+from trainer.trainable import Trainable
 from trainer.vision import forward_logits
 
 if TYPE_CHECKING:
     from agentloop import AgentLoopManager
-
-WARMUP_STYLES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
 
 
 def response_log_probs(model: torch.nn.Module, batch: TensorDict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,6 +43,14 @@ def response_log_probs(model: torch.nn.Module, batch: TensorDict, temperature: f
     logits = forward_logits(model, batch)[:, -responses.shape[1] - 1 : -1].float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     return log_probs, algorithms.entropy_from_logits(logits)
+
+
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether training mode changes the model's forward pass: a dropout module, or a dropout rate in its config."""
+    config = model.config
+    rates = [getattr(section, key, 0.0) or 0.0 for section in (config, config.get_text_config())
+             for key in ("attention_dropout", "hidden_dropout", "hidden_dropout_prob", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")]
+    return any(float(rate) > 0 for rate in rates) or any(isinstance(module, torch.nn.Dropout) and module.p > 0 for module in model.modules())
 
 
 def response_values(critic: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
@@ -77,79 +84,6 @@ def policy_gradient_loss(
             importance_weights=None if correction.bypass_mode else weights, **common,
         )
     return pg_loss, mask, {**stats, **{f"actor/{key}": value for key, value in pg_stats.items()}}
-
-
-class _Trainable:
-    """A sharded model with its optimizer and LR schedule (policy or critic); ``role`` (``actor`` or
-    ``critic``) prefixes its ``grad_norm`` and ``lr`` metrics.
-
-    ``device`` is where it computes; with ``offload_optimizer`` its optimizer state waits in CPU memory
-    between updates (see ``trainer.sharding``).
-    """
-
-    def __init__(
-        self, model: torch.nn.Module, optim: DictConfig, total_steps: int, role: str, device: Any = "cpu",
-        offload_optimizer: bool = False,
-    ) -> None:
-        self.model, self.role = model, role
-        self.device = device
-        # not `device` under CPUOffloadPolicy: the sharded parameters, and so the optimizer state, stay on CPU
-        self.parameters_device = next(model.parameters()).device
-        self.offload_optimizer = offload_optimizer
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=float(optim.lr), weight_decay=float(optim.weight_decay))
-        style = str(optim.get("warmup_style", "constant"))
-        if style not in WARMUP_STYLES:
-            raise ValueError(f"optim.warmup_style={style!r}; choose one of {sorted(WARMUP_STYLES)}")
-        warmup = int(optim.get("lr_warmup_steps", 0))
-        if warmup < 0:
-            warmup = int(float(optim.get("lr_warmup_steps_ratio", 0.0)) * total_steps)
-        extra = {"min_lr_rate": float(optim.get("min_lr_ratio", 0.0))} if style == "cosine" else {}
-        self.scheduler = get_scheduler(
-            WARMUP_STYLES[style], self.optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
-            scheduler_specific_kwargs=extra,
-        )
-
-    def update(
-        self, batch: TensorDict, config: DictConfig, mini_batch_size: int, loss: Callable[[TensorDict], tuple[torch.Tensor, dict]]
-    ) -> dict[str, float]:
-        """``config.ppo_epochs`` passes over ``batch`` in mini-batches of ``mini_batch_size`` samples, one optimizer
-        step each, gradients accumulated over micro-batches of ``config.ppo_micro_batch_size_per_gpu`` samples
-        (or ``ppo_max_token_len_per_gpu`` tokens with ``use_dynamic_bsz``); then one LR-schedule step. Returns
-        metrics averaged over micro-batches (``grad_norm`` over optimizer steps), named as ``loss`` names them."""
-        self.model.train()
-        self._optimizer_state_to(self.parameters_device)
-        metrics: dict[str, float] = {}
-        mini_batches = [mini for _ in range(int(config.ppo_epochs)) for mini in batch.split(mini_batch_size)]
-        lr = self.scheduler.get_last_lr()[0]
-        for mini in mini_batches:
-            micro_batches = MicroBatching.for_update(config).split(mini, self.device)
-            for micro in micro_batches:
-                value, stats = loss(micro)
-                (value * micro_batch_weight(micro, mini, config.loss_agg_mode)).backward()
-                _accumulate(metrics, stats, len(micro_batches) * len(mini_batches))
-            grad_norm = clip_grad_norm(self.model.parameters(), float(config.grad_clip), self.device)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            if torch.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
-                self.optimizer.step()
-            self.optimizer.zero_grad()
-            _accumulate(metrics, {f"{self.role}/grad_norm": grad_norm}, len(mini_batches))
-        self.scheduler.step()
-        self._optimizer_state_to("cpu")
-        return {**metrics, f"{self.role}/lr": lr}
-
-    def _optimizer_state_to(self, device: Any) -> None:
-        if self.offload_optimizer:
-            move_optimizer_state(self.optimizer, device)
-
-    def state(self) -> dict[str, Any]:
-        self._optimizer_state_to(self.parameters_device)  # saved beside the parameters (until the next update)
-        model, optimizer = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
-
-    def load(self, state: dict[str, Any]) -> None:
-        self._optimizer_state_to(self.parameters_device)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
 
 
 @ray.remote
@@ -193,7 +127,7 @@ class FSDPWorker:
         self.value_batching = MicroBatching.for_values(config.critic)
         torch.manual_seed(0)
         model = config.actor_rollout_ref.model
-        self.policy = _Trainable(
+        self.policy = Trainable(
             self._sharded(model_class(model.path), model.path, self.actor.fsdp_config, model.enable_gradient_checkpointing),
             self.actor.optim, self.total_steps, "actor", self.device, bool(self.actor.fsdp_config.optimizer_offload),
         )
@@ -212,7 +146,7 @@ class FSDPWorker:
                 AutoModelForTokenClassification, critic_model.path, critic_model.fsdp_config,
                 critic_model.enable_gradient_checkpointing, config=critic_config,
             )
-            self.critic = _Trainable(
+            self.critic = Trainable(
                 critic, config.critic.optim, self.total_steps, "critic", self.device, bool(critic_model.fsdp_config.optimizer_offload)
             )
 
@@ -243,11 +177,37 @@ class FSDPWorker:
         ``batch`` carries ``old_log_probs`` (the rollout's in bypass mode), ``advantages`` and ``response_mask``,
         plus ``rollout_is_weights`` from decoupled rollout correction and ``ref_log_probs`` when ``actor.use_kl_loss``.
         """
+        return self._update_policy(batch)[0]
+
+    def update_policy_scoring_old(self, batch: TensorDict, correction: RolloutCorrection) -> tuple[dict[str, float], torch.Tensor]:
+        """``update_policy`` on a batch without ``old_log_probs``, for an update that is one optimizer step (one
+        epoch, one mini-batch): the parameters do not move before that step, so each micro-batch's own forward
+        pass gives its old log-probs (detached), and the re-scoring pass of ``compute_log_prob`` is saved.
+        ``correction``'s importance weights (token or sequence level, row by row) come from them, micro-batch by
+        micro-batch. Returns the metrics and the old log-probs, in the batch's order. A policy whose training
+        forward pass differs from its scoring one (dropout) is re-scored first instead."""
+        if has_dropout(self.policy.model):
+            batch["old_log_probs"] = self.compute_log_prob(batch)
+            correct_batch(batch, correction)
+            return self._update_policy(batch)[0], batch["old_log_probs"]
+        return self._update_policy(batch, correction)
+
+    def _update_policy(self, batch: TensorDict, scoring_old: RolloutCorrection | None = None) -> tuple[dict[str, float], torch.Tensor | None]:
         actor = self.actor
         scale = actor.get("loss_scale_factor")
+        old_log_probs = None
+        if scoring_old is not None:
+            old_log_probs = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+            batch["row_index"] = torch.arange(len(batch))
 
         def loss(micro: TensorDict) -> tuple[torch.Tensor, dict[str, Any]]:
             log_probs, entropy = response_log_probs(self.policy.model, micro, self.temperature)
+            if scoring_old is not None:
+                old = micro["old_log_probs"] = log_probs.detach()
+                old_log_probs[micro["row_index"].cpu()] = old.cpu()
+                weights = correct(old, micro["rollout_log_probs"], micro["response_mask"].float(), scoring_old)[0]
+                if weights is not None:
+                    micro["rollout_is_weights"] = weights
             pg_loss, mask, stats = policy_gradient_loss(micro, log_probs, actor, self.correction)
             entropy_bonus = algorithms.aggregate_loss(entropy, mask, actor.loss_agg_mode, scale)
             total = pg_loss - float(actor.entropy_coeff) * entropy_bonus
@@ -258,7 +218,7 @@ class FSDPWorker:
                 total = total + float(actor.kl_loss_coef) * stats["actor/kl_loss"]
             return total, {"actor/pg_loss": pg_loss, "actor/entropy": entropy_bonus, **stats}
 
-        return self.policy.update(batch, actor, self._mini_batch_size(actor, len(batch)), loss)
+        return self.policy.update(batch, actor, self._mini_batch_size(actor, len(batch)), loss), old_log_probs
 
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
         """Clipped value-loss updates of the critic against ``returns`` (``values`` are the old values)."""
@@ -370,11 +330,6 @@ def rank_gpus(config: DictConfig, world_size: int) -> int:
 def needs_reference(config: DictConfig) -> bool:
     """Whether a frozen reference policy is needed: KL in the loss or in the reward."""
     return bool(config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
-
-
-def _accumulate(metrics: dict[str, float], values: dict[str, Any], count: int) -> None:
-    for key, value in values.items():
-        metrics[key] = metrics.get(key, 0.0) + float(value.detach() if isinstance(value, torch.Tensor) else value) / count
 
 
 def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float, version: int | None = None) -> None:

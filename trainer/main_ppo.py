@@ -6,8 +6,8 @@ whatever its ``hydra.searchpath`` says, verl's other keys are accepted (those th
 listed in one warning), and an unknown key fails with the closest known keys named.
 
 One step: rows → ``AgentLoopManager.generate_sequences`` (rollouts, rewards in ``rm_scores``) → servers
-sleep (``rollout.free_cache_engine``) → old log-probs (and reference log-probs, critic values) on the
-FSDP ranks → rollout correction (``algorithm.rollout_correction``) → advantages (GRPO, or GAE with the
+sleep (``rollout.free_cache_engine``) → old log-probs (unless the one update step scores them itself),
+reference log-probs and critic values on the FSDP ranks → rollout correction (``algorithm.rollout_correction``) → advantages (GRPO, or GAE with the
 critic; KL in the reward if asked) → critic and policy updates → full weights pushed to every rollout
 server → servers wake. Checkpoints every ``trainer.save_freq`` steps; ``trainer.resume_mode=auto``
 continues from the newest one.
@@ -46,7 +46,7 @@ from trainer.config_checks import check_config, warn_ignored_keys, world_size
 from trainer.data import BatchSampler, load_dataset
 from trainer.fsdp_workers import needs_reference, push_weights, rank_gpus, start_workers
 from trainer.async_training import async_settings, staleness_metrics
-from trainer.rollout_correction import RolloutCorrection, correct_batch
+from trainer.rollout_correction import RolloutCorrection, correct_batch, old_log_probs_in_update
 from trainer.rollout_dump import RolloutDumps
 from trainer.tracking import Tracking, plot, summarize
 
@@ -157,9 +157,11 @@ class RayPPOTrainer:
         scores = batch["rm_scores"]
         metrics: dict[str, float] = {}
 
+        # the policy's one update step scores the old log-probs itself when it can (no separate pass)
+        in_update = step >= int(config.trainer.critic_warmup) and old_log_probs_in_update(config, self.correction, len(batch))
         if self.correction.bypass_mode:  # two policies: the rollout's log-probs are the old ones
             batch["old_log_probs"] = batch["rollout_log_probs"]
-        else:
+        elif not in_update:
             batch["old_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch))
         rewards = scores
         if needs_reference(config):
@@ -172,7 +174,7 @@ class RayPPOTrainer:
             control = config.algorithm.kl_ctrl
             if control.type == "adaptive":
                 self.kl_coef = algorithms.adaptive_kl_coef(self.kl_coef, observed_kl, float(control.target_kl), float(control.horizon), len(batch))
-        if not self.correction.bypass_mode:  # (bypass mode corrects on the ranks, against the current policy)
+        if not (self.correction.bypass_mode or in_update):  # (bypass mode corrects on the ranks, against the current policy)
             metrics.update(correct_batch(batch, self.correction))  # importance weights; rejection narrows the mask
             mask = batch["response_mask"].float()
         if config.algorithm.adv_estimator == "gae":
@@ -187,7 +189,12 @@ class RayPPOTrainer:
             batch["advantages"], _ = algorithms.grpo_outcome_advantage(
                 rewards, mask, grpo_groups(rollout), bool(config.algorithm.norm_adv_by_std_in_grpo)
             )
-        if step >= int(config.trainer.critic_warmup):  # verl's rule: the actor starts at step critic_warmup
+        if in_update:
+            updates = self._on_ranks("update_policy_scoring_old", batch, correction=self.correction)
+            batch["old_log_probs"] = torch.cat([old_log_probs for _, old_log_probs in updates])
+            metrics.update(correct_batch(batch, self.correction))  # the weights the loss used, for metrics and dumps
+            metrics.update(_mean_over_ranks([update for update, _ in updates]))
+        elif step >= int(config.trainer.critic_warmup):  # verl's rule: the actor starts at step critic_warmup
             metrics.update(_mean_over_ranks(self._on_ranks("update_policy", batch)))
         timing["train"] = time.perf_counter() - start - timing["gen"]  # scoring passes and updates
 

@@ -158,6 +158,19 @@ def correct(
     return weights, mask, {f"rollout_corr/{key}": float(value) for key, value in metrics.items()}
 
 
+def old_log_probs_in_update(config: Any, settings: RolloutCorrection, batch_size: int) -> bool:
+    """Whether the policy update can take the old log-probs from its own forward passes, saving the re-scoring
+    pass (``FSDPWorker.update_policy_scoring_old``): the update is one optimizer step (``ppo_epochs`` 1, one
+    mini-batch), so the parameters have not moved when each micro-batch is scored; decoupled mode with weights
+    taken row by row (no rejection sampling, no batch normalisation); and no KL penalty in the reward, which
+    needs the old log-probs before the advantages."""
+    actor = config.actor_rollout_ref.actor
+    samples_per_mini_batch = int(actor.ppo_mini_batch_size or 0) * int(config.actor_rollout_ref.rollout.n)
+    one_step = int(actor.ppo_epochs) == 1 and (not samples_per_mini_batch or samples_per_mini_batch >= batch_size)
+    row_by_row = not (settings.bypass_mode or settings.rejection_bounds or settings.rollout_is_batch_normalize)
+    return one_step and row_by_row and not config.algorithm.use_kl_in_reward
+
+
 def correct_batch(batch: TensorDict, settings: RolloutCorrection) -> dict[str, float]:
     """Decoupled mode on the whole batch (``old_log_probs`` against ``rollout_log_probs``), before the
     advantages: adds ``rollout_is_weights`` when ``rollout_is`` is on, narrows ``response_mask`` by
