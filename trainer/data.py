@@ -10,7 +10,7 @@ import itertools
 import json
 import random
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import pyarrow.parquet as pq
 
@@ -108,7 +108,7 @@ class BatchSampler:
         ordered = (self.batch(self.position + k) for k in itertools.count())
         return itertools.islice(itertools.chain(replayed, ordered), count)
 
-    def state(self, handed_out: int, untrained: list[int] = ()) -> dict[str, Any]:
+    def state(self, handed_out: int, untrained: Sequence[int] = ()) -> dict[str, Any]:
         """The checkpoint's data state once ``handed_out`` of ``batches``' batches went out and the rows
         ``untrained`` of them have not been trained yet."""
         replayed = len(self.replay) // self.batch_size

@@ -7,9 +7,9 @@ listed in one warning), and an unknown key fails with the closest known keys nam
 
 One step: rows → ``AgentLoopManager.generate_sequences`` (rollouts, rewards in ``rm_scores``) → servers
 sleep (``rollout.free_cache_engine``) → old log-probs (unless the one update step scores them itself),
-reference log-probs and critic values on the FSDP ranks → rollout correction (``algorithm.rollout_correction``) → advantages (GRPO, or GAE with the
-critic; KL in the reward if asked) → critic and policy updates → full weights pushed to every rollout
-server → servers wake. Checkpoints every ``trainer.save_freq`` steps; ``trainer.resume_mode=auto``
+reference log-probs and critic values on the FSDP ranks → rollout correction
+(``algorithm.rollout_correction``) → advantages (GRPO, or GAE with the critic; KL in the reward if
+asked) → critic and policy updates → full weights pushed to every rollout server → servers wake. Checkpoints every ``trainer.save_freq`` steps; ``trainer.resume_mode=auto``
 continues from the newest one.
 """
 
