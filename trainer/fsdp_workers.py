@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoConfig, AutoModelForTokenClassification
 
+from agentloop.allocator import keep_freed_memory
 from agentloop.models.loading import is_vision_language, model_class
 from agentloop.server.weights import PackedWeights
 from agentloop.waiting import wait_for
@@ -99,6 +100,7 @@ class FSDPWorker:
         # not `self.config`: with `dist` among the globals, cloudpickle would take that attribute name for
         # the module torch.distributed.config and fail to ship this class to Ray
         self._config, self.rank, self.world_size, self.total_steps = config, rank, world_size, total_steps
+        keep_freed_memory()  # every step frees and reallocates the same activations
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This process's node address and a free port on it (asked of rank 0)."""

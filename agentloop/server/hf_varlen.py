@@ -80,24 +80,30 @@ def _attend(
     scaling: float | None,
     output: torch.Tensor,
 ) -> None:
-    positions_q = torch.arange(int(lengths_q.max()))
-    positions_k = torch.arange(int(lengths_k.max()))
+    requests, max_q, max_k = len(lengths_q), int(lengths_q.max()), int(lengths_k.max())
+    positions_q, positions_k = torch.arange(max_q), torch.arange(max_k)
     real_q = positions_q < lengths_q[:, None]  # [requests, max_q]
     real_k = positions_k < lengths_k[:, None]  # [requests, max_k]
-    index_q = (starts_q[:, None] + positions_q).masked_fill(~real_q, 0)
-    index_k = (starts_k[:, None] + positions_k).masked_fill(~real_k, 0)
+    index_q = (starts_q[:, None] + positions_q).masked_fill(~real_q, 0).flatten()
+    index_k = (starts_k[:, None] + positions_k).masked_fill(~real_k, 0).flatten()
     # bottom-right causal: query t of a request sees its keys up to (keys - queries + t); padding rows still
     # see key 0, so no row is all masked (their outputs are dropped)
     visible = (positions_k <= (lengths_k - lengths_q)[:, None, None] + positions_q[:, None]) & real_k[:, None, :]
+
+    def padded(packed: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
+        # index_select, not advanced indexing: several times faster on CPU for these gathers
+        return packed.index_select(1, index).view(packed.shape[0], requests, length, packed.shape[2]).transpose(0, 1)
+
     attended = F.scaled_dot_product_attention(
-        query[:, index_q].transpose(0, 1),  # [requests, heads, max_q, d]
-        key[:, index_k].transpose(0, 1),
-        value[:, index_k].transpose(0, 1),
+        padded(query, index_q, max_q),  # [requests, heads, max_q, d]
+        padded(key, index_k, max_k),
+        padded(value, index_k, max_k),
         attn_mask=visible[:, None],
         scale=scaling,
         enable_gqa=query.shape[0] != key.shape[0],
     )
-    output[index_q[real_q]] = attended.transpose(1, 2)[real_q]
-
+    rows = attended.transpose(1, 2).reshape(requests * max_q, *output.shape[1:])
+    real = real_q.flatten().nonzero().squeeze(1)
+    output.index_copy_(0, index_q.index_select(0, real), rows.index_select(0, real))
 
 AttentionInterface.register(NAME, varlen_attention_forward)

@@ -15,6 +15,7 @@ import ray
 import torch
 from omegaconf import DictConfig
 
+from agentloop.allocator import keep_freed_memory
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
 from agentloop.server.engine import Engine, build_engine
@@ -28,6 +29,7 @@ class RolloutServer:
     def __init__(self, config: DictConfig, rank: int) -> None:
         cpus = int(config.actor_rollout_ref.rollout.resources_per_server.get("CPU", 1))
         torch.set_num_threads(max(1, cpus))
+        keep_freed_memory()  # every engine step frees and reallocates tensors of the same sizes
         self.rank = rank
         self.config = config
         self.engine: Engine = build_engine(config, rank)
