@@ -106,4 +106,5 @@ def _attend(
     real = real_q.flatten().nonzero().squeeze(1)
     output.index_copy_(0, index_q.index_select(0, real), rows.index_select(0, real))
 
+
 AttentionInterface.register(NAME, varlen_attention_forward)
