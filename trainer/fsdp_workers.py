@@ -133,6 +133,7 @@ class FSDPWorker:
             self._sharded(model_class(model.path), model.path, self.actor.fsdp_config, model.enable_gradient_checkpointing),
             self.actor.optim, self.total_steps, "actor", self.device, bool(self.actor.fsdp_config.optimizer_offload),
         )
+        self.policy_has_dropout = has_dropout(self.policy.model)  # its training forward pass is not its scoring one
         self.ref = None
         if needs_reference(config):
             self.ref = self._sharded(model_class(ref_config.model.path), ref_config.model.path, ref_config.fsdp_config).eval().requires_grad_(False)
@@ -188,7 +189,7 @@ class FSDPWorker:
         ``correction``'s importance weights (token or sequence level, row by row) come from them, micro-batch by
         micro-batch. Returns the metrics and the old log-probs, in the batch's order. A policy whose training
         forward pass differs from its scoring one (dropout) is re-scored first instead."""
-        if has_dropout(self.policy.model):
+        if self.policy_has_dropout:
             batch["old_log_probs"] = self.compute_log_prob(batch)
             correct_batch(batch, correction)
             return self._update_policy(batch)[0], batch["old_log_probs"]
