@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from typing import Any, Iterator, Mapping
@@ -51,6 +52,7 @@ class AgentLoopManager:
         self.default_agent_loop = default_agent_loop(self.rollout)
         check_agent_names({self.default_agent_loop}, self._agent_loops())
 
+        self._workers_lock = threading.RLock()  # the stream's thread and the caller's both replace dead workers
         self.pool = ServerPool(config, self._give_workers)
         self.worker_restarts = 0
         self.workers = [self._start_worker() for _ in range(int(self.rollout.agent.num_workers))]
@@ -69,16 +71,21 @@ class AgentLoopManager:
     def _start_worker(self) -> ray.actor.ActorHandle:
         return AgentLoopWorker.options(num_cpus=0).remote(self.config, self.servers)
 
-    def replace_worker(self, index: int) -> ray.actor.ActorHandle:
-        """Start a successor for worker ``index``, which died, and count the restart."""
-        self.workers[index] = self._start_worker()
-        self.worker_restarts += 1
-        return self.workers[index]
+    def replace_worker(self, index: int, dead: ray.actor.ActorHandle) -> ray.actor.ActorHandle:
+        """Worker ``index``'s successor: started now if ``dead`` (the handle that failed) still holds the slot,
+        else the one another thread started for it (the stream and a validation rollout may both see it die)."""
+        with self._workers_lock:
+            if self.workers[index] is dead:
+                self.workers[index] = self._start_worker()
+                self.worker_restarts += 1
+            return self.workers[index]
 
     def _give_workers(self, rank: int, server: ray.actor.ActorHandle) -> None:
-        # a replacement server is handed to every router; a worker that died meanwhile is replaced later
-        for worker in self.workers:
-            worker.replace_server.remote(rank, server)
+        # a replacement server is handed to every router; a worker that died meanwhile is replaced later, and a
+        # successor being started meanwhile reads the new server list (the lock orders the two)
+        with self._workers_lock:
+            for worker in self.workers:
+                worker.replace_server.remote(rank, server)
 
     # ------------------------------------------------------------------ rollout
 
@@ -145,8 +152,11 @@ class AgentLoopManager:
         self, chunks: list[list[dict[str, Any]]], sampling_params: dict[str, Any], agent_loops: dict[str, Any], deadline: float
     ) -> list[tuple[RolloutBatch, RouterStats]]:
         """Each chunk on its worker; a worker that dies has its chunk rerun on a replacement (twice at most)."""
+        used: dict[int, ray.actor.ActorHandle] = {}  # the worker each chunk was last sent to
+
         def submit(index: int) -> ray.ObjectRef:
-            return self.workers[index].generate_sequences.remote(chunks[index], sampling_params, agent_loops)
+            used[index] = self.workers[index]
+            return used[index].generate_sequences.remote(chunks[index], sampling_params, agent_loops)
 
         pending = {submit(index): index for index in range(len(chunks))}
         results: dict[int, tuple[RolloutBatch, RouterStats]] = {}
@@ -169,7 +179,7 @@ class AgentLoopManager:
                 if reruns > 2 * len(chunks):
                     raise
                 logger.warning("agent-loop worker %d died (%s); rerunning its %d samples on a replacement", index, error, len(chunks[index]))
-                self.replace_worker(index)
+                self.replace_worker(index, used[index])
                 pending[submit(index)] = index
         return [results[index] for index in range(len(chunks))]
 

@@ -6,7 +6,7 @@ import math
 import traceback
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Awaitable, Callable, Literal
 
 # Why one engine call stopped. ``interrupted``: new weights were loaded mid-request; the tokens so far
 # come back and the router continues the request under the new weights (loops never see it).
@@ -18,6 +18,15 @@ FinishReason = Literal["stop", "length", "abort", "interrupted"]
 # failed tool calls; ``env_error`` an env step kept failing; ``aborted`` the engine aborted the request;
 # ``failed`` the loop raised (the sample is kept, empty, and left out of training: see ``failed_output``).
 EndReason = Literal["stop", "done", "length", "max_turns", "tool_error_budget", "env_error", "aborted", "failed"]
+
+
+def finish_reason_of(tokens: list[int], stop_ids: list[int], max_new_tokens: int, otherwise: FinishReason) -> FinishReason:
+    """Why a call that was cut short (aborted, interrupted) ended: ``stop`` if its last token is one of
+    ``stop_ids``, ``length`` if it has ``max_new_tokens``, else ``otherwise``. A call cut right after the token
+    that ended it is over: it must not be continued past its stop token or its budget."""
+    if tokens and tokens[-1] in stop_ids:
+        return "stop"
+    return "length" if len(tokens) >= max_new_tokens else otherwise
 
 
 def end_after(finish_reason: FinishReason) -> EndReason | None:
@@ -112,6 +121,32 @@ class TokenOutput:
     # verl's TokenOutput fields that loops written for verl read; not produced by these engines
     num_preempted: int | None = None
     routed_experts: Any = None
+
+
+async def generate_continued(
+    generate: Callable[[list[int], dict[str, Any]], Awaitable[TokenOutput]], prompt_ids: list[int], sampling_params: dict[str, Any]
+) -> tuple[TokenOutput, list[int], int]:
+    """One turn through ``generate(ids, params)``, continued after each interruption by new weights: resubmitted
+    with the tokens it has, for the tokens it has left, until it ends. Returns the whole turn, each token's
+    policy version (-1: unknown) and how many times it was interrupted."""
+    budget = int(sampling_params.get("max_new_tokens", SAMPLING_DEFAULTS["max_new_tokens"]))
+    tokens: list[int] = []
+    log_probs: list[float] = []
+    versions: list[int] = []
+    interruptions = 0
+    while True:
+        output = await generate(prompt_ids + tokens, {**sampling_params, "max_new_tokens": budget - len(tokens)})
+        tokens += output.token_ids
+        log_probs += output.log_probs
+        versions += [-1 if output.weight_version is None else output.weight_version] * len(output.token_ids)
+        if output.finish_reason != "interrupted":
+            break
+        interruptions += 1
+        if len(tokens) >= budget:  # interrupted right after its last token
+            output.finish_reason = "length"
+            break
+    whole = TokenOutput(tokens, log_probs, output.finish_reason, output.cached_tokens, weight_version=output.weight_version)
+    return whole, versions, interruptions
 
 
 @dataclass

@@ -24,7 +24,7 @@ from cachetools import LRUCache
 from ray.exceptions import RayActorError
 
 from agentloop.images import ProcessedImage
-from agentloop.protocol import SAMPLING_DEFAULTS, TokenOutput
+from agentloop.protocol import TokenOutput, generate_continued
 
 logger = logging.getLogger(__name__)
 
@@ -128,23 +128,12 @@ class Router:
                 "image_data must hold agentloop.images.ProcessedImage items (agentloop.images.process_images), "
                 "with their expanded pads in prompt_ids"
             )
-        budget = int(sampling_params.get("max_new_tokens", SAMPLING_DEFAULTS["max_new_tokens"]))
-        tokens: list[int] = []
-        log_probs: list[float] = []
-        versions = self.versions.setdefault(request_id, [])
-        while True:
-            params = {**sampling_params, "max_new_tokens": budget - len(tokens)}
-            output = await self._generate_once(request_id, prompt_ids + tokens, params, image_data or None)
-            tokens += output.token_ids
-            log_probs += output.log_probs
-            versions += [-1 if output.weight_version is None else output.weight_version] * len(output.token_ids)
-            if output.finish_reason != "interrupted":
-                break
-            self.stats.interrupted_requests += 1
-            if len(tokens) >= budget:  # interrupted right after its last token
-                output.finish_reason = "length"
-                break
-        return TokenOutput(tokens, log_probs, output.finish_reason, output.cached_tokens, weight_version=output.weight_version)
+        output, versions, interruptions = await generate_continued(
+            lambda ids, params: self._generate_once(request_id, ids, params, image_data or None), prompt_ids, sampling_params
+        )
+        self.versions.setdefault(request_id, []).extend(versions)
+        self.stats.interrupted_requests += interruptions
+        return output
 
     def take_versions(self, request_id: str) -> list[int]:
         """The policy version of each token generated for the session so far, in order (-1: unknown); forgets them."""
@@ -165,6 +154,9 @@ class Router:
                 self.alive[index] = False
                 logger.warning("rollout server %d died (%s); re-homing session %s", index, error, request_id)
                 continue
+            except asyncio.CancelledError:  # the loop was cancelled (a stopping stream): free the server too
+                self.servers[index].abort.remote(request_id)
+                raise
             except asyncio.TimeoutError:
                 self.servers[index].abort.remote(request_id)
                 raise TimeoutError(

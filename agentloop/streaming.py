@@ -37,6 +37,7 @@ from agentloop.router import RouterStats
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how long a worker holds a poll for finished groups
+MAX_GROUP_RESTARTS = 2  # a group whose worker dies more often than this is taken to be what kills it
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Group:
     worker: int = -1
     version: int = -1
     new: bool = True  # False for a regeneration (it does not count against the staleness gate again)
+    restarts: int = 0  # times its worker died under it
 
 
 class GroupStream:
@@ -142,7 +144,11 @@ class GroupStream:
             self._holds += 1
             try:
                 if not self._changed.wait_for(lambda: not self._in_flight or self._error is not None, timeout_s):
-                    raise TimeoutError(f"{len(self._in_flight)} groups were still in flight after {timeout_s:.0f}s")
+                    raise TimeoutError(
+                        f"{len(self._in_flight)} groups were still in flight after {timeout_s:.0f}s of waiting to push weights "
+                        "without interrupting them (actor_rollout_ref.rollout.generate_timeout_s; or set "
+                        "async_training.partial_rollout=true, which interrupts and continues them instead)"
+                    )
             except BaseException:
                 self._holds -= 1
                 raise
@@ -177,20 +183,21 @@ class GroupStream:
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
-        polls: dict[ray.ObjectRef, int] = {}  # one outstanding poll per worker with groups in flight
+        polls: dict[ray.ObjectRef, tuple[int, ray.actor.ActorHandle]] = {}  # one poll per worker with groups in flight
         try:
             while not self._stopping:
                 self._start_groups()
-                busy = {group.worker for group in self._in_flight.values()} - set(polls.values())
+                busy = {group.worker for group in self._in_flight.values()} - {index for index, _ in polls.values()}
                 for index in busy:
-                    polls[self.manager.workers[index].finished_groups.remote(POLL_S)] = index
+                    worker = self.manager.workers[index]
+                    polls[worker.finished_groups.remote(POLL_S)] = (index, worker)
                 if not polls:
                     with self._changed:
                         self._changed.wait(0.1)
                     continue
                 ready, _ = ray.wait(list(polls), num_returns=1, timeout=0.1)
                 for ref in ready:
-                    self._receive(ref, polls.pop(ref))
+                    self._receive(ref, *polls.pop(ref))
         except BaseException as error:  # handed to take(), which raises it
             logger.exception("the rollout stream failed")
             with self._changed:
@@ -229,20 +236,28 @@ class GroupStream:
             if rows is None:
                 self._steps_left = False
             else:
-                self._pulled += 1
                 samples, agent_loops, params = self.manager.prepare(rows)
+                self._pulled += 1  # after prepare: a step whose rows failed there is not checkpointed as taken
                 for row, uid in zip(rows, dict.fromkeys(sample["uid"] for sample in samples)):  # a row's samples are consecutive
                     self._queued.append(Group(self._next_id, row, [s for s in samples if s["uid"] == uid], agent_loops, params))
                     self._next_id += 1
         return self._queued.popleft() if self._queued else None
 
-    def _receive(self, ref: ray.ObjectRef, worker: int) -> None:
+    def _receive(self, ref: ray.ObjectRef, worker: int, handle: ray.actor.ActorHandle) -> None:
         try:
             finished, stats = ray.get(ref)
         except RayActorError as error:
             lost = [group for group in self._in_flight.values() if group.worker == worker]
             logger.warning("agent-loop worker %d died (%s); restarting its %d groups on a replacement", worker, error, len(lost))
-            successor = self.manager.replace_worker(worker)
+            for group in lost:
+                group.restarts += 1
+                if group.restarts > MAX_GROUP_RESTARTS:
+                    raise RuntimeError(
+                        f"the agent-loop worker running group {group.id} (rollout stream; row {group.row.get('prompt')!r:.200}) died "
+                        f"{group.restarts} times: something in its samples kills the worker process (a tool or reward "
+                        f"exhausting memory, a crashing native library); see the worker's log. Last error: {error}"
+                    )
+            successor = self.manager.replace_worker(worker, handle)
             for group in lost:
                 successor.start_group.remote(group.id, group.samples, group.sampling_params, group.agent_loops)
             return

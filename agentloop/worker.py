@@ -80,10 +80,13 @@ class AgentLoopWorker:
         return finished, self.router.take_stats()
 
     async def cancel_groups(self) -> int:
-        """Drop every group in flight (a stopping stream); how many."""
+        """Drop every group in flight and every finished one not yet handed out (a stopping stream: a later
+        stream numbers its groups from 0 again); how many were in flight."""
         for task in self._groups.values():
             task.cancel()
         cancelled, self._groups = len(self._groups), {}
+        self._finished = []
+        self._group_done.clear()
         return cancelled
 
     def _pad(self, rows: list[dict[str, Any]], results: list[tuple[AgentLoopOutput, float]]) -> RolloutBatch:

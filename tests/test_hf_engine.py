@@ -94,6 +94,8 @@ def test_abort_returns_partial_with_reason(engine):
     output = run(scenario())
     assert output.finish_reason == "abort"
     assert engine.num_in_flight == 0
+    # the tokens it had, each with its logprob (as SGLang's abort returns them)
+    assert 0 < len(output.token_ids) == len(output.log_probs) < 4000
 
 
 def test_update_weights_changes_generation_and_sleep_wake_round_trip(engine, model_path):
@@ -219,3 +221,36 @@ def test_a_busy_batch_keeps_exact_logprobs_and_each_request_its_own_top_k(engine
         assert torch.allclose(torch.tensor(output.log_probs), teacher_forced_logprobs(model, prompt, output.token_ids), atol=LOGPROB_TOLERANCE)
     assert all(lp == pytest.approx(0.0, abs=1e-6) for lp in second[0].log_probs)  # top-1: the warped distribution's
     assert all(lp < -1e-3 for output in second[1:] for lp in output.log_probs)  # the rest sample the whole vocabulary
+
+
+def test_a_request_the_cache_soft_reset_keeps_all_its_tokens_when_new_weights_interrupt_it(model_path):
+    # 40 pages of 16 tokens cannot hold four requests of 37 + 300 tokens: transformers soft resets some,
+    # moving their tokens so far into their prompts, before the weights change
+    engine = HFEngine(model_path, device="cpu", num_blocks=40, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    params = {"max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True}
+
+    def soft_reset_and_generating() -> bool:
+        scheduler = engine._manager.batch_processor.scheduler
+        return any(state._true_initial_tokens and state.generated_tokens for state in scheduler.active_requests.values())
+
+    async def scenario():
+        tasks = [asyncio.create_task(engine.generate(PROMPT[i:], params, f"reset-{i}")) for i in range(4)]
+        deadline = asyncio.get_running_loop().time() + 60
+        while not soft_reset_and_generating():
+            assert asyncio.get_running_loop().time() < deadline, "no request was soft reset: shrink num_blocks"
+            assert not all(task.done() for task in tasks), "the requests ended before a soft reset: raise max_new_tokens"
+            await asyncio.sleep(0.002)
+        await engine.update_weights({name: tensor + 0.05 for name, tensor in model.state_dict().items()})
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+
+    try:
+        outputs = run(scenario())
+    finally:
+        run(engine.shutdown())
+    interrupted = [(i, output) for i, output in enumerate(outputs) if output.finish_reason == "interrupted"]
+    assert interrupted
+    for i, output in interrupted:  # the old weights' tokens, each with its own logprob: nothing dropped or shifted
+        assert len(output.token_ids) == len(output.log_probs) > 0
+        reference = teacher_forced_logprobs(model, PROMPT[i:], output.token_ids)
+        assert torch.allclose(torch.tensor(output.log_probs), reference, atol=LOGPROB_TOLERANCE)

@@ -9,8 +9,9 @@ import time
 
 import pytest
 import ray
+import requests
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import agentloop.testing  # noqa: F401  (registers fixed_length)
 from agentloop import AgentLoopManager
@@ -25,31 +26,42 @@ def teacher_forced_log_probs(model: torch.nn.Module, prompt: list[int], response
     return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
-def test_a_push_mid_rollout_continues_each_trajectory_under_the_new_weights(local_ray, model_path):
+@pytest.fixture(scope="module")
+def manager(local_ray):
     manager = AgentLoopManager(small_config(f"data.max_response_length={LENGTH}", "actor_rollout_ref.rollout.hf.num_blocks=512"))
-    try:
-        old = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-        new = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for parameter in new.parameters():
-                parameter.add_(0.05 * torch.randn_like(parameter))
-        rows = [{"prompt": [{"role": "user", "content": f"count {i}"}], "agent_name": "fixed_length", "extra_info": {"length": LENGTH}}
-                for i in range(4)]
-        result = {}
-        rollout = threading.Thread(target=lambda: result.setdefault("batch", manager.generate_sequences(rows)))
-        rollout.start()
-        server = manager.servers[0]
-        deadline = time.monotonic() + 60
-        while ray.get(server.in_flight.remote()) < len(rows) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # a few dozen tokens into each trajectory
-        assert rollout.is_alive(), "the rollout ended before the push: raise LENGTH"
-        manager.update_weights(new.state_dict(), version=1)
-        rollout.join(timeout=120)
-        batch = result["batch"]
-    finally:
-        manager.shutdown()
+    yield manager
+    manager.shutdown()
+
+
+def perturbed(model_path: str, seed: int) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return model
+
+
+def wait_until_generating(manager: AgentLoopManager, requests: int, worker: threading.Thread) -> None:
+    deadline = time.monotonic() + 60
+    while ray.get(manager.servers[0].in_flight.remote()) < requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # a few dozen tokens into each request
+    assert worker.is_alive(), "the requests ended before the push: raise LENGTH"
+
+
+def test_a_push_mid_rollout_continues_each_trajectory_under_the_new_weights(manager, model_path):
+    old = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    new = perturbed(model_path, seed=0)
+    rows = [{"prompt": [{"role": "user", "content": f"count {i}"}], "agent_name": "fixed_length", "extra_info": {"length": LENGTH}}
+            for i in range(4)]
+    result = {}
+    rollout = threading.Thread(target=lambda: result.setdefault("batch", manager.generate_sequences(rows)))
+    rollout.start()
+    wait_until_generating(manager, len(rows), rollout)
+    manager.update_weights(new.state_dict(), version=1)
+    rollout.join(timeout=120)
+    batch = result["batch"]
 
     assert batch.meta_info["rollout/interrupted_requests"] >= 1
     tensors = batch.batch
@@ -67,3 +79,24 @@ def test_a_push_mid_rollout_continues_each_trajectory_under_the_new_weights(loca
         expected = torch.where(versions == 0, teacher_forced_log_probs(old, prompt, response), teacher_forced_log_probs(new, prompt, response))
         assert tensors["rollout_log_probs"][i] == pytest.approx(expected, abs=2e-4)
     assert mixed >= 1, "no trajectory was interrupted mid-way"
+
+
+def test_a_chat_completion_cut_by_new_weights_is_continued_not_returned_cut_off(manager, model_path):
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    body = {"model": "m", "messages": [{"role": "user", "content": "count"}], "max_tokens": LENGTH, "logprobs": True}
+    result = {}
+    chat = threading.Thread(
+        target=lambda: result.update(requests.post(manager.server_addresses[0] + "/v1/chat/completions", json=body, timeout=120).json())
+    )
+    chat.start()
+    wait_until_generating(manager, 1, chat)
+    manager.update_weights(perturbed(model_path, seed=1).state_dict(), version=2)
+    chat.join(timeout=120)
+    choice = result["choices"][0]
+    tokens = choice["logprobs"]["content"]
+    # it ran on under the new weights to its budget or its end-of-sequence token, not to where the push cut it
+    assert len(tokens) == result["usage"]["completion_tokens"]
+    if choice["finish_reason"] == "length":
+        assert len(tokens) == LENGTH
+    else:
+        assert choice["finish_reason"] == "stop" and tokens[-1]["token"] == tokenizer.eos_token, choice

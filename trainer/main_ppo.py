@@ -202,7 +202,7 @@ class RayPPOTrainer:
             timing["weight_push"] = self._push_weights(step)
         else:  # interrupting the requests in flight (partial rollouts), or once none is in flight
             push_start = time.perf_counter()
-            with contextlib.nullcontext() if self.partial_rollout else self.stream.drained(float(config.trainer.step_timeout_s)):
+            with contextlib.nullcontext() if self.partial_rollout else self.stream.drained(float(config.actor_rollout_ref.rollout.generate_timeout_s)):
                 ranks_idle_s += time.perf_counter() - push_start
                 self._push_weights(step)
             self.stream.set_version(step)

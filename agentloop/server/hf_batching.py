@@ -111,8 +111,11 @@ def partial_outputs(manager: Any, request_ids: list[str]) -> dict[str, tuple[lis
         for request_id in request_ids:
             state = scheduler.active_requests.get(request_id) or scheduler.waiting_requests.get(request_id)
             if state is not None:
-                count = min(len(state.generated_tokens), len(state.logprobs))
-                found[request_id] = (list(state.generated_tokens[:count]), [float(x) for x in state.logprobs[:count]])
+                # A request the cache could not hold was soft reset: its tokens so far moved into its prompt, so
+                # the output, not ``generated_tokens``, has them all.
+                output = state.to_generation_output()
+                count = min(len(output.generated_tokens), len(output.logprobs))
+                found[request_id] = (list(output.generated_tokens[:count]), [float(x) for x in output.logprobs[:count]])
     return found
 
 

@@ -23,7 +23,7 @@ from transformers import GenerationConfig
 
 from agentloop.images import ProcessedImage
 from agentloop.models.loading import is_vision_language, model_class, vision_token_ids
-from agentloop.protocol import FinishReason, TokenOutput, validate_prompt, validate_sampling_params
+from agentloop.protocol import FinishReason, TokenOutput, finish_reason_of, validate_prompt, validate_sampling_params
 from agentloop.server import hf_batching, hf_varlen
 from agentloop.server.hf_batching import ContinuousBatchingConfig, GenerationOutput, RequestStatus
 from agentloop.server.hf_vision import ImageLane
@@ -135,13 +135,13 @@ class HFEngine:
         self._manager = manager
 
     def _stop_manager(self, interrupt: bool = False) -> None:
-        """Stop the batching loop; its requests end ``abort`` with no tokens, or, with ``interrupt`` (new
-        weights are coming), ``interrupted`` with the tokens and logprobs they have so far."""
+        """Stop the batching loop; its requests end with the tokens and logprobs they have so far: ``abort``, or
+        with ``interrupt`` (new weights are coming) ``interrupted``."""
         if self._manager is None:
             return
-        partial = hf_batching.partial_outputs(self._manager, list(self._pending)) if interrupt else {}
+        partial = hf_batching.partial_outputs(self._manager, list(self._pending))
         for engine_id in list(self._pending):
-            self._answer_unfinished(engine_id, partial.get(engine_id, ([], [])) if interrupt else None)
+            self._answer_unfinished(engine_id, partial.get(engine_id, ([], [])), "interrupted" if interrupt else "abort")
         self._manager.stop(block=True, timeout=30, keep_for_next_session=False, hard_stop=True)
         self._manager = None  # (transformers' stop empties the accelerator's cache)
 
@@ -222,9 +222,7 @@ class HFEngine:
         engine_id = f"{request_id}#{next(self._request_counter)}"
         max_new_tokens = int(params["max_new_tokens"])
         result = await self._lane.generate(engine_id, request_id, prompt_ids, images, params, stop_ids, max_new_tokens)
-        if result.ended == "abort":
-            return TokenOutput([], [], "abort", 0)
-        reason = _finish_reason(result.token_ids, stop_ids, max_new_tokens, result.ended or "stop")
+        reason = finish_reason_of(result.token_ids, stop_ids, max_new_tokens, result.ended or "stop")
         return TokenOutput(result.token_ids, result.log_probs, reason, result.cached_tokens)
 
     async def _result(self, future: asyncio.Future[TokenOutput]) -> TokenOutput:
@@ -255,31 +253,30 @@ class HFEngine:
         if output.status == RequestStatus.FAILED:
             raise RuntimeError(f"generation failed in the engine: {output.error}")
         tokens = list(output.generated_tokens)
-        return TokenOutput(tokens, [float(x) for x in output.logprobs], _finish_reason(tokens, stop_ids, max_new_tokens, "abort"), cached)
+        return TokenOutput(tokens, [float(x) for x in output.logprobs], finish_reason_of(tokens, stop_ids, max_new_tokens, "abort"), cached)
 
     async def abort(self, request_id: str) -> int:
-        """Abort every in-flight generation of a session; each returns with ``finish_reason='abort'``."""
+        """Abort every in-flight generation of a session; each returns the tokens it has so far (as SGLang's do)
+        with ``finish_reason='abort'``."""
         engine_ids = list(self._by_session.get(request_id, ()))
+        partial = hf_batching.partial_outputs(self._manager, engine_ids) if engine_ids else {}
         for engine_id in engine_ids:
             self._manager.cancel_request(engine_id)
-            self._answer_unfinished(engine_id)
+            self._answer_unfinished(engine_id, partial.get(engine_id, ([], [])), "abort")
         return len(engine_ids) + (self._lane.abort(request_id) if self._lane else 0)
 
-    def _answer_unfinished(self, engine_id: str, partial: tuple[list[int], list[float]] | None = None) -> None:
-        """Answer a request the manager never will: cancelled, ``abort`` with no tokens; interrupted by a weight
-        update (``partial``: its tokens and logprobs so far), ``interrupted``, or ``stop``/``length`` when
-        they already end it (its stop token, or its last token, had just been sampled)."""
+    def _answer_unfinished(self, engine_id: str, partial: tuple[list[int], list[float]], reason: FinishReason) -> None:
+        """Answer a request the manager never will (aborted, or interrupted by a weight update) with its tokens
+        and logprobs so far (``partial``): ``reason``, or ``stop``/``length`` when they already end it (its
+        stop token, or its last token, had just been sampled)."""
         hf_batching.drop_result_handler(self._manager, engine_id)
         cached = self._cached_tokens.pop(engine_id, 0)
         future = self._pending.get(engine_id)
         if future is None or future.done():
             return
-        if partial is None:
-            future.set_result(TokenOutput([], [], "abort", 0))
-            return
         tokens, log_probs = partial
         stop_ids, max_new_tokens = self._limits[engine_id]
-        future.set_result(TokenOutput(tokens, log_probs, _finish_reason(tokens, stop_ids, max_new_tokens, "interrupted"), cached))
+        future.set_result(TokenOutput(tokens, log_probs, finish_reason_of(tokens, stop_ids, max_new_tokens, reason), cached))
 
     @property
     def num_in_flight(self) -> int:
@@ -385,12 +382,6 @@ class HFEngine:
     async def shutdown(self) -> None:
         async with self._lane_paused(abort=True):
             self._stop_manager()
-
-
-def _finish_reason(tokens: list[int], stop_ids: list[int], max_new_tokens: int, otherwise: FinishReason) -> FinishReason:
-    if tokens and tokens[-1] in stop_ids:
-        return "stop"
-    return "length" if len(tokens) >= max_new_tokens else otherwise
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:

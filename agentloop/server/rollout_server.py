@@ -6,10 +6,12 @@ process's CPU threads, unpacks pushed weights and serves the HTTP front.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import os
 import socket
-from typing import Any
+from typing import Any, AsyncIterator
 
 import ray
 import torch
@@ -39,6 +41,11 @@ class RolloutServer:
         gc.freeze()
         self.http_server: Any = None
         self.weight_version = 0  # the trainer's number for the weights loaded (pushes applied)
+        # Set while no weight update is under way. An engine that yields during its update (SGLang's pause and
+        # HTTP calls) gets the interrupted requests back before the update ends; their continuations must wait
+        # here, or they would be stamped with the old version and then sampled by the new weights.
+        self._weights_settled = asyncio.Event()
+        self._weights_settled.set()
 
     def node_info(self) -> dict[str, Any]:
         """Where this server runs: Ray node id, host name and process id."""
@@ -54,6 +61,7 @@ class RolloutServer:
     ) -> TokenOutput:
         # a weight update interrupts the requests in flight: the tokens returned were sampled by the weights
         # loaded when the request started
+        await self._weights_settled.wait()
         version = self.weight_version
         if images:
             output = await self.engine.generate(prompt_ids, sampling_params, request_id, images=images)
@@ -76,13 +84,24 @@ class RolloutServer:
         """
         if isinstance(state_dict, PackedWeights):
             state_dict = state_dict.tensors()
-        updated = await self.engine.update_weights(state_dict)
-        self.weight_version = self.weight_version + 1 if version is None else int(version)
-        return updated
+        async with self._weights_changing(version):
+            return await self.engine.update_weights(state_dict)
 
-    async def update_weights_from_disk(self, model_path: str) -> None:
-        """Load new weights from a checkpoint directory (safetensors), flushing the prefix cache."""
-        await self.engine.update_weights_from_disk(model_path)
+    async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
+        """Load new weights from a checkpoint directory (safetensors), flushing the prefix cache; ``version`` as
+        for ``update_weights``."""
+        async with self._weights_changing(version):
+            await self.engine.update_weights_from_disk(model_path)
+
+    @contextlib.asynccontextmanager
+    async def _weights_changing(self, version: int | None) -> AsyncIterator[None]:
+        """New requests wait until the update ends; then the version moves (unless the update failed)."""
+        self._weights_settled.clear()
+        try:
+            yield
+            self.weight_version = self.weight_version + 1 if version is None else int(version)
+        finally:
+            self._weights_settled.set()
 
     async def flush_cache(self) -> None:
         await self.engine.flush_cache()

@@ -35,10 +35,10 @@ from typing import Any, AsyncIterator, Iterable, Mapping
 import aiohttp
 import torch
 from omegaconf import DictConfig
-from transformers import AutoConfig
+from transformers import AutoConfig, GenerationConfig
 
 from agentloop.images import ProcessedImage
-from agentloop.protocol import TokenOutput
+from agentloop.protocol import TokenOutput, finish_reason_of, validate_sampling_params
 from agentloop.server.sglang_requests import build_generate_request, check_prompt_tokens, parse_generate_response
 
 
@@ -214,6 +214,19 @@ class SGLangEngine:
             )
         return int(pad_id)
 
+    @functools.cached_property
+    def eos_token_ids(self) -> list[int]:
+        """The model's end-of-sequence ids (its generation config, else its config); none if neither is readable
+        here (a server attached by URL may serve a path this host lacks)."""
+        for load in (GenerationConfig.from_pretrained, lambda path: AutoConfig.from_pretrained(path).get_text_config()):
+            try:
+                eos = load(self.model_path).eos_token_id
+            except (OSError, ValueError):
+                continue
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+        return []
+
     async def generate(
         self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, images: list[ProcessedImage] | None = None
     ) -> TokenOutput:
@@ -230,8 +243,13 @@ class SGLangEngine:
             if images:
                 check_prompt_tokens(body, len(prompt_ids), images, self.model_path)
             output = parse_generate_response(body)
-            if output.finish_reason == "abort" and rid in self._interrupted:
-                output.finish_reason = "interrupted"  # the router continues it under the new weights
+            if output.finish_reason == "abort":
+                # SGLang appends the token sampled in the step that aborts a request before it checks stop tokens
+                # and length; interrupted by new weights otherwise, the router continues it
+                params = validate_sampling_params(sampling_params)
+                stop_ids = list(params["stop_token_ids"] or []) + ([] if params["ignore_eos"] else self.eos_token_ids)
+                cut = "interrupted" if rid in self._interrupted else "abort"
+                output.finish_reason = finish_reason_of(output.token_ids, stop_ids, int(params["max_new_tokens"]), cut)
             return output
         finally:
             self._interrupted.discard(rid)

@@ -50,12 +50,16 @@ class FailingProbe(AgentLoopBase):
 @register("probe_exits_once")
 class WorkerKillingProbe(AgentLoopBase):
     """One model turn; the first sample whose row names a marker file that does not exist yet creates it and
-    kills its own worker process (a worker dying mid-batch), once."""
+    kills its own worker process (a worker dying mid-batch), once; a row with ``extra_info.always_exit`` kills
+    it every time (a sample that crashes its process)."""
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         prompt_ids = self.encode_prompt(row["prompt"])
         output = await self.server_manager.generate(row["request_id"], prompt_ids, sampling_params)
-        marker = (row.get("extra_info") or {}).get("exit_marker")
+        extra = row.get("extra_info") or {}
+        if extra.get("always_exit"):
+            os._exit(1)
+        marker = extra.get("exit_marker")
         if marker and not os.path.exists(marker):
             open(marker, "w").close()
             os._exit(1)

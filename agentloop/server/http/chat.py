@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.images import split_images
+from agentloop.protocol import generate_continued
 from agentloop.server.http.native import ServerImages
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.reasoning import prompt_opens_reasoning, split_reasoning
@@ -96,7 +97,11 @@ def chat_routes(
         if max_tokens:
             params["max_new_tokens"] = max_tokens
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        output = await server.generate(prompt, params, request_id, images=processed or None)
+        # a weight push mid-request interrupts it: continued here, as the router does, since an OpenAI client
+        # cannot resume a cut-off message
+        output, _, _ = await generate_continued(
+            lambda ids, more: server.generate(ids, more, request_id, images=processed or None), prompt, params
+        )
         ids = output.token_ids[:-1] if output.finish_reason == "stop" else output.token_ids
         reasoning, visible = split_reasoning(
             tokenizer.decode(ids, skip_special_tokens=False), opened=prompt_opens_reasoning(tokenizer, prompt)
