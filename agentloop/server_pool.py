@@ -152,6 +152,18 @@ class ServerPool:
         self.weights, self.version = ref, version
         self._call("update_weights", (ref, version), self.startup_timeout_s)
 
+    def busy_s(self) -> dict[int, float]:
+        """Each live server's busy seconds so far (time with a request in its engine); a server that does not
+        answer within 10 s is left out (it is replaced at the next ``check``)."""
+        return {rank: busy for rank, busy in self._call("busy_s", (), 10.0, replace=False).items() if isinstance(busy, float)}
+
+    def idle_share_since(self, busy_before: dict[int, float], start: float) -> float:
+        """The servers' mean share of the time since ``start`` (``time.perf_counter``) with nothing to generate,
+        from their ``busy_s`` then (``busy_before``) and now."""
+        elapsed, busy_after = time.perf_counter() - start, self.busy_s()
+        shares = [1 - (busy_after[rank] - busy_before[rank]) / elapsed for rank in busy_after if rank in busy_before]
+        return min(1.0, max(0.0, sum(shares) / len(shares))) if shares and elapsed > 0 else 0.0
+
     def sleep(self) -> None:
         self.asleep = True
         self._call("sleep", (), self.startup_timeout_s)

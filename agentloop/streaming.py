@@ -90,7 +90,6 @@ class GroupStream:
         self._stats: list[RouterStats] = []
         self._regenerated = 0
         self._holds = 0
-        self._busy_s, self._busy_since = 0.0, None
         self._last_take = time.perf_counter()
         self._error: BaseException | None = None
         self._stopping = False
@@ -166,11 +165,6 @@ class GroupStream:
             groups = sorted([*self._queued, *self._in_flight.values(), *(group for group, _ in self._buffer)], key=lambda group: group.id)
             return self._pulled, [group.row for group in groups]
 
-    def busy_s(self) -> float:
-        """Seconds so far with at least one group in flight (the servers' busy time)."""
-        with self._changed:
-            return self._busy_s + (time.perf_counter() - self._busy_since if self._busy_since is not None else 0.0)
-
     def stop(self, timeout_s: float = 30.0) -> None:
         """Start nothing more and drop the groups in flight (their workers cancel them)."""
         with self._changed:
@@ -219,8 +213,6 @@ class GroupStream:
                 group.new = False
                 self._in_flight[group.id] = group
                 starting.append(group)
-            if self._in_flight and self._busy_since is None:
-                self._busy_since = time.perf_counter()
         for group in starting:
             self.manager.workers[group.worker].start_group.remote(group.id, group.samples, group.sampling_params, group.agent_loops)
 
@@ -269,9 +261,6 @@ class GroupStream:
                 group = self._in_flight.pop(group_id)
                 result.non_tensor_batch["policy_version"] = object_array([group.version] * len(result))
                 self._buffer.append((group, result))
-            if not self._in_flight and self._busy_since is not None:
-                self._busy_s += time.perf_counter() - self._busy_since
-                self._busy_since = None
             self._changed.notify_all()
 
     def _drop_older_than(self, min_version: int) -> None:

@@ -1,11 +1,13 @@
 """Partial rollouts on real Ray and the real hf engine: new weights pushed while trajectories are being
 generated interrupt them; each continues from the tokens it has under the new weights, and every token
-keeps the log-prob and the policy version of the weights that sampled it."""
+keeps the log-prob and the policy version of the weights that sampled it. The same through the sglang
+backend, attached to the hf server, which speaks SGLang's HTTP API; and for an OpenAI chat completion."""
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Any, Callable
 
 import pytest
 import ray
@@ -15,15 +17,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import agentloop.testing  # noqa: F401  (registers fixed_length)
 from agentloop import AgentLoopManager
+from agentloop.batch import RolloutBatch
 from tests.support.config import small_config
 
 LENGTH = 600
-
-
-def teacher_forced_log_probs(model: torch.nn.Module, prompt: list[int], response: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+ROWS = [{"prompt": [{"role": "user", "content": f"count {i}"}], "agent_name": "fixed_length", "extra_info": {"length": LENGTH}}
+        for i in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +30,27 @@ def manager(local_ray):
     manager = AgentLoopManager(small_config(f"data.max_response_length={LENGTH}", "actor_rollout_ref.rollout.hf.num_blocks=512"))
     yield manager
     manager.shutdown()
+
+
+@pytest.fixture(scope="module")
+def attached(manager):
+    """Rollout servers of the sglang backend driving ``manager``'s server as an SGLang server (attach mode)."""
+    attached = AgentLoopManager(
+        small_config(
+            "actor_rollout_ref.rollout.name=sglang",
+            f"actor_rollout_ref.rollout.sglang.urls=[{manager.server_addresses[0]}]",
+            "actor_rollout_ref.rollout.n=2",
+            f"data.max_response_length={LENGTH}",
+        )
+    )
+    yield attached
+    attached.shutdown()
+
+
+def teacher_forced_log_probs(model: torch.nn.Module, prompt: list[int], response: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
 def perturbed(model_path: str, seed: int) -> torch.nn.Module:
@@ -42,56 +62,74 @@ def perturbed(model_path: str, seed: int) -> torch.nn.Module:
     return model
 
 
-def wait_until_generating(manager: AgentLoopManager, requests: int, worker: threading.Thread) -> None:
-    deadline = time.monotonic() + 60
-    while ray.get(manager.servers[0].in_flight.remote()) < requests and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)  # a few dozen tokens into each request
-    assert worker.is_alive(), "the requests ended before the push: raise LENGTH"
-
-
-def test_a_push_mid_rollout_continues_each_trajectory_under_the_new_weights(manager, model_path):
-    old = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    new = perturbed(model_path, seed=0)
-    rows = [{"prompt": [{"role": "user", "content": f"count {i}"}], "agent_name": "fixed_length", "extra_info": {"length": LENGTH}}
-            for i in range(4)]
+def pushed_mid_flight(manager: AgentLoopManager, requests_in_flight: int, work: Callable[[], Any], push: Callable[[], Any]) -> Any:
+    """``work()`` on a thread, ``push()`` once its requests are a few dozen tokens in; ``work``'s result."""
     result = {}
-    rollout = threading.Thread(target=lambda: result.setdefault("batch", manager.generate_sequences(rows)))
-    rollout.start()
-    wait_until_generating(manager, len(rows), rollout)
-    manager.update_weights(new.state_dict(), version=1)
-    rollout.join(timeout=120)
-    batch = result["batch"]
+    worker = threading.Thread(target=lambda: result.setdefault("value", work()))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while ray.get(manager.servers[0].in_flight.remote()) < requests_in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert worker.is_alive(), "the requests ended before the push: raise LENGTH"
+    push()
+    worker.join(timeout=120)
+    return result["value"]
 
+
+def check_tokens_of_two_policies(batch: RolloutBatch, old: torch.nn.Module, new: torch.nn.Module, versions: tuple[int, int]) -> None:
+    """Each trajectory: the old policy's tokens, then the new one's, each stamped with its version and carrying
+    its own policy's log-prob; at least one trajectory was cut between the two."""
     assert batch.meta_info["rollout/interrupted_requests"] >= 1
     tensors = batch.batch
     width = tensors["prompts"].shape[1]
     mixed = 0
     for i in range(len(batch)):
-        versions = tensors["rollout_policy_versions"][i]
-        assert (tensors["response_mask"][i] == 1).all() and (versions >= 0).all()  # LENGTH model tokens, each stamped
-        switch = int((versions == 0).sum())
-        assert versions.tolist() == [0] * switch + [1] * (LENGTH - switch)  # the old policy's tokens, then the new one's
+        stamped = tensors["rollout_policy_versions"][i]
+        assert (tensors["response_mask"][i] == 1).all()  # LENGTH model tokens
+        switch = int((stamped == versions[0]).sum())
+        assert stamped.tolist() == [versions[0]] * switch + [versions[1]] * (LENGTH - switch)
         mixed += 0 < switch < LENGTH
         prompt = tensors["prompts"][i][tensors["attention_mask"][i, :width].bool()].tolist()
         response = tensors["responses"][i].tolist()
-        # each token's rollout log-prob is the log-prob of the weights that sampled it
-        expected = torch.where(versions == 0, teacher_forced_log_probs(old, prompt, response), teacher_forced_log_probs(new, prompt, response))
+        expected = torch.where(
+            stamped == versions[0], teacher_forced_log_probs(old, prompt, response), teacher_forced_log_probs(new, prompt, response)
+        )
         assert tensors["rollout_log_probs"][i] == pytest.approx(expected, abs=2e-4)
     assert mixed >= 1, "no trajectory was interrupted mid-way"
+
+
+def test_a_push_mid_rollout_continues_each_trajectory_under_the_new_weights(manager, model_path):
+    old, new = perturbed(model_path, seed=0), perturbed(model_path, seed=1)
+    manager.update_weights(old.state_dict(), version=1)
+    batch = pushed_mid_flight(manager, len(ROWS), lambda: manager.generate_sequences(ROWS), lambda: manager.update_weights(new.state_dict(), version=2))
+    check_tokens_of_two_policies(batch, old, new, versions=(1, 2))
+
+
+def test_new_weights_mid_rollout_through_the_sglang_backend(manager, attached, model_path, tmp_path):
+    # The hf server's /pause_generation (abort mode) returns each request's tokens so far, as SGLang's does; the
+    # sglang client reports them interrupted, and the continuations wait for the update and take its version.
+    assert attached.server_addresses == manager.server_addresses
+    old, new = perturbed(model_path, seed=2), perturbed(model_path, seed=3)
+    manager.update_weights(old.state_dict(), version=3)
+    new.save_pretrained(tmp_path / "new")
+
+    def push() -> None:
+        ray.get(attached.servers[0].update_weights_from_disk.remote(str(tmp_path / "new"), 1), timeout=60)
+
+    batch = pushed_mid_flight(attached, 2 * len(ROWS), lambda: attached.generate_sequences(ROWS), push)
+    assert len(batch) == 2 * len(ROWS)  # rollout.n=2
+    check_tokens_of_two_policies(batch, old, new, versions=(0, 1))
 
 
 def test_a_chat_completion_cut_by_new_weights_is_continued_not_returned_cut_off(manager, model_path):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     body = {"model": "m", "messages": [{"role": "user", "content": "count"}], "max_tokens": LENGTH, "logprobs": True}
-    result = {}
-    chat = threading.Thread(
-        target=lambda: result.update(requests.post(manager.server_addresses[0] + "/v1/chat/completions", json=body, timeout=120).json())
+    url = manager.server_addresses[0] + "/v1/chat/completions"
+    new = perturbed(model_path, seed=4)
+    result = pushed_mid_flight(
+        manager, 1, lambda: requests.post(url, json=body, timeout=120).json(), lambda: manager.update_weights(new.state_dict(), version=4)
     )
-    chat.start()
-    wait_until_generating(manager, 1, chat)
-    manager.update_weights(perturbed(model_path, seed=1).state_dict(), version=2)
-    chat.join(timeout=120)
     choice = result["choices"][0]
     tokens = choice["logprobs"]["content"]
     # it ran on under the new weights to its budget or its end-of-sequence token, not to where the push cut it

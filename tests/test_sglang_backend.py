@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
-import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-import agentloop.testing  # noqa: F401  (registers fixed_length)
 from agentloop import AgentLoopManager
 from agentloop.server.sglang_engine import SGLangEngine
 from agentloop.server.sglang_requests import build_generate_request
 from tests.support.config import small_config
 from tests.support.sglang_contract import load_api_types
-from tests.test_partial_rollouts import teacher_forced_log_probs
 
 PROMPT = [1, 294, 207, 664, 2, 207, 1, 299, 207]
-LENGTH = 600  # tokens per trajectory when new weights arrive mid-rollout
 api_types = load_api_types()
 
 
@@ -125,66 +120,6 @@ def test_weight_update_from_disk_and_memory_release(client, hf_manager, tmp_path
     asyncio.run(client.wake_up())
     asyncio.run(client.update_weights_from_disk(path))
     assert asyncio.run(client.generate(PROMPT, greedy, "w3")).token_ids == before
-
-
-@pytest.fixture(scope="module")
-def attached(hf_manager):
-    """A manager whose rollout servers drive hf_manager's server as SGLang (attach mode)."""
-    manager = AgentLoopManager(
-        small_config(
-            "actor_rollout_ref.rollout.name=sglang",
-            f"actor_rollout_ref.rollout.sglang.urls=[{hf_manager.server_addresses[0]}]",
-            "actor_rollout_ref.rollout.sglang.api_key=k",
-            "actor_rollout_ref.rollout.n=2",
-            f"data.max_response_length={LENGTH}",
-        )
-    )
-    yield manager
-    manager.shutdown()
-
-
-def test_rollouts_through_the_sglang_backend_in_attach_mode(attached, hf_manager):
-    assert attached.server_addresses == hf_manager.server_addresses
-    batch = attached.generate_sequences([{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(3)])
-    assert len(batch) == 6 and (batch.batch["rollout_log_probs"][batch.batch["response_mask"].bool()] < 0).all()
-
-
-def test_new_weights_mid_rollout_continue_each_trajectory_through_the_sglang_backend(attached, hf_manager, tmp_path):
-    # The rollout server's /pause_generation (abort mode) returns each request's tokens so far, as SGLang's does;
-    # the sglang client reports them interrupted, and the continuations wait for the update and its version.
-    path = hf_manager.config.actor_rollout_ref.model.path
-    old, new = AutoModelForCausalLM.from_pretrained(path).eval(), AutoModelForCausalLM.from_pretrained(path).eval()
-    torch.manual_seed(6)
-    with torch.no_grad():
-        for parameter in new.parameters():
-            parameter.add_(0.05 * torch.randn_like(parameter))
-    new.save_pretrained(tmp_path / "new")
-    rows = [{"prompt": [{"role": "user", "content": "count"}], "agent_name": "fixed_length", "extra_info": {"length": LENGTH}}]
-    result = {}
-    try:
-        rollout = threading.Thread(target=lambda: result.setdefault("batch", attached.generate_sequences(rows)))
-        rollout.start()
-        deadline = time.monotonic() + 60
-        while ray.get(hf_manager.servers[0].in_flight.remote()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # a few dozen tokens into each trajectory
-        assert rollout.is_alive(), "the rollout ended before the update: raise LENGTH"
-        ray.get(attached.servers[0].update_weights_from_disk.remote(str(tmp_path / "new"), 1), timeout=60)
-        rollout.join(timeout=120)
-    finally:
-        ray.get(hf_manager.servers[0].update_weights_from_disk.remote(path), timeout=60)  # the module's other tests
-    batch = result["batch"]
-    tensors, width = batch.batch, batch.batch["prompts"].shape[1]
-    assert batch.meta_info["rollout/interrupted_requests"] >= 1
-    for i in range(len(batch)):
-        versions = tensors["rollout_policy_versions"][i]
-        switch = int((versions == 0).sum())
-        assert versions.tolist() == [0] * switch + [1] * (LENGTH - switch)
-        prompt = tensors["prompts"][i][tensors["attention_mask"][i, :width].bool()].tolist()
-        response = tensors["responses"][i].tolist()
-        expected = torch.where(versions == 0, teacher_forced_log_probs(old, prompt, response), teacher_forced_log_probs(new, prompt, response))
-        assert tensors["rollout_log_probs"][i] == pytest.approx(expected, abs=2e-4)
-    assert any(0 < int((tensors["rollout_policy_versions"][i] == 0).sum()) < LENGTH for i in range(len(batch)))
 
 
 def test_launch_failure_reports_the_log_tail(tmp_path):

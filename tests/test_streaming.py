@@ -83,7 +83,11 @@ def test_the_stream_runs_ahead_within_the_bound_and_regenerates_late_groups(mana
         with pytest.raises(RuntimeError, match="the rows ran out"):
             stream.take(min_version=1, timeout_s=10)
         with stream.drained(timeout_s=10):
-            assert stream.busy_s() > 0
+            busy, start = manager.pool.busy_s(), time.perf_counter()
+            time.sleep(0.5)
+            # nothing in flight: the server counted none of that time as busy
+            assert manager.pool.busy_s()[0] == pytest.approx(busy[0], abs=0.05) and busy[0] > 0
+            assert manager.pool.idle_share_since(busy, start) > 0.9
     finally:
         stream.stop()
 

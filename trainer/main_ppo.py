@@ -135,12 +135,12 @@ class RayPPOTrainer:
 
     def step(self, step: int, indices: list[int]) -> dict[str, float]:
         """One rollout, update and weight push; returns the step's metrics."""
-        start = time.perf_counter()
+        start, busy = time.perf_counter(), self.manager.pool.busy_s()
         rollout = self.manager.generate_sequences([self.rows[i] for i in indices])
         gen = time.perf_counter() - start
         if self.config.actor_rollout_ref.rollout.free_cache_engine:
             self.manager.sleep()
-        return {**self.learn(step, rollout, start, gen), "perf/idle_share/servers": 1 - gen / (time.perf_counter() - start)}
+        return {**self.learn(step, rollout, start, gen), "perf/idle_share/servers": self.manager.pool.idle_share_since(busy, start)}
 
     def learn(self, step: int, rollout: RolloutBatch, start: float, ranks_idle_s: float) -> dict[str, float]:
         """Train policy version ``step - 1`` on ``rollout`` and push the result; returns the step's metrics.
@@ -319,11 +319,10 @@ class RayPPOTrainer:
 
     def _learn_streamed(self, step: int) -> dict[str, float]:
         """An async step: train on the first groups the stream finished (none older than the staleness bound)."""
-        start, busy = time.perf_counter(), self.stream.busy_s()
+        start, busy = time.perf_counter(), self.manager.pool.busy_s()
         rollout = self.stream.take(step - 1 - self.max_staleness, float(self.config.actor_rollout_ref.rollout.generate_timeout_s))
         metrics = self.learn(step, rollout, start, ranks_idle_s=time.perf_counter() - start)
-        metrics["perf/idle_share/servers"] = 1 - (self.stream.busy_s() - busy) / (time.perf_counter() - start)
-        return metrics
+        return {**metrics, "perf/idle_share/servers": self.manager.pool.idle_share_since(busy, start)}
 
     def _validate_showing(self, progress: tqdm) -> dict[str, float]:
         progress.set_description(f"validating on {len(self.val_rows)} rows")

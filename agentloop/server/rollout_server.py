@@ -11,6 +11,7 @@ import contextlib
 import gc
 import os
 import socket
+import time
 from typing import Any, AsyncIterator
 
 import ray
@@ -46,6 +47,7 @@ class RolloutServer:
         # here, or they would be stamped with the old version and then sampled by the new weights.
         self._weights_settled = asyncio.Event()
         self._weights_settled.set()
+        self._requests, self._busy_s, self._busy_since = 0, 0.0, 0.0  # for busy_s
 
     def node_info(self) -> dict[str, Any]:
         """Where this server runs: Ray node id, host name and process id."""
@@ -63,12 +65,25 @@ class RolloutServer:
         # loaded when the request started
         await self._weights_settled.wait()
         version = self.weight_version
-        if images:
-            output = await self.engine.generate(prompt_ids, sampling_params, request_id, images=images)
-        else:  # engines written for text only keep working
-            output = await self.engine.generate(prompt_ids, sampling_params, request_id)
+        self._requests += 1
+        if self._requests == 1:
+            self._busy_since = time.perf_counter()
+        try:
+            if images:
+                output = await self.engine.generate(prompt_ids, sampling_params, request_id, images=images)
+            else:  # engines written for text only keep working
+                output = await self.engine.generate(prompt_ids, sampling_params, request_id)
+        finally:
+            self._requests -= 1
+            if not self._requests:
+                self._busy_s += time.perf_counter() - self._busy_since
         output.weight_version = version
         return output
+
+    async def busy_s(self) -> float:
+        """Seconds so far with at least one request in the engine (HTTP ones included): the trainer's measure
+        of this server's idle time per step."""
+        return self._busy_s + (time.perf_counter() - self._busy_since if self._requests else 0.0)
 
     async def abort(self, request_id: str) -> int:
         return await self.engine.abort(request_id)
