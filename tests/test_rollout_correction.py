@@ -233,3 +233,18 @@ def test_dropout_in_a_module_or_a_config_is_seen():
     model = Qwen3ForCausalLM(Qwen3Config(**{**config.to_dict(), "attention_dropout": 0.0}))
     model.lm_head = torch.nn.Sequential(torch.nn.Dropout(0.2), model.lm_head)
     assert has_dropout(model)
+
+
+def test_weight_extremes_over_micro_batches_and_ranks_are_extremes_not_means():
+    from trainer.main_ppo import _mean_over_ranks
+    from trainer.trainable import _accumulate
+
+    # two micro-batches of one row each: weights e^0, e^1, e^-1, e^0.5 and e^0.2, e^0.3
+    per_micro_batch = [rc.importance_weights(T([row]), T([mask]), "token", 3.0)[1] for row, mask in zip(LOG_RATIO[:2], MASK[:2])]
+    rank = {}
+    for stats in per_micro_batch:
+        _accumulate(rank, stats, len(per_micro_batch))
+    assert rank["rollout_is_max"] == pytest.approx(math.e) and rank["rollout_is_min"] == pytest.approx(math.exp(-1))
+    combined = _mean_over_ranks([rank, {"rollout_is_max": 1.5, "rollout_is_min": 0.1, "rollout_is_mean": 1.0}, {}])
+    assert combined["rollout_is_max"] == pytest.approx(math.e) and combined["rollout_is_min"] == pytest.approx(0.1)
+    assert combined["rollout_is_mean"] == pytest.approx((rank["rollout_is_mean"] + 1.0) / 2)

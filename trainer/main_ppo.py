@@ -362,9 +362,9 @@ def _check_rollout_log_probs(rollout: RolloutBatch) -> None:
 
 def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
     # a statistic a rank could not take (e.g. importance-weight extremes on a slice without model tokens) is
-    # missing from its dict: average over the ranks that have it
-    keys = dict.fromkeys(key for metrics in per_rank for key in metrics)
-    return {key: float(np.mean([metrics[key] for metrics in per_rank if key in metrics])) for key in keys}
+    # missing from its dict: combine over the ranks that have it (extremes by max/min, the rest by mean)
+    keys, combine = dict.fromkeys(key for metrics in per_rank for key in metrics), {"_max": max, "_min": min}
+    return {key: float(combine.get(key[-4:], np.mean)([metrics[key] for metrics in per_rank if key in metrics])) for key in keys}
 
 
 def run(config: DictConfig) -> list[dict[str, Any]]:

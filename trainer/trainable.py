@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -90,5 +91,13 @@ class Trainable:
 
 
 def _accumulate(metrics: dict[str, float], values: dict[str, Any], count: int) -> None:
+    """Add one of ``count`` micro-batches' statistics: the mean over them, but the extremes (``*_max``, ``*_min``)
+    of them all."""
     for key, value in values.items():
-        metrics[key] = metrics.get(key, 0.0) + float(value.detach() if isinstance(value, torch.Tensor) else value) / count
+        value = float(value.detach() if isinstance(value, torch.Tensor) else value)
+        if key.endswith("_max"):
+            metrics[key] = max(metrics.get(key, -math.inf), value)
+        elif key.endswith("_min"):
+            metrics[key] = min(metrics.get(key, math.inf), value)
+        else:
+            metrics[key] = metrics.get(key, 0.0) + value / count
