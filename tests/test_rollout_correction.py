@@ -248,3 +248,16 @@ def test_weight_extremes_over_micro_batches_and_ranks_are_extremes_not_means():
     combined = _mean_over_ranks([rank, {"rollout_is_max": 1.5, "rollout_is_min": 0.1, "rollout_is_mean": 1.0}, {}])
     assert combined["rollout_is_max"] == pytest.approx(math.e) and combined["rollout_is_min"] == pytest.approx(0.1)
     assert combined["rollout_is_mean"] == pytest.approx((rank["rollout_is_mean"] + 1.0) / 2)
+
+
+def test_samples_without_rollout_log_probs_fail_a_correction_and_otherwise_log_no_correction_metrics():
+    from agentloop.batch import RolloutBatch, object_array
+    from trainer.main_ppo import _has_rollout_log_probs
+
+    fields = {"agent_name": object_array(["mine", "from_verl"]), "extra_fields": object_array([{}, {"rollout_log_probs_missing": True}])}
+    rollout = RolloutBatch(TensorDict({}, batch_size=[2]), fields)
+    assert not _has_rollout_log_probs(rollout, required=False)  # the step trains, without rollout_corr/* metrics
+    with pytest.raises(ValueError, match=r"agent loops \['from_verl'\] returned no response_logprobs"):
+        _has_rollout_log_probs(rollout, required=True)
+    fields["extra_fields"] = object_array([{}, {}])
+    assert _has_rollout_log_probs(rollout, required=True)
