@@ -83,7 +83,9 @@ class Router:
         self.group_affinity_slack = group_affinity_slack  # None: no affinity
         self.group_of: LRUCache[str, str] = LRUCache(maxsize=max_sessions)  # request id -> GRPO group
         self.group_server: LRUCache[str, int] = LRUCache(maxsize=max_sessions)  # group -> its first session's server
-        self.versions: LRUCache[str, list[int]] = LRUCache(maxsize=max_sessions)  # session -> its model tokens' versions
+        # session -> its model tokens' versions as [version, count] runs: a session a loop never takes (one that
+        # generates under ids of its own) costs a few runs until evicted, not one entry per token
+        self.versions: LRUCache[str, list[list[int]]] = LRUCache(maxsize=max_sessions)
         self.stats = RouterStats([0] * len(servers))
 
     def join_group(self, request_id: str, group: str) -> None:
@@ -131,13 +133,18 @@ class Router:
         output, versions, interruptions = await generate_continued(
             lambda ids, params: self._generate_once(request_id, ids, params, image_data or None), prompt_ids, sampling_params
         )
-        self.versions.setdefault(request_id, []).extend(versions)
+        runs = self.versions.setdefault(request_id, [])
+        for version in versions:
+            if runs and runs[-1][0] == version:
+                runs[-1][1] += 1
+            else:
+                runs.append([version, 1])
         self.stats.interrupted_requests += interruptions
         return output
 
     def take_versions(self, request_id: str) -> list[int]:
         """The policy version of each token generated for the session so far, in order (-1: unknown); forgets them."""
-        return self.versions.pop(request_id, [])
+        return [version for version, count in self.versions.pop(request_id, []) for _ in range(count)]
 
     async def _generate_once(
         self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any], images: list[ProcessedImage] | None

@@ -100,6 +100,30 @@ def _model_turn(tokenizer, text: str) -> TokenOutput:
     return TokenOutput(ids, [-0.5] * len(ids), "stop")
 
 
+@pytest.mark.parametrize("template", ["ours", "qwen3"])
+def test_a_turn_stopped_by_another_stop_id_is_closed_with_the_end_of_turn_token(model_path, template):
+    # Qwen's generation configs stop on <|endoftext|> as well as on <|im_end|>, the template's end of turn
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if template == "qwen3":
+        if not QWEN3_CONFIG.exists():
+            pytest.skip("../shared/fixtures/qwen3 is not present")
+        tokenizer.chat_template = json.loads(QWEN3_CONFIG.read_text())["chat_template"]
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    other_stop = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert other_stop != tokenizer.eos_token_id
+    for last, closing in ((tokenizer.eos_token_id, []), (other_stop, [tokenizer.eos_token_id])):
+        trajectory = Trajectory(tokenizer, messages, prompt, TOOLS)
+        call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+        ids = tokenizer.encode(call) + [last]
+        assert trajectory.add_model_turn(TokenOutput(ids, [-0.5] * len(ids), "stop")) == call
+        tool = [{"role": "tool", "content": "5"}]
+        observation = trajectory.observation(tool)
+        assert observation.ids == closing + observation_delta(tokenizer, tool)
+        trajectory.add_observation(observation)
+        assert trajectory.response_mask == [1] * len(ids) + [0] * len(observation.ids)  # the closing token is not the model's
+
+
 def test_delta_tokens_equal_the_full_render_and_sanity_check_modes(tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
     prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -124,7 +124,8 @@ class Trajectory:
         self.response_mask += [1] * len(output.token_ids)
         self.response_logprobs += output.log_probs
         ids = output.token_ids
-        if ids and ids[-1] == self.tokenizer.eos_token_id:
+        # its end-of-turn token, or another stop id of the model's (Qwen's <|endoftext|>), is no part of the text
+        if ids and (ids[-1] == self.tokenizer.eos_token_id or (output.finish_reason == "stop" and ids[-1] in self.tokenizer.all_special_ids)):
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         self.messages.append({"role": "assistant", "content": text})
@@ -138,6 +139,10 @@ class Trajectory:
         if self.processor is not None or any(isinstance(message.get("content"), list) for message in messages):
             messages, images = split_images(messages, None, where)
         ids = observation_delta(self.tokenizer, messages, self.template_kwargs)
+        if self.response_mask and self.response_mask[-1] and self.response_ids[-1] != self.tokenizer.eos_token_id:
+            # the model's turn stopped on another stop id (a generation-config eos such as Qwen's <|endoftext|>, or
+            # a stop_token_ids entry): the template would close it with its end-of-turn token, so the delta does
+            ids = [self.tokenizer.eos_token_id, *ids]
         processed = process_images(self.processor, images, where)
         if self.processor is not None:
             ids = expand_image_pads(ids, processed, self._image_pad_id, where)
