@@ -231,8 +231,9 @@ def test_a_request_the_cache_soft_reset_keeps_all_its_tokens_when_new_weights_in
     params = {"max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True}
 
     def soft_reset_and_generating() -> bool:
-        scheduler = engine._manager.batch_processor.scheduler
-        return any(state._true_initial_tokens and state.generated_tokens for state in scheduler.active_requests.values())
+        processor = engine._manager.batch_processor  # built by the batching thread once it starts
+        requests = list(processor.scheduler.active_requests.values()) if processor is not None else []
+        return any(state._true_initial_tokens and state.generated_tokens for state in requests)
 
     async def scenario():
         tasks = [asyncio.create_task(engine.generate(PROMPT[i:], params, f"reset-{i}")) for i in range(4)]

@@ -137,3 +137,41 @@ def test_openai_client_with_tool_calls(url, scripted):
     assert answer.function.name == "submit_answer" and json.loads(answer.function.arguments) == {"answer": 5}
     plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert plain.choices[0].message.tool_calls is None and plain.usage.completion_tokens <= 4
+
+
+def test_chat_messages_are_given_to_the_template_as_it_takes_them(url):
+    def prompt_ids(messages):
+        answer = post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["prompt_token_ids"]
+
+    call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 + 3"}'}}
+    parsed = {**call, "function": {**call["function"], "arguments": {"expression": "2 + 3"}}}
+    turns = [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    as_openai_sends = [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "text", "text": "2 + 3?"}]}, *turns]
+    as_templates_take = [{"role": "user", "content": "what is 2 + 3?"}, {**turns[0], "tool_calls": [parsed]}, turns[1]]
+    assert prompt_ids(as_openai_sends) == prompt_ids(as_templates_take)
+    broken = [as_openai_sends[0], {**turns[0], "tool_calls": [{**call, "function": {"name": "calculator", "arguments": "{2 +"}}]}]
+    answer = post(url, "/v1/chat/completions", {"messages": broken})
+    assert answer.status_code == 400 and "messages[1].tool_calls: arguments are not valid JSON" in answer.text
+    assert post(url, "/v1/chat/completions", {"messages": as_openai_sends, "max_tokens": 0}).status_code == 422
+
+
+def test_pause_holds_chat_requests_too_and_an_asleep_engine_answers_503(url):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    result = {}
+    chat = threading.Thread(target=lambda: result.update(answer=post(url, "/v1/chat/completions", body)))
+    chat.start()
+    time.sleep(0.5)
+    held = chat.is_alive()
+    assert post(url, "/continue_generation", {}).status_code == 200
+    chat.join(timeout=30)
+    assert held and result["answer"].status_code == 200
+    assert post(url, "/abort_request", {"abort_all": True}).json() == {"aborted": 0}  # SGLang's abort-all; nothing in flight
+    assert post(url, "/release_memory_occupation", {}).status_code == 200
+    try:
+        asleep = post(url, "/v1/chat/completions", body)
+        assert asleep.status_code == 503 and "asleep" in asleep.json()["error"]["message"]
+    finally:
+        assert post(url, "/resume_memory_occupation", {}).status_code == 200

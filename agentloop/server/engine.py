@@ -16,6 +16,10 @@ from omegaconf import DictConfig
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
 
+class EngineAsleep(RuntimeError):
+    """A request reached an engine whose KV cache is released (``sleep``); the HTTP front answers 503."""
+
+
 # rollout.name -> the engine class, imported only when chosen (sglang's client needs no torch GPU, hf no aiohttp)
 ENGINES: dict[str, str] = {
     "hf": "agentloop.server.hf_engine.HFEngine",

@@ -25,6 +25,7 @@ from agentloop.images import ProcessedImage
 from agentloop.models.loading import is_vision_language, model_class, vision_token_ids
 from agentloop.protocol import FinishReason, TokenOutput, finish_reason_of, validate_prompt, validate_sampling_params
 from agentloop.server import hf_batching, hf_varlen
+from agentloop.server.engine import EngineAsleep
 from agentloop.server.hf_batching import ContinuousBatchingConfig, GenerationOutput, RequestStatus
 from agentloop.server.hf_vision import ImageLane
 
@@ -153,7 +154,7 @@ class HFEngine:
         """Generate from exact prompt ids (with ``images``: one image's pads each, expanded); return the sampled
         ids, their logprobs and why it stopped."""
         if self._manager is None:
-            raise RuntimeError("engine is asleep: call wake_up() before generate()")
+            raise EngineAsleep("engine is asleep: call wake_up() before generate()")
         params = validate_sampling_params(sampling_params)
         # checked before the request enters the batch: a bad id would fail the batch's forward pass
         prompt_ids = validate_prompt(prompt_ids, int(params["max_new_tokens"]), self.vocab_size, self.max_model_len)

@@ -39,6 +39,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput, finish_reason_of, validate_sampling_params
+from agentloop.server.engine import EngineAsleep
 from agentloop.server.sglang_requests import build_generate_request, check_prompt_tokens, parse_generate_response
 
 
@@ -232,7 +233,7 @@ class SGLangEngine:
     ) -> TokenOutput:
         """One turn; ``images`` (their pads expanded in ``prompt_ids``) go to SGLang as ``image_data``."""
         if self._sleeping:
-            raise RuntimeError("engine is asleep: call wake_up() before generate()")
+            raise EngineAsleep("engine is asleep: call wake_up() before generate()")
         rid = f"{request_id}#{next(self._call_counter)}"
         request = build_generate_request(prompt_ids, sampling_params, rid, images, image_pad_id=self.image_pad_id if images else None)
         self._rids_by_session[request_id].add(rid)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import socket
 import time
 from typing import Any
@@ -12,8 +13,9 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from transformers import PreTrainedTokenizerBase
 
+from agentloop.server.engine import EngineAsleep
 from agentloop.server.http.chat import chat_routes
-from agentloop.server.http.native import ServerImages, native_routes
+from agentloop.server.http.native import Admission, ServerImages, native_routes
 
 
 def build_app(
@@ -32,21 +34,25 @@ def build_app(
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     async def authorize(request: Request) -> None:
-        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+        if api_key and not hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {api_key}".encode()):
             raise HTTPException(status_code=401, detail="missing or wrong API key (Authorization: Bearer <key>)")
 
     @app.exception_handler(ValueError)
     async def bad_request(_: Request, error: ValueError) -> JSONResponse:
         return JSONResponse(status_code=400, content={"error": {"message": str(error), "code": 400}})
 
+    @app.exception_handler(EngineAsleep)
+    async def asleep(_: Request, error: EngineAsleep) -> JSONResponse:  # the trainer released the KV cache for a while
+        return JSONResponse(status_code=503, content={"error": {"message": str(error), "code": 503}})
+
     # liveness probes carry no key, so /health stays outside the authorized routers
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    authorized = [Depends(authorize)]
-    app.include_router(native_routes(server, tokenizer, images), dependencies=authorized)
-    chat = chat_routes(server, tokenizer, model_name=model_name, tool_format=tool_format, images=images)
+    authorized, admission = [Depends(authorize)], Admission()
+    app.include_router(native_routes(server, tokenizer, images, admission), dependencies=authorized)
+    chat = chat_routes(server, tokenizer, model_name=model_name, tool_format=tool_format, images=images, admission=admission)
     app.include_router(chat, dependencies=authorized)
     return app
 

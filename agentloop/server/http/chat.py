@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from agentloop.images import split_images
 from agentloop.protocol import generate_continued
-from agentloop.server.http.native import ServerImages
+from agentloop.server.http.native import Admission, ServerImages
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.reasoning import prompt_opens_reasoning, split_reasoning
 
@@ -40,6 +40,22 @@ class ChatMessage(BaseModel):
         return content
 
 
+def _as_templates_take_it(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """OpenAI's message shapes as chat templates expect them (vLLM and SGLang convert them too): a tool call's
+    JSON-string ``arguments`` as an object, and text-only content parts as one string."""
+    content = message.get("content")
+    if isinstance(content, list) and all(map(_is_text_part, content)):
+        message["content"] = "".join(part["text"] for part in content)
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError as error:
+                raise ValueError(f"messages[{index}].tool_calls: arguments are not valid JSON ({error})") from None
+    return message
+
+
 def _is_text_part(part: dict[str, Any]) -> bool:
     return part.get("type") == "text" and isinstance(part.get("text"), str)
 
@@ -57,8 +73,9 @@ class ChatBody(BaseModel):
     tools: list[dict[str, Any]] | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    # without either, a reply stops at the engines' default of 128 tokens
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     n: int = 1
     stream: bool = False
     # accepted for OpenAI clients that always send them; the answer carries logprobs either way
@@ -67,19 +84,21 @@ class ChatBody(BaseModel):
 
 
 def chat_routes(
-    server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: str, tool_format: str, images: ServerImages | None = None
+    server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: str, tool_format: str, images: ServerImages | None = None,
+    admission: Admission | None = None,
 ) -> APIRouter:
     """``POST /v1/chat/completions``; tool calls in the completion are parsed in ``tool_format``. ``images``: how
-    image parts are processed (default: refused, a text-only model)."""
+    image parts are processed (default: refused, a text-only model); ``admission``: the native routes' pause gate."""
     router = APIRouter()
     parse_tool_calls = get_parser(tool_format)
     images = images or ServerImages(None, tokenizer)
+    admission = admission or Admission()
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody) -> dict[str, Any]:
         if body.stream or body.n != 1:
             raise ValueError("only stream=false and n=1 are supported")
-        messages = [message.model_dump(exclude_none=True) for message in body.messages]
+        messages = [_as_templates_take_it(message.model_dump(exclude_none=True), i) for i, message in enumerate(body.messages)]
         pictures: list[Any] = []
         if any(isinstance(message.get("content"), list) and any(map(_is_image_part, message["content"])) for message in messages):
             # decoding images takes a while: off the event loop, which serves every request
@@ -99,16 +118,20 @@ def chat_routes(
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         # a weight push mid-request interrupts it: continued here, as the router does, since an OpenAI client
         # cannot resume a cut-off message
-        output, _, _ = await generate_continued(
-            lambda ids, more: server.generate(ids, more, request_id, images=processed or None), prompt, params
-        )
+        async with admission.admitted(request_id):
+            output, _, _ = await generate_continued(
+                lambda ids, more: server.generate(ids, more, request_id, images=processed or None), prompt, params
+            )
         ids = output.token_ids[:-1] if output.finish_reason == "stop" else output.token_ids
         reasoning, visible = split_reasoning(
             tokenizer.decode(ids, skip_special_tokens=False), opened=prompt_opens_reasoning(tokenizer, prompt)
         )
         content, calls = parse_tool_calls(visible) if body.tools else (visible, [])
-        tool_calls = [_tool_call(call.name, call.arguments) for call in calls if call.error is None]
-        finish = "tool_calls" if tool_calls else ("length" if output.finish_reason == "length" else "stop")
+        if any(call.error is not None for call in calls):  # the client sees what the model wrote, as vLLM's does
+            content, calls = visible, []
+        tool_calls = [_tool_call(call.name, call.arguments) for call in calls]
+        # a reply cut short says so: "abort" as SGLang's OpenAI front reports it, or "length"
+        finish = {"abort": "abort", "length": "length"}.get(output.finish_reason, "tool_calls" if tool_calls else "stop")
         logprobs = [
             {"token": tokenizer.decode([token]), "logprob": lp, "bytes": None, "top_logprobs": []}
             for token, lp in zip(output.token_ids, output.log_probs)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, AsyncIterator, Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -47,13 +49,14 @@ class GenerateBody(BaseModel):
 
 class AbortBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    rid: str
+    rid: str = ""
+    abort_all: bool = False  # SGLang's: every request in flight
 
 
 class PauseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    # abort: requests in flight end now (here with no tokens: the engine's abort keeps none); in_place and
-    # retract keep them, and the next weight update interrupts them with the tokens they have
+    # abort: requests in flight end now, with the tokens they have; in_place and retract keep them, and the next
+    # weight update interrupts them with the tokens they have
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
@@ -144,14 +147,37 @@ def finish_reason_json(output: TokenOutput) -> dict[str, Any]:
     return {"type": "abort", "message": "aborted"}
 
 
-def native_routes(server: Any, tokenizer: PreTrainedTokenizerBase, images: ServerImages | None = None) -> APIRouter:
+class Admission:
+    """The HTTP requests in the engine (by rid; a client may reuse one) and the gate ``/pause_generation`` closes
+    for every generating route, as SGLang's pause holds them all."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.open.set()
+        self.in_flight: Counter[str] = Counter()
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, rid: str) -> AsyncIterator[None]:
+        """Wait while paused, then count ``rid`` in flight for the block."""
+        await self.open.wait()
+        self.in_flight[rid] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[rid] -= 1
+            if not self.in_flight[rid]:
+                del self.in_flight[rid]
+
+
+def native_routes(
+    server: Any, tokenizer: PreTrainedTokenizerBase, images: ServerImages | None = None, admission: Admission | None = None
+) -> APIRouter:
     """Every SGLang-native route but ``/health``, which the app serves without the API key. ``images``: how
-    ``image_data`` is read (default: refused, a text-only model)."""
+    ``image_data`` is read (default: refused, a text-only model); ``admission``: the pause gate shared with the
+    chat route."""
     router = APIRouter()
     images = images or ServerImages(None, tokenizer)
-    generating = asyncio.Event()  # cleared while /pause_generation holds new requests back
-    generating.set()
-    in_flight: set[str] = set()
+    admission = admission or Admission()
 
     @router.get("/health_generate")
     async def health_generate() -> dict[str, str]:
@@ -169,13 +195,9 @@ def native_routes(server: Any, tokenizer: PreTrainedTokenizerBase, images: Serve
         processed = await images.process(image_data_items(body.image_data), "image_data")
         ids = images.expand(ids, processed, "input_ids (one image pad per image_data item)")
         rid = body.rid or uuid.uuid4().hex
-        await generating.wait()
-        start = time.perf_counter()
-        in_flight.add(rid)
-        try:
+        async with admission.admitted(rid):
+            start = time.perf_counter()
             output = await server.generate(ids, params, rid, images=processed or None)
-        finally:
-            in_flight.discard(rid)
         meta: dict[str, Any] = {
             "id": rid,
             "prompt_tokens": len(ids),
@@ -190,6 +212,10 @@ def native_routes(server: Any, tokenizer: PreTrainedTokenizerBase, images: Serve
 
     @router.post("/abort_request")
     async def abort_request(body: AbortBody) -> JSONResponse:
+        if body.abort_all:
+            return JSONResponse({"aborted": sum(await asyncio.gather(*(server.abort(rid) for rid in list(admission.in_flight))))})
+        if not body.rid:
+            raise ValueError("send the rid of the request to abort, or abort_all: true")
         aborted = await server.abort(body.rid)
         if not aborted:  # SGLang answers 200 here; a client that aborts a finished request learns so
             message = f"no request with rid {body.rid!r} is in flight (finished, already aborted, or never sent)"
@@ -198,14 +224,14 @@ def native_routes(server: Any, tokenizer: PreTrainedTokenizerBase, images: Serve
 
     @router.post("/pause_generation")
     async def pause_generation(body: PauseBody) -> dict[str, str]:
-        generating.clear()
+        admission.open.clear()
         if body.mode == "abort":
-            await asyncio.gather(*(server.abort(rid) for rid in list(in_flight)))
+            await asyncio.gather(*(server.abort(rid) for rid in list(admission.in_flight)))
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @router.post("/continue_generation")
     async def continue_generation() -> dict[str, str]:
-        generating.set()
+        admission.open.set()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     # Weight and memory control in SGLang's shapes, so the sglang backend's client can drive this server.
