@@ -55,8 +55,16 @@ class AgentLoopManager:
         self._workers_lock = threading.RLock()  # the stream's thread and the caller's both replace dead workers
         self.pool = ServerPool(config, self._give_workers)
         self.worker_restarts = 0
+        # the workers load their tokenizers while the servers load their engines
         self.workers = [self._start_worker() for _ in range(int(self.rollout.agent.num_workers))]
-        wait_for([worker.__ray_ready__.remote() for worker in self.workers], timeout, "agent loop workers to start")
+        try:
+            self.pool.wait_until_serving()
+            wait_for([worker.__ray_ready__.remote() for worker in self.workers], timeout, "agent loop workers to start")
+        except BaseException:  # a server or worker that failed to start: none of them is left running
+            for worker in self.workers:
+                ray.kill(worker)
+            self.pool.shutdown(graceful=False)
+            raise
 
     @property
     def servers(self) -> list[ray.actor.ActorHandle]:

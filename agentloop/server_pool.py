@@ -58,15 +58,19 @@ class ServerPool:
             f"(cluster has {ray.cluster_resources()}; lower actor_rollout_ref.rollout.resources_per_server "
             "or data_parallel_size)",
         )
-        self.servers = [self._spawn(rank) for rank in range(size)]
-        wait_for([server.__ray_ready__.remote() for server in self.servers], self.startup_timeout_s, "rollout servers to load their engines")
-        self.addresses: list[str] = self._start_http(self.servers) if self.rollout.http.enable else []
+        self.servers = [self._spawn(rank) for rank in range(size)]  # loading their engines until ``wait_until_serving``
+        self.addresses: list[str] = []
         self.weights: ray.ObjectRef | None = None  # the latest push: what a replacement must serve
         self.version: int | None = None  # its policy version
         self.asleep = False
         self.given_up: dict[int, str] = {}
         self.events: list[ServerEvent] = []
         self._restarts: dict[int, deque[float]] = {rank: deque() for rank in range(size)}
+
+    def wait_until_serving(self) -> None:
+        """Wait for the servers started with the pool to load their engines, then start their HTTP fronts."""
+        wait_for([server.__ray_ready__.remote() for server in self.servers], self.startup_timeout_s, "rollout servers to load their engines")
+        self.addresses = self._start_http(self.servers) if self.rollout.http.enable else []
 
     def _spawn(self, rank: int) -> ray.actor.ActorHandle:
         return RolloutServer.options(
@@ -176,9 +180,10 @@ class ServerPool:
         results = self._call("node_info", (), self.startup_timeout_s).values()
         return [result for result in results if not isinstance(result, BaseException)]
 
-    def shutdown(self) -> None:
-        """Ask every engine to stop (bounded), then kill the actors and release their resources."""
-        results = self._call("shutdown", (), self.startup_timeout_s, replace=False)
+    def shutdown(self, graceful: bool = True) -> None:
+        """Ask every engine to stop (bounded; not when ``graceful`` is off, e.g. servers that failed to start),
+        then kill the actors and release their resources."""
+        results = self._call("shutdown", (), self.startup_timeout_s, replace=False) if graceful else {}
         stuck = [rank for rank, outcome in results.items() if isinstance(outcome, BaseException)]
         if stuck:
             logger.warning("rollout servers %s did not shut down cleanly; killing them", stuck)
