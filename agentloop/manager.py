@@ -61,9 +61,7 @@ class AgentLoopManager:
             self.pool.wait_until_serving()
             wait_for([worker.__ray_ready__.remote() for worker in self.workers], timeout, "agent loop workers to start")
         except BaseException:  # a server or worker that failed to start: none of them is left running
-            for worker in self.workers:
-                ray.kill(worker)
-            self.pool.shutdown(graceful=False)
+            self.shutdown(graceful=False)
             raise
 
     @property
@@ -239,11 +237,12 @@ class AgentLoopManager:
         """Where each live server runs (node id, host, pid)."""
         return self.pool.node_info()
 
-    def shutdown(self) -> None:
-        """Stop workers and servers and release their resources (a server's engine is asked to stop first)."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop workers and servers and release their resources (a server's engine is asked to stop first, when
+        ``graceful``)."""
         for worker in self.workers:
             ray.kill(worker)
-        self.pool.shutdown()
+        self.pool.shutdown(graceful)
 
 
 def sampling_params(rollout: DictConfig, validate: bool) -> dict[str, Any]:

@@ -9,8 +9,8 @@ One step: rows → ``AgentLoopManager.generate_sequences`` (rollouts, rewards in
 sleep (``rollout.free_cache_engine``) → old log-probs (unless the one update step scores them itself),
 reference log-probs and critic values on the FSDP ranks → rollout correction
 (``algorithm.rollout_correction``) → advantages (GRPO, or GAE with the critic; KL in the reward if
-asked) → critic and policy updates → full weights pushed to every rollout server → servers wake. Checkpoints every ``trainer.save_freq`` steps; ``trainer.resume_mode=auto``
-continues from the newest one.
+asked) → critic and policy updates → full weights pushed to every rollout server → servers wake.
+Checkpoints every ``trainer.save_freq`` steps; ``trainer.resume_mode=auto`` continues from the newest one.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from trainer.async_training import async_settings, staleness_metrics
 from trainer.rollout_correction import RolloutCorrection, correct_batch, old_log_probs_in_update
 from trainer.rollout_dump import RolloutDumps
 from trainer.tracking import Tracking, plot, summarize
+from trainer.trainable import EXTREMES
 
 
 # start-up phases are single blocking calls: the bar names each one and counts them
@@ -349,8 +350,7 @@ def grpo_groups(rollout: RolloutBatch) -> list[str]:
 
 
 def _has_rollout_log_probs(rollout: RolloutBatch, required: bool) -> bool:
-    """Whether every sample has its rollout log-probs (a loop may return none, as verl allows); rollout correction
-    (``required``) needs them."""
+    """Whether every sample has its rollout log-probs (a loop may return none, as verl allows); an error if ``required``."""
     fields = rollout.non_tensor_batch
     missing = sorted({str(name) for name, extra in zip(fields["agent_name"], fields["extra_fields"]) if extra.get("rollout_log_probs_missing")})
     if missing and required:
@@ -364,8 +364,8 @@ def _has_rollout_log_probs(rollout: RolloutBatch, required: bool) -> bool:
 def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
     # a statistic a rank could not take (e.g. importance-weight extremes on a slice without model tokens) is
     # missing from its dict: combine over the ranks that have it (extremes by max/min, the rest by mean)
-    keys, combine = dict.fromkeys(key for metrics in per_rank for key in metrics), {"_max": max, "_min": min}
-    return {key: float(combine.get(key[-4:], np.mean)([metrics[key] for metrics in per_rank if key in metrics])) for key in keys}
+    keys = dict.fromkeys(key for metrics in per_rank for key in metrics)
+    return {key: float(EXTREMES.get(key[-4:], np.mean)([metrics[key] for metrics in per_rank if key in metrics])) for key in keys}
 
 
 def run(config: DictConfig) -> list[dict[str, Any]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -90,14 +89,14 @@ class Trainable:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
+# metrics that combine over micro-batches and ranks as extremes (by their name's suffix), not as means
+EXTREMES: dict[str, Callable[..., float]] = {"_max": max, "_min": min}
+
+
 def _accumulate(metrics: dict[str, float], values: dict[str, Any], count: int) -> None:
-    """Add one of ``count`` micro-batches' statistics: the mean over them, but the extremes (``*_max``, ``*_min``)
-    of them all."""
+    """Add one of ``count`` micro-batches' statistics: the mean over them, but the extremes (``EXTREMES``) of
+    them all."""
     for key, value in values.items():
         value = float(value.detach() if isinstance(value, torch.Tensor) else value)
-        if key.endswith("_max"):
-            metrics[key] = max(metrics.get(key, -math.inf), value)
-        elif key.endswith("_min"):
-            metrics[key] = min(metrics.get(key, math.inf), value)
-        else:
-            metrics[key] = metrics.get(key, 0.0) + value / count
+        extreme = EXTREMES.get(key[-4:])
+        metrics[key] = extreme(metrics.get(key, value), value) if extreme else metrics.get(key, 0.0) + value / count

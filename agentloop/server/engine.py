@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
 
+
 class EngineAsleep(RuntimeError):
     """A request reached an engine whose KV cache is released (``sleep``); the HTTP front answers 503."""
 

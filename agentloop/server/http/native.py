@@ -168,6 +168,10 @@ class Admission:
             if not self.in_flight[rid]:
                 del self.in_flight[rid]
 
+    async def abort_all(self, server: Any) -> int:
+        """Abort every request in flight on ``server``; how many engine calls ended."""
+        return sum(await asyncio.gather(*(server.abort(rid) for rid in list(self.in_flight))))
+
 
 def native_routes(
     server: Any, tokenizer: PreTrainedTokenizerBase, images: ServerImages | None = None, admission: Admission | None = None
@@ -213,7 +217,7 @@ def native_routes(
     @router.post("/abort_request")
     async def abort_request(body: AbortBody) -> JSONResponse:
         if body.abort_all:
-            return JSONResponse({"aborted": sum(await asyncio.gather(*(server.abort(rid) for rid in list(admission.in_flight))))})
+            return JSONResponse({"aborted": await admission.abort_all(server)})
         if not body.rid:
             raise ValueError("send the rid of the request to abort, or abort_all: true")
         aborted = await server.abort(body.rid)
@@ -226,7 +230,7 @@ def native_routes(
     async def pause_generation(body: PauseBody) -> dict[str, str]:
         admission.open.clear()
         if body.mode == "abort":
-            await asyncio.gather(*(server.abort(rid) for rid in list(admission.in_flight)))
+            await admission.abort_all(server)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @router.post("/continue_generation")
