@@ -102,3 +102,16 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_generating(url):
     # the same greedy request gives the same tokens: no bad request reached the engine's batch
     assert session.post(url + "/generate", json=GREEDY, headers=AUTH, timeout=60).json()["output_ids"] == before
     print(f"1000 hostile requests: {dict(sorted(statuses.items()))}")
+
+
+def test_chunked_bodies_are_held_to_the_limit_and_the_docs_are_off_with_a_key(url):
+    def chunked(body: bytes, size: int = 4096) -> Iterator[bytes]:  # requests sends a generator chunked
+        yield from (body[start:start + size] for start in range(0, len(body), size))
+
+    small = requests.post(url + "/generate", data=chunked(json.dumps(GREEDY).encode(), 16), headers=AUTH, timeout=60)
+    assert small.status_code == 200 and len(small.json()["output_ids"]) == 6
+    huge = json.dumps({**GREEDY, "input_ids": [1] * MAX_BODY}).encode()
+    response = requests.post(url + "/generate", data=chunked(huge), headers=AUTH, timeout=60)
+    assert response.status_code == 413 and "max_body_bytes" in response.json()["error"]["message"]
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert requests.get(url + path, headers=AUTH, timeout=10).status_code == 404, path

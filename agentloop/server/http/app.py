@@ -26,11 +26,14 @@ def build_app(
 
     Bodies over ``max_body_bytes`` get 413 before they are read; malformed or mistyped bodies 422, bad
     values 400 (unreadable images, or images for a text-only model, among them); a missing or wrong API key 401.
+    With an ``api_key`` the schema and docs pages (``/openapi.json``, ``/docs``) are not served.
     ``processor``: the model's processor for image inputs (``agentloop.models.loading.load_processor``),
     None for a text-only model.
     """
     images = ServerImages(processor, tokenizer)
-    app = FastAPI(title="agentloop rollout server")
+    # a browser cannot send the key to the interactive docs: with a key they are off, not open to anyone
+    docs = {} if not api_key else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="agentloop rollout server", **docs)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     async def authorize(request: Request) -> None:
@@ -58,7 +61,9 @@ def build_app(
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for a request body over ``max_bytes`` (declared, or counted as it streams in)."""
+    """ASGI middleware: 413 for a request body over ``max_bytes``, declared in ``Content-Length`` or, for a
+    chunked body, counted as it streams in (read whole before the route sees it: a route's own body parser
+    would turn an error raised mid-read into a 400)."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -66,31 +71,27 @@ class BodyLimit:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length", b"0")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._too_large(scope, receive, send)
-        seen = 0
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:  # the HTTP server reads exactly that many bytes
+            if int(declared) > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            return await self.app(scope, receive, send)
+        messages, size = [], 0
+        while not messages or (messages[-1]["type"] == "http.request" and messages[-1].get("more_body")):
+            messages.append(await receive())
+            size += len(messages[-1].get("body", b""))
+            if size > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+        buffered = iter(messages)
 
-        async def counted() -> dict:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise _BodyTooLarge
-            return message
+        async def replayed() -> dict:
+            return next(buffered, None) or await receive()
 
-        try:
-            await self.app(scope, counted, send)
-        except _BodyTooLarge:
-            await self._too_large(scope, receive, send)
+        await self.app(scope, replayed, send)
 
     async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
         message = f"request body over the limit of {self.max_bytes} bytes (actor_rollout_ref.rollout.http.max_body_bytes)"
         await JSONResponse(status_code=413, content={"error": {"message": message, "code": 413}})(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 async def serve(app: FastAPI, host: str, port: int, timeout_s: float = 30.0) -> tuple[uvicorn.Server, int]:
