@@ -1,6 +1,7 @@
 """Engine ``hf`` on the real tiny model: exact logprobs, sampling controls, abort, weights, sleep/wake."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -157,6 +158,7 @@ def test_update_weights_rejects_wrong_names_and_shapes(engine):
     assert run(engine.generate(PROMPT, {"max_new_tokens": 2}, "alive")).token_ids
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death is the point
 def test_bad_prompts_fail_alone_and_a_dead_generation_thread_is_replaced(engine):
     greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     expected = run(engine.generate(PROMPT, greedy, "before")).token_ids
@@ -178,6 +180,24 @@ def test_bad_prompts_fail_alone_and_a_dead_generation_thread_is_replaced(engine)
     with pytest.raises(RuntimeError, match="injected fault|generation thread died"):
         run(asyncio.wait_for(engine.generate(PROMPT, greedy, "victim"), timeout=60))
     assert run(asyncio.wait_for(engine.generate(PROMPT, greedy, "after-fault"), timeout=60)).token_ids == expected
+    assert engine.num_in_flight == 0
+
+    # a thread that dies without failing its requests (an exception transformers' loop does not catch): the
+    # engine's watchdog fails them within a second or so, and the next request gets a fresh thread
+    processor = engine._manager.batch_processor
+    prepare = processor.prepare_next_batch
+
+    def dies_with_a_request_in_hand() -> bool:
+        if prepare():
+            raise SystemExit
+        return False
+
+    processor.prepare_next_batch = dies_with_a_request_in_hand
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="generation thread died"):
+        run(asyncio.wait_for(engine.generate(PROMPT, greedy, "stranded"), timeout=60))
+    assert time.monotonic() - start < 30
+    assert run(asyncio.wait_for(engine.generate(PROMPT, greedy, "after-death"), timeout=60)).token_ids == expected
     assert engine.num_in_flight == 0
 
 

@@ -86,6 +86,7 @@ class HFEngine:
         self._by_session: dict[str, set[str]] = defaultdict(set)
         self._cached_tokens: dict[str, int] = {}
         self._manager = None
+        self._watchdog: asyncio.Task | None = None
         self._start_manager()
 
     @classmethod
@@ -227,12 +228,16 @@ class HFEngine:
         return TokenOutput(result.token_ids, result.log_probs, reason, result.cached_tokens)
 
     async def _result(self, future: asyncio.Future[TokenOutput]) -> TokenOutput:
-        # the manager's thread can die on an error no check foresaw: its requests would never be answered
-        while not future.done():
-            await asyncio.wait({future}, timeout=WATCHDOG_S)
-            if not future.done():
-                self._restart_if_dead()
-        return future.result()
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        return await future
+
+    async def _watch(self) -> None:
+        # The manager's thread can die on an error no check foresaw: its requests would never be answered. One
+        # watchdog for all of them, not a timed wait per request (that costs more than the rest of a request here).
+        while self._pending:
+            await asyncio.sleep(WATCHDOG_S)
+            self._restart_if_dead()
 
     def _restart_if_dead(self) -> None:
         """Fail the requests of a manager whose generation thread died (or met a fatal error and is stopping),
