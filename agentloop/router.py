@@ -9,7 +9,8 @@ requests in flight than the least-loaded one, so the prompt is prefilled there o
 hit its prefix cache. A server that dies is skipped from then on and its sessions are re-homed on the
 next call. A request that new weights interrupted (``finish_reason`` ``interrupted``) is continued:
 resubmitted with the tokens it has, for the tokens it has left, until it ends; every model token's
-policy version is recorded per session (``take_versions``).
+policy version is recorded per session (``take_versions``). The turns that become ready in one pass of
+the event loop (a batch's first turns) go to each server in one Ray call (``RolloutServer.generate_many``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class RouterStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     interrupted_requests: int = 0  # turns that new weights interrupted and the router continued
+    server_calls: int = 0  # Ray calls that carried them (a burst of turns goes to a server in one)
     # max/mean of in-flight counts sampled at every dispatch made while all live servers were busy
     imbalance_samples: list[float] = field(default_factory=list)
 
@@ -48,6 +50,7 @@ class RouterStats:
             prompt_tokens=sum(part.prompt_tokens for part in parts),
             cached_tokens=sum(part.cached_tokens for part in parts),
             interrupted_requests=sum(part.interrupted_requests for part in parts),
+            server_calls=sum(part.server_calls for part in parts),
             imbalance_samples=[sample for part in parts for sample in part.imbalance_samples],
         )
 
@@ -55,6 +58,11 @@ class RouterStats:
     def cached_token_share(self) -> float:
         """Share of prompt tokens the servers took from their prefix caches."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def requests_per_call(self) -> float:
+        """Requests per Ray call to the servers (1.0: every request was a call of its own)."""
+        return sum(self.requests_per_server) / self.server_calls if self.server_calls else 0.0
 
     @property
     def in_flight_imbalance(self) -> float:
@@ -87,6 +95,9 @@ class Router:
         # generates under ids of its own) costs a few runs until evicted, not one entry per token
         self.versions: LRUCache[str, list[list[int]]] = LRUCache(maxsize=max_sessions)
         self.stats = RouterStats([0] * len(servers))
+        # per server: the calls made in this pass of the event loop, sent together at its end (``_call``)
+        self._queued: list[list[tuple[tuple[Any, ...], asyncio.Future[TokenOutput]]]] = [[] for _ in servers]
+        self._answering: set[asyncio.Task] = set()
 
     def join_group(self, request_id: str, group: str) -> None:
         """Mark the session ``request_id`` as one of ``group``'s samples (same prompt)."""
@@ -153,10 +164,8 @@ class Router:
             index = self.server_for(request_id)
             self._dispatched(index)
             try:
-                output = await asyncio.wait_for(
-                    self.servers[index].generate.remote(prompt_ids, sampling_params, request_id, images),
-                    timeout=self.request_timeout_s,
-                )
+                answer = self._call(index, (prompt_ids, sampling_params, request_id, images))
+                output = await asyncio.wait_for(answer, self.request_timeout_s)
             except RayActorError as error:
                 self.alive[index] = False
                 logger.warning("rollout server %d died (%s); re-homing session %s", index, error, request_id)
@@ -176,6 +185,34 @@ class Router:
             self.stats.cached_tokens += output.cached_tokens
             return output
 
+    def _call(self, index: int, request: tuple[Any, ...]) -> asyncio.Future[TokenOutput]:
+        """``generate(*request)`` on server ``index``. The calls made in one pass of the event loop go in one Ray
+        call (a Ray call costs both processes about a millisecond, so a burst of turns, such as a batch's first
+        ones, would queue behind its own calls); each answer comes back as soon as it is ready."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queued[index].append((request, future))
+        if len(self._queued[index]) == 1:
+            loop.call_soon(self._send, index)
+        return future
+
+    def _send(self, index: int) -> None:
+        queued, self._queued[index] = self._queued[index], []
+        queued = [(request, future) for request, future in queued if not future.done()]  # not those cancelled meanwhile
+        if not queued:
+            return
+        server = self.servers[index]
+        self.stats.server_calls += 1
+        if len(queued) == 1:  # alone, a plain call answers sooner than a streamed one
+            [(request, future)] = queued
+            answering = _answer_one(server.generate.remote(*request), future)
+        else:
+            requests, futures = zip(*queued)
+            answering = _answer_many(server.generate_many.remote(list(requests)), list(futures))
+        task = asyncio.ensure_future(answering)
+        self._answering.add(task)  # held until done: the loop keeps only weak references to tasks
+        task.add_done_callback(self._answering.discard)
+
     def replace(self, index: int, server: ray.actor.ActorHandle) -> None:
         """A new server for ``index`` (its predecessor died): live again, nothing in flight; its sessions stay pinned."""
         self.servers[index] = server
@@ -193,3 +230,31 @@ class Router:
         """Return the counters gathered since the last call and start new ones."""
         stats, self.stats = self.stats, RouterStats([0] * len(self.servers))
         return stats
+
+
+async def _answer_one(answer: ray.ObjectRef, future: asyncio.Future[TokenOutput]) -> None:
+    try:
+        _settle(future, await answer)
+    except Exception as error:  # the request's own error, or its server's death
+        _settle(future, error)
+
+
+async def _answer_many(answers: ray.ObjectRefGenerator, futures: list[asyncio.Future[TokenOutput]]) -> None:
+    try:
+        async for answer in answers:
+            for position, outcome in await answer:
+                _settle(futures[position], outcome)
+    except Exception as error:  # the server died: every request it had not answered fails with that
+        for future in futures:
+            _settle(future, error)
+    for future in futures:  # never left waiting, whatever the server did
+        _settle(future, RuntimeError("the rollout server ended a batch of requests without answering this one"))
+
+
+def _settle(future: asyncio.Future[TokenOutput], outcome: TokenOutput | BaseException) -> None:
+    if future.done():  # timed out or cancelled meanwhile
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)

@@ -1,5 +1,6 @@
 """The full stack on a real local Ray: manager -> workers -> loops -> router -> servers -> hf engine."""
 
+import asyncio
 import threading
 import time
 
@@ -10,6 +11,7 @@ import torch
 import agentloop.testing  # noqa: F401  (registers fixed_length)
 import tests.support.probe_loops  # noqa: F401  (registers probe_multi_turn)
 from agentloop import AgentLoopManager
+from agentloop.router import Router
 from tests.support.config import small_config
 
 pytestmark = pytest.mark.usefixtures("local_ray")
@@ -59,6 +61,25 @@ def test_batch_shapes_groups_and_fields(manager):
     assert sum(meta["rollout/requests_per_server"]) == 6
     spread = [meta[f"timing_s/agent_loop/generate_sequences/{key}"] for key in ("min", "mean", "max")]
     assert spread == sorted(spread) and spread[0] > 0
+
+
+def test_turns_ready_together_share_a_call_and_fail_alone(manager):
+    # seven first turns made in one pass of the event loop: one Ray call per server, each answer exact, and
+    # the one bad prompt among them fails alone with its own message
+    router = Router(manager.servers)
+    greedy = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    prompts = [[5, 6, 7 + i] for i in range(6)] + [[10**6]]
+
+    async def burst():
+        return await asyncio.gather(*(router.generate(f"burst-{i}", p, greedy) for i, p in enumerate(prompts)), return_exceptions=True)
+
+    *outputs, bad = asyncio.run(burst())
+    assert isinstance(bad, ValueError) and "outside the vocabulary" in str(bad)
+    alone = [ray.get(manager.servers[0].generate.remote(p, greedy, f"alone-{i}"), timeout=60) for i, p in enumerate(prompts[:6])]
+    assert [output.token_ids for output in outputs] == [output.token_ids for output in alone]
+    assert all(len(output.token_ids) == len(output.log_probs) == 4 and output.finish_reason == "length" for output in outputs)
+    stats = router.take_stats()
+    assert stats.requests_per_server == [4, 3] and stats.server_calls == 2 and stats.requests_per_call == 3.5
 
 
 def test_prompts_render_through_the_chat_template(manager, model_path):

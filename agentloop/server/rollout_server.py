@@ -80,6 +80,19 @@ class RolloutServer:
         output.weight_version = version
         return output
 
+    async def generate_many(self, requests: list[tuple[Any, ...]]) -> AsyncIterator[list[tuple[int, TokenOutput | BaseException]]]:
+        """``generate(*request)`` for each request, in one Ray call (the router sends a burst of turns this way):
+        yields ``(position, output)`` pairs, or the error a request raised in place of its output, as they end."""
+        tasks = {asyncio.ensure_future(self.generate(*request)): position for position, request in enumerate(requests)}
+        pending = set(tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                yield [(tasks[task], task.exception() or task.result()) for task in done]
+        finally:  # the caller went away (cancelled, or its worker died): stop the rest
+            for task in pending:
+                task.cancel()
+
     async def busy_s(self) -> float:
         """Seconds so far with at least one request in the engine (HTTP ones included): the trainer's measure
         of this server's idle time per step."""
