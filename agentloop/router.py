@@ -203,12 +203,16 @@ class Router:
             return
         server = self.servers[index]
         self.stats.server_calls += 1
-        if len(queued) == 1:  # alone, a plain call answers sooner than a streamed one
-            [(request, future)] = queued
-            answering = _answer_one(server.generate.remote(*request), future)
-        else:
-            requests, futures = zip(*queued)
-            answering = _answer_many(server.generate_many.remote(list(requests)), list(futures))
+        requests, futures = zip(*queued)
+        try:
+            if len(queued) == 1:  # alone, a plain call answers sooner than a streamed one
+                answering = _answer_one(server.generate.remote(*requests[0]), futures[0])
+            else:
+                answering = _answer_many(server.generate_many.remote(list(requests)), list(futures))
+        except Exception as error:  # Ray refused the call (arguments it cannot store or serialize, a shutdown)
+            for future in futures:
+                _settle(future, error)
+            return
         task = asyncio.ensure_future(answering)
         self._answering.add(task)  # held until done: the loop keeps only weak references to tasks
         task.add_done_callback(self._answering.discard)

@@ -81,6 +81,11 @@ def test_turns_ready_together_share_a_call_and_fail_alone(manager):
     stats = router.take_stats()
     assert stats.requests_per_server == [4, 3] and stats.server_calls == 2 and stats.requests_per_call == 3.5
 
+    # a call Ray refuses (an argument it cannot serialize) fails at once, not after request_timeout_s
+    unsendable = {**greedy, "stop_token_ids": [threading.Lock()]}
+    with pytest.raises(TypeError, match="pickle"):
+        asyncio.run(asyncio.wait_for(router.generate("unsendable", [5, 6], unsendable), timeout=30))
+
 
 def test_prompts_render_through_the_chat_template(manager, model_path):
     from transformers import AutoTokenizer

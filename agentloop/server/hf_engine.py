@@ -206,6 +206,11 @@ class HFEngine:
             if submit() is None:
                 raise RuntimeError("the continuous-batching manager refused the request (it is stopping)")
             return await self._result(future)
+        except asyncio.CancelledError:  # its caller went away: free the batch of it too
+            if self._manager is not None:
+                self._manager.cancel_request(engine_id)
+                hf_batching.drop_result_handler(self._manager, engine_id)
+            raise
         finally:
             self._pending.pop(engine_id, None)
             self._limits.pop(engine_id, None)
@@ -237,7 +242,10 @@ class HFEngine:
         # watchdog for all of them, not a timed wait per request (that costs more than the rest of a request here).
         while self._pending:
             await asyncio.sleep(WATCHDOG_S)
-            self._restart_if_dead()
+            try:
+                self._restart_if_dead()
+            except Exception:  # its requests have been failed already; the next request tries again
+                logger.exception("could not restart the continuous-batching thread")
 
     def _restart_if_dead(self) -> None:
         """Fail the requests of a manager whose generation thread died (or met a fatal error and is stopping),

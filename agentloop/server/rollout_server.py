@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import pickle
 import socket
 import time
 from typing import Any, AsyncIterator
@@ -88,7 +89,7 @@ class RolloutServer:
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                yield [(tasks[task], task.exception() or task.result()) for task in done]
+                yield [(tasks[task], _outcome(task)) for task in done]
         finally:  # the caller went away (cancelled, or its worker died): stop the rest
             for task in pending:
                 task.cancel()
@@ -99,6 +100,9 @@ class RolloutServer:
         return self._busy_s + (time.perf_counter() - self._busy_since if self._requests else 0.0)
 
     async def abort(self, request_id: str) -> int:
+        # one pass of the event loop first: requests that ``generate_many`` has just taken start in that pass, and
+        # an abort sent after them must find them in the engine
+        await asyncio.sleep(0)
         return await self.engine.abort(request_id)
 
     async def in_flight(self) -> int:
@@ -170,3 +174,17 @@ class RolloutServer:
         if self.http_server is not None:
             self.http_server.should_exit = True
         await self.engine.shutdown()
+
+
+def _outcome(task: asyncio.Task) -> TokenOutput | BaseException:
+    """A finished request's output, or the error in its place, as ``generate_many`` can send it back."""
+    if task.cancelled():
+        return RuntimeError("the request was cancelled on the rollout server")
+    error = task.exception()
+    if error is None:
+        return task.result()
+    try:
+        pickle.dumps(error)
+    except Exception:  # one request's odd error must not fail the others' answers
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
