@@ -93,6 +93,13 @@ def validate_prompt(prompt_ids: Any, max_new_tokens: int, vocab_size: int, max_m
     return list(prompt_ids)
 
 
+def id_list(value: int | list[int] | None) -> list[int]:
+    """A config's token id field (one id, a list of them, or none) as a list."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 from cachetools import LRUCache
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput, generate_continued
@@ -247,7 +247,7 @@ async def _answer_many(answers: ray.ObjectRefGenerator, futures: list[asyncio.Fu
     try:
         async for answer in answers:
             for position, outcome in await answer:
-                _settle(futures[position], outcome)
+                _settle(futures[position], outcome.as_instanceof_cause() if isinstance(outcome, RayTaskError) else outcome)
     except Exception as error:  # the server died: every request it had not answered fails with that
         for future in futures:
             _settle(future, error)

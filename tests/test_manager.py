@@ -74,7 +74,9 @@ def test_turns_ready_together_share_a_call_and_fail_alone(manager):
         return await asyncio.gather(*(router.generate(f"burst-{i}", p, greedy) for i, p in enumerate(prompts)), return_exceptions=True)
 
     *outputs, bad = asyncio.run(burst())
-    assert isinstance(bad, ValueError) and "outside the vocabulary" in str(bad)
+    # the same error a lone call raises: the request's own type, with the server's traceback
+    assert isinstance(bad, ValueError) and isinstance(bad, ray.exceptions.RayTaskError) and "outside the vocabulary" in str(bad)
+    assert "validate_prompt" in str(bad)
     alone = [ray.get(manager.servers[0].generate.remote(p, greedy, f"alone-{i}"), timeout=60) for i, p in enumerate(prompts[:6])]
     assert [output.token_ids for output in outputs] == [output.token_ids for output in alone]
     assert all(len(output.token_ids) == len(output.log_probs) == 4 and output.finish_reason == "length" for output in outputs)

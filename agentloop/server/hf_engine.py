@@ -23,7 +23,7 @@ from transformers import GenerationConfig
 
 from agentloop.images import ProcessedImage
 from agentloop.models.loading import is_vision_language, model_class, vision_token_ids
-from agentloop.protocol import FinishReason, TokenOutput, finish_reason_of, validate_prompt, validate_sampling_params
+from agentloop.protocol import FinishReason, TokenOutput, finish_reason_of, id_list, validate_prompt, validate_sampling_params
 from agentloop.server import hf_batching, hf_varlen
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.hf_batching import ContinuousBatchingConfig, GenerationOutput, RequestStatus
@@ -77,7 +77,7 @@ class HFEngine:
         self._lane = ImageLane(self.model, seed, self._batching_paused) if is_vision_language(model_path) else None
         # what one request may span: the model's positions, and the whole paged KV cache
         self.max_model_len = min(int(text_config.max_position_embeddings), page_size * num_blocks)
-        self.eos_token_ids = _as_list(self.model.generation_config.eos_token_id or text_config.eos_token_id)
+        self.eos_token_ids = id_list(self.model.generation_config.eos_token_id or text_config.eos_token_id)
         self._cb_config = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
         self._seed, self._starts = seed, itertools.count()
         self._request_counter = itertools.count()
@@ -396,9 +396,3 @@ class HFEngine:
     async def shutdown(self) -> None:
         async with self._lane_paused(abort=True):
             self._stop_manager()
-
-
-def _as_list(value: int | list[int] | None) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)

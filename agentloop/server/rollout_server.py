@@ -10,14 +10,15 @@ import asyncio
 import contextlib
 import gc
 import os
-import pickle
 import socket
 import time
+import traceback
 from typing import Any, AsyncIterator
 
 import ray
 import torch
 from omegaconf import DictConfig
+from ray.exceptions import RayTaskError
 
 from agentloop.allocator import keep_freed_memory
 from agentloop.images import ProcessedImage
@@ -176,15 +177,12 @@ class RolloutServer:
         await self.engine.shutdown()
 
 
-def _outcome(task: asyncio.Task) -> TokenOutput | BaseException:
-    """A finished request's output, or the error in its place, as ``generate_many`` can send it back."""
+def _outcome(task: asyncio.Task) -> TokenOutput | RayTaskError:
+    """A finished request's output, or its error as Ray sends a failed call's back (the server's traceback with it,
+    a cause it cannot pickle replaced by one it can): the router raises it as a lone call would."""
     if task.cancelled():
-        return RuntimeError("the request was cancelled on the rollout server")
+        return RayTaskError("RolloutServer.generate", "", RuntimeError("the request was cancelled on the rollout server"))
     error = task.exception()
     if error is None:
         return task.result()
-    try:
-        pickle.dumps(error)
-    except Exception:  # one request's odd error must not fail the others' answers
-        return RuntimeError(f"{type(error).__name__}: {error}")
-    return error
+    return RayTaskError("RolloutServer.generate", "".join(traceback.format_exception(type(error), error, error.__traceback__)), error)

@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 from transformers import AutoConfig, GenerationConfig
 
 from agentloop.images import ProcessedImage
-from agentloop.protocol import TokenOutput, finish_reason_of, validate_sampling_params
+from agentloop.protocol import TokenOutput, finish_reason_of, id_list, validate_sampling_params
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.sglang_requests import build_generate_request, check_prompt_tokens, parse_generate_response
 
@@ -225,7 +225,7 @@ class SGLangEngine:
             except (OSError, ValueError):
                 continue
             if eos is not None:
-                return [eos] if isinstance(eos, int) else list(eos)
+                return id_list(eos)
         return []
 
     async def generate(
