@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import ray
 import requests
 from transformers import AutoTokenizer
 
@@ -71,7 +72,7 @@ def test_health_and_api_key(url):
 
 
 @needs_sglang
-def test_generate_request_and_response_follow_sglangs_contract(url):
+def test_generate_request_and_response_follow_sglangs_contract(url, manager):
     request = generate_request()
     api_types.GenerateRequest.from_json_value(request)  # what we send is valid for SGLang
     response = post(url, "/generate", request)
@@ -83,6 +84,10 @@ def test_generate_request_and_response_follow_sglangs_contract(url):
     logprobs = body["meta_info"]["output_token_logprobs"]
     assert [entry[1] for entry in logprobs] == body["output_ids"] and all(entry[0] < 0 for entry in logprobs)
     assert body["meta_info"]["prompt_tokens"] == 9 and body["meta_info"]["completion_tokens"] == 5
+    # SGLang's weight-version report: one span of the weights loaded, over every output token
+    version = str(ray.get(manager.servers[0].generate.remote([5], {"max_new_tokens": 1}, "version-probe"), timeout=60).weight_version)
+    assert body["meta_info"]["weight_version"] == version
+    assert body["meta_info"]["weight_versions"] == [{"version": version, "start": 0, "end": 5}]
 
 
 def test_generate_stops_on_eos_and_rejects_unknown_keys(url, scripted):

@@ -142,6 +142,10 @@ def test_a_chat_completion_cut_by_new_weights_is_continued_not_returned_cut_off(
     assert pushed, "every reply ended before the push"
     choice = result["choices"][0]
     tokens = choice["logprobs"]["content"]
+    # SGLang's report of the weights per token span: the push's version ends the reply, contiguous spans cover it
+    spans, last = result["metadata"]["weight_versions"], result["metadata"]["weight_version"]
+    assert last == spans[-1]["version"] == "4" and len(spans) <= 2
+    assert [span["start"] for span in spans] == [0] + [span["end"] for span in spans[:-1]] and spans[-1]["end"] == len(tokens)
     # it ran on under the new weights to its budget or its end-of-sequence token, not to where the push cut it
     assert len(tokens) == result["usage"]["completion_tokens"]
     if choice["finish_reason"] == "length":

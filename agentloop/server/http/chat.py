@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from agentloop.images import split_images
 from agentloop.protocol import generate_continued
-from agentloop.server.http.native import Admission, ServerImages
+from agentloop.server.http.native import Admission, ServerImages, weight_versions_json
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.reasoning import prompt_opens_reasoning, split_reasoning
 
@@ -119,7 +119,7 @@ def chat_routes(
         # a weight push mid-request interrupts it: continued here, as the router does, since an OpenAI client
         # cannot resume a cut-off message
         async with admission.admitted(request_id):
-            output, _, _ = await generate_continued(
+            output, versions, _ = await generate_continued(
                 lambda ids, more: server.generate(ids, more, request_id, images=processed or None), prompt, params
             )
         ids = output.token_ids[:-1] if output.finish_reason == "stop" else output.token_ids
@@ -162,6 +162,8 @@ def chat_routes(
                 "total_tokens": len(prompt) + len(output.token_ids),
             },
             "prompt_token_ids": prompt,
+            # which weights sampled which tokens (a reply continued across a weight push has two spans)
+            "metadata": weight_versions_json(versions, output.weight_version),
         }
 
     return router
