@@ -131,22 +131,34 @@ class TokenOutput:
     routed_experts: Any = None
 
 
+def add_version_run(runs: list[list[int]], version: int | None, count: int) -> None:
+    """Append ``count`` tokens of policy ``version`` (None: unknown, -1) to ``runs``, ``[version, count]`` pairs in
+    token order, merged with the last pair when it has the same version."""
+    version = -1 if version is None else version
+    if not count:
+        return
+    if runs and runs[-1][0] == version:
+        runs[-1][1] += count
+    else:
+        runs.append([version, count])
+
+
 async def generate_continued(
     generate: Callable[[list[int], dict[str, Any]], Awaitable[TokenOutput]], prompt_ids: list[int], sampling_params: dict[str, Any]
-) -> tuple[TokenOutput, list[int], int]:
+) -> tuple[TokenOutput, list[list[int]], int]:
     """One turn through ``generate(ids, params)``, continued after each interruption by new weights: resubmitted
-    with the tokens it has, for the tokens it has left, until it ends. Returns the whole turn, each token's
-    policy version (-1: unknown) and how many times it was interrupted."""
+    with the tokens it has, for the tokens it has left, until it ends. Returns the whole turn, its tokens'
+    policy versions as ``[version, count]`` runs (``add_version_run``) and how many times it was interrupted."""
     budget = int(sampling_params.get("max_new_tokens", SAMPLING_DEFAULTS["max_new_tokens"]))
     tokens: list[int] = []
     log_probs: list[float] = []
-    versions: list[int] = []
+    versions: list[list[int]] = []
     interruptions = 0
     while True:
         output = await generate(prompt_ids + tokens, {**sampling_params, "max_new_tokens": budget - len(tokens)})
         tokens += output.token_ids
         log_probs += output.log_probs
-        versions += [-1 if output.weight_version is None else output.weight_version] * len(output.token_ids)
+        add_version_run(versions, output.weight_version, len(output.token_ids))
         if output.finish_reason != "interrupted":
             break
         interruptions += 1

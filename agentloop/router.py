@@ -25,7 +25,7 @@ from cachetools import LRUCache
 from ray.exceptions import RayActorError, RayTaskError
 
 from agentloop.images import ProcessedImage
-from agentloop.protocol import TokenOutput, generate_continued
+from agentloop.protocol import TokenOutput, add_version_run, generate_continued
 
 logger = logging.getLogger(__name__)
 
@@ -145,11 +145,8 @@ class Router:
             lambda ids, params: self._generate_once(request_id, ids, params, image_data or None), prompt_ids, sampling_params
         )
         runs = self.versions.setdefault(request_id, [])
-        for version in versions:
-            if runs and runs[-1][0] == version:
-                runs[-1][1] += 1
-            else:
-                runs.append([version, 1])
+        for version, count in versions:
+            add_version_run(runs, version, count)
         self.stats.interrupted_requests += interruptions
         return output
 

@@ -147,16 +147,15 @@ def finish_reason_json(output: TokenOutput) -> dict[str, Any]:
     return {"type": "abort", "message": "aborted"}
 
 
-def weight_versions_json(versions: list[int], version: int | None) -> dict[str, Any]:
+def weight_versions_json(runs: list[list[int]], version: int | None) -> dict[str, Any]:
     """SGLang's report of the weights that sampled a reply (``meta_info`` of ``/generate``, ``metadata`` of a
     chat completion): ``weight_versions``, one ``{version, start, end}`` span per run of tokens from one
-    version (``versions``: each token's), and ``weight_version``, the last; versions as strings, as SGLang's."""
+    version (``runs``: ``[version, count]`` pairs, as ``generate_continued`` returns them), and
+    ``weight_version``, the last; versions as strings, as SGLang's."""
     spans: list[dict[str, Any]] = []
-    for position, token_version in enumerate(versions):
-        if spans and spans[-1]["version"] == str(token_version):
-            spans[-1]["end"] = position + 1
-        else:
-            spans.append({"version": str(token_version), "start": position, "end": position + 1})
+    for run_version, count in runs:
+        start = spans[-1]["end"] if spans else 0
+        spans.append({"version": str(run_version), "start": start, "end": start + count})
     spans = spans or [{"version": str(version), "start": 0, "end": 0}]  # no tokens: the weights loaded
     return {"weight_version": spans[-1]["version"], "weight_versions": spans}
 
@@ -223,7 +222,7 @@ def native_routes(
             "finish_reason": finish_reason_json(output),
             "cached_tokens": output.cached_tokens,
             "e2e_latency": time.perf_counter() - start,
-            **weight_versions_json([output.weight_version] * len(output.token_ids), output.weight_version),
+            **weight_versions_json([[output.weight_version, len(output.token_ids)]], output.weight_version),
         }
         if body.return_logprob:
             meta["output_token_logprobs"] = [[lp, token, None] for lp, token in zip(output.log_probs, output.token_ids)]
