@@ -9,7 +9,8 @@ requests in flight than the least-loaded one, so the prompt is prefilled there o
 hit its prefix cache. A server that dies is skipped from then on and its sessions are re-homed on the
 next call. A request that new weights interrupted (``finish_reason`` ``interrupted``) is continued:
 resubmitted with the tokens it has, for the tokens it has left, until it ends; every model token's
-policy version is recorded per session (``take_versions``). The turns that become ready in one pass of
+policy version is recorded per sample (``take_versions``), also when its loop generates under request ids
+of its own, as verl's loops do (``enter_sample``). The turns that become ready in one pass of
 the event loop (a batch's first turns) go to each server in one Ray call (``RolloutServer.generate_many``).
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,10 @@ from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput, add_version_run, generate_continued
 
 logger = logging.getLogger(__name__)
+
+# The row request id of the sample whose agent loop runs in this asyncio task (``Router.enter_sample``; a task
+# the loop starts inherits it): the key for its tokens' versions and its GRPO group, whatever ids the loop uses.
+_current_sample: ContextVar[str | None] = ContextVar("agentloop_current_sample", default=None)
 
 
 @dataclass
@@ -91,8 +97,8 @@ class Router:
         self.group_affinity_slack = group_affinity_slack  # None: no affinity
         self.group_of: LRUCache[str, str] = LRUCache(maxsize=max_sessions)  # request id -> GRPO group
         self.group_server: LRUCache[str, int] = LRUCache(maxsize=max_sessions)  # group -> its first session's server
-        # session -> its model tokens' versions as [version, count] runs: a session a loop never takes (one that
-        # generates under ids of its own) costs a few runs until evicted, not one entry per token
+        # sample (``enter_sample``; outside a worker: the session) -> its model tokens' versions as [version, count]
+        # runs: one never taken costs a few runs until evicted, not one entry per token
         self.versions: LRUCache[str, list[list[int]]] = LRUCache(maxsize=max_sessions)
         self.stats = RouterStats([0] * len(servers))
         # per server: the calls made in this pass of the event loop, sent together at its end (``_call``)
@@ -103,6 +109,13 @@ class Router:
         """Mark the session ``request_id`` as one of ``group``'s samples (same prompt)."""
         self.group_of[request_id] = group
 
+    @staticmethod
+    def enter_sample(request_id: str) -> None:
+        """Mark the running asyncio task (and the tasks it starts) as the agent loop of the sample ``request_id``:
+        its calls' token versions are kept under that id for ``take_versions`` and its sessions join its group,
+        whatever request ids the loop generates under."""
+        _current_sample.set(request_id)
+
     def server_for(self, request_id: str) -> int:
         """The server index a session is (or will be) pinned to."""
         index = self.sessions.get(request_id)
@@ -111,7 +124,7 @@ class Router:
             if not live:
                 raise RuntimeError("every rollout server has died; no request can be served")
             index = min(live, key=lambda i: self.in_flight[i])
-            group = self.group_of.get(request_id)
+            group = self.group_of.get(request_id) or self.group_of.get(_current_sample.get())
             if group is not None and self.group_affinity_slack is not None:
                 home = self.group_server.get(group)
                 if home is not None and self.alive[home] and self.in_flight[home] - self.in_flight[index] <= self.group_affinity_slack:
@@ -141,17 +154,19 @@ class Router:
                 "image_data must hold agentloop.images.ProcessedImage items (agentloop.images.process_images), "
                 "with their expanded pads in prompt_ids"
             )
+        sample = _current_sample.get() or request_id
         output, versions, interruptions = await generate_continued(
             lambda ids, params: self._generate_once(request_id, ids, params, image_data or None), prompt_ids, sampling_params
         )
-        runs = self.versions.setdefault(request_id, [])
+        runs = self.versions.setdefault(sample, [])
         for version, count in versions:
             add_version_run(runs, version, count)
         self.stats.interrupted_requests += interruptions
         return output
 
     def take_versions(self, request_id: str) -> list[int]:
-        """The policy version of each token generated for the session so far, in order (-1: unknown); forgets them."""
+        """The policy version of each token generated for the sample ``request_id`` so far, in the order its calls
+        returned (-1: unknown); forgets them."""
         return [version for version, count in self.versions.pop(request_id, []) for _ in range(count)]
 
     async def _generate_once(
@@ -213,6 +228,15 @@ class Router:
         task = asyncio.ensure_future(answering)
         self._answering.add(task)  # held until done: the loop keeps only weak references to tasks
         task.add_done_callback(self._answering.discard)
+        unsettled = [len(futures)]
+
+        def settled(_: asyncio.Future[TokenOutput]) -> None:  # all timed out or cancelled: stop waiting on a hung server
+            unsettled[0] -= 1
+            if not unsettled[0]:
+                task.cancel()
+
+        for future in futures:
+            future.add_done_callback(settled)
 
     def replace(self, index: int, server: ray.actor.ActorHandle) -> None:
         """A new server for ``index`` (its predecessor died): live again, nothing in flight; its sessions stay pinned."""

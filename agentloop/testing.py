@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 from agentloop.agent_loop.base import AgentLoopBase
@@ -12,7 +13,8 @@ from agentloop.registry import register
 
 @register("fixed_length")
 class FixedLengthAgentLoop(AgentLoopBase):
-    """One turn of exactly ``extra_info.length`` tokens (eos ignored), started after ``extra_info.delay_s``.
+    """One turn of exactly ``extra_info.length`` tokens (eos ignored), started after ``extra_info.delay_s``;
+    under a request id of its own, as verl's loops generate, if ``extra_info.own_request_id``.
 
     Records the index of the server that served it in ``extra_fields["server"]``.
     """
@@ -22,8 +24,9 @@ class FixedLengthAgentLoop(AgentLoopBase):
         await asyncio.sleep(extra_info.get("delay_s", 0.0))
         prompt_ids = self.encode_prompt(row["prompt"])
         params = {**sampling_params, "max_new_tokens": extra_info["length"], "ignore_eos": True}
-        server = self.server_manager.server_for(row["request_id"])
-        output = await self.server_manager.generate(row["request_id"], prompt_ids, params)
+        request_id = uuid.uuid4().hex if extra_info.get("own_request_id") else row["request_id"]
+        server = self.server_manager.server_for(request_id)
+        output = await self.server_manager.generate(request_id, prompt_ids, params)
         return AgentLoopOutput(
             prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs, extra_fields={"server": server}
         )

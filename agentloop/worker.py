@@ -108,6 +108,7 @@ class AgentLoopWorker:
         self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
     ) -> tuple[AgentLoopOutput, float]:
         start = time.perf_counter()
+        self.router.enter_sample(row["request_id"])  # this task's own context: gather wraps each sample in a task
         if row.get("uid") is not None:
             self.router.join_group(row["request_id"], row["uid"])
         try:

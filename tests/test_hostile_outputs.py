@@ -256,6 +256,35 @@ def test_tool_loop_survives_every_hostile_output(replay_server, tokenizer, model
     assert not problems, problems[:20]
 
 
+def test_an_abort_before_the_model_answers_an_observation_takes_it_back(replay_server, tokenizer, model_path):
+    # the engine aborts each second turn before its first token: the tools ran, but the trajectory ends on the
+    # model's tool call, not on an observation the model never saw (its reward sits on a model token)
+    tool_set = load_tool_set(TOOLS_PATH)
+    config = fuzz_config(model_path, "middle")
+    indices = [i for i, case in enumerate(CASES) if case.faults and len(case.faults) <= MAX_CALLS][:20]
+
+    async def one(index: int) -> AgentLoopOutput:
+        loop = ToolAgentLoop(server_manager=Router([replay_server], request_timeout_s=30), tokenizer=tokenizer, config=config)
+        row = {"prompt": fuzz_prompt(index, then_abort=True), "agent_name": "tool_agent", "request_id": f"abort-{index}"}
+        return await asyncio.wait_for(loop.run(dict(GREEDY), **row), HANG_BOUND_S)
+
+    async def run_cases() -> list[AgentLoopOutput]:
+        return await asyncio.gather(*(one(index) for index in indices))
+
+    outputs = asyncio.run(run_cases())
+    ran_tools = 0
+    for index, output in zip(indices, outputs):
+        turns = output.extra_fields["turns"]
+        assert output.response_mask and set(output.response_mask) == {1}, (index, output.extra_fields)
+        assert output.metrics["observation_tokens"] == 0 and output.extra_fields["observation_roles"] == []
+        if "calls" in turns[0]:  # a second turn was asked for, and aborted
+            ran_tools += 1
+            assert output.extra_fields["finish_reason"] == "aborted" and turns[1]["model_tokens"] == 0
+            assert output.num_turns == 3  # the prompt and two model turns; no tool turn
+        assert check_trajectory(CASES[index], output, tokenizer, tool_set, lambda messages: RESPONSE_LENGTH) == []
+    assert ran_tools >= 10
+
+
 def test_hostile_batch_crosses_ray_pads_and_dumps(local_ray, model_path, tokenizer, tmp_path):
     """A slice of the nastiest outputs through ``AgentLoopManager``: trajectories pickled back from the
     workers, padded into one batch, counted in the step metrics and written to a Parquet rollout dump."""

@@ -89,6 +89,47 @@ def test_turns_ready_together_share_a_call_and_fail_alone(manager):
         asyncio.run(asyncio.wait_for(router.generate("unsendable", [5, 6], unsendable), timeout=30))
 
 
+@ray.remote
+class HungServer:
+    """A rollout server that never answers (a wedged engine), recording the aborts it is sent."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    async def generate(self, prompt_ids, sampling_params, request_id, images=None):
+        await asyncio.Event().wait()
+
+    async def generate_many(self, requests):
+        await asyncio.Event().wait()
+        yield []
+
+    def abort(self, request_id: str) -> int:
+        self.aborted.append(request_id)
+        return 1
+
+    def aborted_ids(self) -> list[str]:
+        return self.aborted
+
+
+def test_a_hung_server_times_out_each_request_aborts_it_and_leaves_no_task_behind(local_ray):
+    hung = HungServer.remote()
+    router = Router([hung], request_timeout_s=1.0)
+    params = {"max_new_tokens": 4}
+
+    async def run():
+        before = asyncio.all_tasks()
+        lone = await asyncio.gather(router.generate("lone", [5, 6], params), return_exceptions=True)
+        burst = await asyncio.gather(*(router.generate(f"burst-{i}", [5, 6], params) for i in range(3)), return_exceptions=True)
+        await asyncio.sleep(0.2)  # the answering tasks' cancellation runs
+        return lone + burst, asyncio.all_tasks() - before
+
+    errors, left = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    assert all(isinstance(error, TimeoutError) and "request_timeout_s" in str(error) for error in errors), errors
+    assert router.take_stats().server_calls == 2  # the lone call and the burst's one
+    assert not left, f"tasks still waiting on the hung server: {left}"
+    assert sorted(ray.get(hung.aborted_ids.remote(), timeout=30)) == ["burst-0", "burst-1", "burst-2", "lone"]
+
+
 def test_prompts_render_through_the_chat_template(manager, model_path):
     from transformers import AutoTokenizer
 
@@ -151,10 +192,13 @@ def _load_state(manager):
     return AutoModelForCausalLM.from_pretrained(manager.config.actor_rollout_ref.model.path).state_dict()
 
 
-def test_a_grpo_group_shares_a_server_and_groups_spread(manager):
+@pytest.mark.parametrize("own_request_id", [False, True], ids=["row_request_id", "verl_style_own_request_id"])
+def test_a_grpo_group_shares_a_server_and_groups_spread(manager, own_request_id):
     # group affinity (rollout.agent.group_affinity_slack, 8 by default): a group's samples share their
-    # prompt, so they go where its first one went while the balance allows; different groups still spread
-    batch = manager.generate_sequences(rows([f"shared prompt {i} " * 8 for i in range(8)], agent_name="fixed_length", extra_info={"length": 2}))
+    # prompt, so they go where its first one went while the balance allows; different groups still spread.
+    # Also for loops that generate under request ids of their own, as verl's do.
+    prompts = [f"shared prompt {i} " * 8 for i in range(8)]
+    batch = manager.generate_sequences(rows(prompts, agent_name="fixed_length", extra_info={"length": 2, "own_request_id": own_request_id}))
     fields = batch.non_tensor_batch
     servers: dict[str, set[int]] = {}
     for uid, extra in zip(fields["uid"], fields["extra_fields"]):

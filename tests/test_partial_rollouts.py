@@ -103,10 +103,13 @@ def check_tokens_of_two_policies(batch: RolloutBatch, old: torch.nn.Module, new:
     assert mixed >= 1, "no trajectory was interrupted mid-way"
 
 
-def test_a_push_mid_rollout_continues_each_trajectory_under_the_new_weights(manager, model_path):
+@pytest.mark.parametrize("own_request_id", [False, True], ids=["row_request_id", "verl_style_own_request_id"])
+def test_a_push_mid_rollout_continues_each_trajectory_under_the_new_weights(manager, model_path, own_request_id):
+    # a loop generating under request ids of its own (verl's take uuid4()) gets its tokens' versions all the same
+    rows = [{**row, "extra_info": {**row["extra_info"], "own_request_id": own_request_id}} for row in ROWS]
     old, new = perturbed(model_path, seed=0), perturbed(model_path, seed=1)
     manager.update_weights(old.state_dict(), version=1)
-    batch, pushed = pushed_mid_flight(manager, len(ROWS), lambda: manager.generate_sequences(ROWS), lambda: manager.update_weights(new.state_dict(), version=2))
+    batch, pushed = pushed_mid_flight(manager, len(ROWS), lambda: manager.generate_sequences(rows), lambda: manager.update_weights(new.state_dict(), version=2))
     assert pushed, "the rollout ended before the push: raise LENGTH"
     check_tokens_of_two_policies(batch, old, new, versions=(1, 2))
 

@@ -6,8 +6,8 @@ One trajectory is one session on one server (the router keeps it there). It ends
 answers without calling a tool and no interaction continues the conversation (``stop``), at ``multi_turn.max_assistant_turns`` /
 ``max_user_turns`` (``max_turns``), when the next turn or observation would not fit in
 ``rollout.response_length`` (``length``), when tool errors exceed ``multi_turn.tool_error_budget``
-(``tool_error_budget``), or when the engine aborts the request (``aborted``). It never ends on an
-observation, so the reward sits on a model token.
+(``tool_error_budget``), or when the engine aborts the request (``aborted``; an observation the model
+had not begun to answer is taken back). It never ends on an observation, so the reward sits on a model token.
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ class ToolAgentLoop(AgentLoopBase):
                 turns.append(turn)
                 if end is not None:
                     reason = end
+                    if trajectory.withdrawn is not None:  # aborted before answering the last observation: it is gone
+                        del turns[-2]["observation_tokens"]
+                        user_turns -= 1
                     break
                 _, calls = self.parse(split_reasoning(text, opened=opened).content)
                 if not calls and interaction is None:

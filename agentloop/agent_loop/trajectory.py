@@ -95,6 +95,8 @@ class Trajectory:
         self.response_mask: list[int] = []
         self.response_logprobs: list[float] = []
         self.observation_roles: list[str] = []  # per observation span, for readers of the trajectory
+        self.unanswered: Observation | None = None  # the last observation while no model token follows it
+        self.withdrawn: Observation | None = None  # an observation taken back: the model never got to answer it
 
     @property
     def ids(self) -> list[int]:
@@ -112,10 +114,14 @@ class Trajectory:
         """Generate the next model turn within what is left of ``budget`` response tokens, and append it.
 
         Returns the engine's output, the turn's text, and the trajectory's end when this turn forces one
-        (``aborted`` or ``length``), else None.
+        (``aborted`` or ``length``), else None. A turn aborted before its first token takes back the observation
+        it was to answer (``withdrawn``): a trajectory ends on a model token, where its reward sits.
         """
         params = {**sampling_params, "max_new_tokens": budget - len(self.response_ids)}
         output = await router.generate(request_id, self.ids, params, image_data=self.images or None)
+        if not output.token_ids and output.finish_reason == "abort" and self.unanswered is not None:
+            self._withdraw(self.unanswered)
+            return output, "", "aborted"
         return output, self.add_model_turn(output), end_after(output.finish_reason)
 
     def add_model_turn(self, output: TokenOutput) -> str:
@@ -123,6 +129,7 @@ class Trajectory:
         self.response_ids += output.token_ids
         self.response_mask += [1] * len(output.token_ids)
         self.response_logprobs += output.log_probs
+        self.unanswered = None
         ids = output.token_ids
         # its end-of-turn token, or another stop id of the model's (Qwen's <|endoftext|>), is no part of the text
         if ids and (ids[-1] == self.tokenizer.eos_token_id or (output.finish_reason == "stop" and ids[-1] in self.tokenizer.all_special_ids)):
@@ -169,6 +176,16 @@ class Trajectory:
         self.images += observation.images
         self.messages += observation.messages
         self.observation_roles.append(",".join(dict.fromkeys(message["role"] for message in observation.messages)))
+        self.unanswered = observation
+
+    def _withdraw(self, observation: Observation) -> None:
+        """Undo ``add_observation(observation)``, the last thing appended."""
+        end = len(self.response_ids) - len(observation.ids)
+        del self.response_ids[end:], self.response_mask[end:], self.response_logprobs[end:]
+        del self.images[len(self.images) - len(observation.images) :]
+        del self.messages[len(self.messages) - len(observation.messages) :]
+        self.observation_roles.pop()
+        self.unanswered, self.withdrawn = None, observation
 
     def sanity_check(self, mode: str) -> int:
         """Compare the incremental ids with one full re-render; return the number of mismatching spans.

@@ -2,7 +2,7 @@
 
 No model can be made to write arbitrary text on demand, so for the fuzz test this engine answers a
 session's first turn with the hostile output the prompt names (a user message ``fuzz case <i>``
-indexes ``hostile_outputs()``) and every later turn with ``Done.``. Everything else about it is what
+indexes ``hostile_outputs()``) and every later turn with ``Done.`` (or an abort before the first token). Everything else about it is what
 an engine does: token ids from the model's real tokenizer, one log-prob per token, the sampling keys
 validated, generation stopped at the first end-of-turn (or stop) token or cut at ``max_new_tokens``
 with ``finish_reason="length"``. Select it with
@@ -24,15 +24,17 @@ from tests.support.hostile_outputs import HostileOutput, hostile_outputs
 
 CASE = re.compile(r"fuzz case (\d+)")
 LAST_TURN = "Done."
+THEN_ABORT = ", then abort"
 LOG_PROB = -0.25  # any finite value: the loop only carries it through
 # tokens of this tokenizer hold at most a few characters; cutting a megabyte-long output to this many
 # characters per allowed token before encoding keeps a turn's cost bounded (see _encode)
 CHARS_PER_TOKEN_BOUND = 8
 
 
-def fuzz_prompt(index: int) -> list[dict[str, str]]:
-    """The chat prompt that makes the engine replay hostile output ``index``."""
-    return [{"role": "user", "content": f"fuzz case {index}"}]
+def fuzz_prompt(index: int, then_abort: bool = False) -> list[dict[str, str]]:
+    """The chat prompt that makes the engine replay hostile output ``index``; ``then_abort``: its later turns are
+    aborted before their first token (as an engine aborts a request it has just taken)."""
+    return [{"role": "user", "content": f"fuzz case {index}" + (THEN_ABORT if then_abort else "")}]
 
 
 class ReplayEngine:
@@ -73,6 +75,8 @@ class ReplayEngine:
         if self.sleeping:
             raise RuntimeError("ReplayEngine is asleep: wake_up() first")
         max_new = int(params["max_new_tokens"])
+        if self.turns[request_id] and THEN_ABORT in self.tokenizer.decode(prompt_ids):
+            return TokenOutput([], [], "abort")
         ids = self._encode(self.script(prompt_ids, request_id), max_new) + [self.tokenizer.eos_token_id]
         stops = set(params["stop_token_ids"] or []) | (set() if params["ignore_eos"] else {self.tokenizer.eos_token_id})
         end = next((i + 1 for i, token in enumerate(ids) if token in stops), len(ids))
