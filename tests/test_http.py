@@ -12,6 +12,7 @@ import requests
 from transformers import AutoTokenizer
 
 from agentloop import AgentLoopManager
+from agentloop.server.http.chat import token_bytes
 from agentloop.tools.toolset import load_tool_set
 from tests.support.config import small_config
 from tests.support.models import SCRIPTS, script_row
@@ -121,6 +122,14 @@ def test_abort_request(url):
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_logprob_bytes_spell_characters_split_across_tokens(model_path):
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    text = "na\u00efve \u2713 \U0001f600 <|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([token]) for token in ids), "no token holds part of a character"
+    assert b"".join(bytes(token_bytes(tokenizer, token)) for token in ids) == text.encode()
+
+
 def test_openai_client_with_tool_calls(url, scripted):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, timeout=60)
@@ -135,6 +144,9 @@ def test_openai_client_with_tool_calls(url, scripted):
     extra = first.model_extra
     assert len(extra["prompt_token_ids"]) == first.usage.prompt_tokens
     assert len(choice.model_extra["token_ids"]) == first.usage.completion_tokens == len(choice.logprobs.content)
+    tokenizer = AutoTokenizer.from_pretrained(scripted[1])
+    spelled = b"".join(bytes(entry.bytes) for entry in choice.logprobs.content).decode()
+    assert spelled == tokenizer.decode(choice.model_extra["token_ids"], skip_special_tokens=False)
 
     messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "5"}]
     second = client.chat.completions.create(model="tiny", messages=messages, tools=tools, temperature=0.0, max_tokens=64)

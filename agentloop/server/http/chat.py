@@ -17,12 +17,16 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from agentloop.images import split_images
 from agentloop.protocol import generate_continued
 from agentloop.server.http.native import Admission, ServerImages, weight_versions_json
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.reasoning import prompt_opens_reasoning, split_reasoning
+
+# byte-level BPE (GPT-2's, Qwen's, Llama 3's) writes each byte of a token as one printable character
+_BYTE_OF_CHARACTER = {character: byte for byte, character in bytes_to_unicode().items()}
 
 
 class ChatMessage(BaseModel):
@@ -133,7 +137,7 @@ def chat_routes(
         # a reply cut short says so: "abort" as SGLang's OpenAI front reports it, or "length"
         finish = {"abort": "abort", "length": "length"}.get(output.finish_reason, "tool_calls" if tool_calls else "stop")
         logprobs = [
-            {"token": tokenizer.decode([token]), "logprob": lp, "bytes": None, "top_logprobs": []}
+            {"token": tokenizer.decode([token]), "logprob": lp, "bytes": token_bytes(tokenizer, token), "top_logprobs": []}
             for token, lp in zip(output.token_ids, output.log_probs)
         ]
         return {
@@ -167,6 +171,16 @@ def chat_routes(
         }
 
     return router
+
+
+def token_bytes(tokenizer: PreTrainedTokenizerBase, token: int) -> list[int] | None:
+    """OpenAI's ``bytes`` of a token: its exact UTF-8 bytes, which may hold part of a character (joined, a reply's
+    tokens' bytes are its text); None when the tokenizer cannot say (a piece of a character, not byte-level)."""
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str) and piece and all(character in _BYTE_OF_CHARACTER for character in piece):
+        return [_BYTE_OF_CHARACTER[character] for character in piece]
+    text = tokenizer.decode([token])
+    return None if "\ufffd" in text else list(text.encode())
 
 
 def split_message_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
