@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from agentloop.server.hf_batching import inverse_cdf_sample
 from agentloop.server.hf_engine import HFEngine
 
 PROMPT = list(range(3, 40))
@@ -221,6 +222,20 @@ def test_per_request_attention_matches_one_sdpa_call_per_request():
         scores[:, torch.arange(n_q)[:, None] < torch.arange(n_k)[None, :] - (n_k - n_q)] = float("-inf")
         expected = (scores.softmax(-1) @ v).transpose(0, 1)
         assert torch.allclose(output[starts_q[i] : starts_q[i] + n_q], expected, atol=1e-5), f"request {i}"
+
+
+def test_inverse_cdf_sampling_draws_each_token_with_its_probability():
+    # the CPU engine's sampler (hf_batching.sample_by_inverse_cdf): one uniform draw per request
+    torch.manual_seed(0)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.125, 0.0, 0.125, 0.0])
+    rows = 200_000
+    drawn = inverse_cdf_sample(probs.expand(rows, -1).contiguous())
+    share = torch.bincount(drawn, minlength=len(probs)) / rows
+    assert share[probs == 0].sum() == 0  # a token the warpers ruled out is never drawn, the first and last included
+    assert torch.allclose(share, probs, atol=0.006)  # 5 standard deviations of the largest share at this many draws
+    top_1 = torch.zeros(1000, 8)
+    top_1[:, 6] = 1.0
+    assert (inverse_cdf_sample(top_1) == 6).all()  # greedy is top-1 sampling
 
 
 def test_a_busy_batch_keeps_exact_logprobs_and_each_request_its_own_top_k(engine, model_path):

@@ -4,8 +4,8 @@ transformers' public continuous-batching API (``init_continuous_batching``, ``ad
 ``register_result_handler``, ``cancel_request``, ``pause``) lacks what RL rollouts need: the
 count of prompt tokens served from the prefix cache, answering a cancelled request (the manager
 sends no output for it), the tokens an interrupted request has so far, dropping cached prefixes
-after an in-place weight update, and skipping the top-k/top-p sorts for batches that sample from the
-whole vocabulary. Those reach
+after an in-place weight update, skipping the top-k/top-p sorts for batches that sample from the
+whole vocabulary, and sampling without a random number per vocabulary entry. Those reach
 into private attributes, checked against transformers 5.23 (``CHECKED_WITH``); a version without
 them fails here, at engine start, with a message naming what is missing, rather than mid-rollout.
 (``hf_varlen``, the CPU attention, calls the paged cache's ``update`` as transformers' own attention
@@ -166,3 +166,46 @@ def skip_neutral_warpers(manager: Any) -> None:
     for index, processor in enumerate(processors):
         if type(processor) in _NEUTRAL:
             processors[index] = _SkippedWhenNeutral(processor, _NEUTRAL[type(processor)])
+
+
+def sample_by_inverse_cdf(manager: Any) -> None:
+    """On CPU, draw each next token with one uniform number per request (``inverse_cdf_sample``) instead of
+    ``torch.multinomial``, which draws one exponential per vocabulary entry: at 128 requests and a
+    thousand-token vocabulary that was a fifth of a small model's decoding step. Same distribution, same
+    log-probs (of the softmax, as transformers computes them). The runner is built in the manager's thread
+    when it starts, so the factory is wrapped before ``start()``."""
+    if manager.model.device.type != "cpu":
+        return
+    create_processor = manager._create_batch_processor
+
+    def create_and_patch() -> Any:
+        processor = create_processor()
+        runner = getattr(processor, "model_runner", None)
+        if not hasattr(runner, "_sample"):
+            raise RuntimeError(f"transformers {transformers.__version__}'s batch processor has no model_runner._sample "
+                               f"(checked with {CHECKED_WITH}); update agentloop/server/hf_batching.py")
+        original = runner._sample
+
+        def sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+            if not (runner.do_sample and runner.return_logprobs):  # the engine always sets both; anything else as before
+                return original(scores, output_ids)
+            probs = torch.softmax(scores[0], dim=-1)  # [requests, vocabulary]
+            tokens = inverse_cdf_sample(probs)
+            log_probs = probs.gather(1, tokens[:, None]).squeeze(1).log()
+            # transformers' output layout: row 0 the tokens, row 1 their fp32 log-probs stored as int32 bits
+            output_ids[0, : tokens.size(0)].copy_(tokens)
+            output_ids[1, : tokens.size(0)].copy_(log_probs.view(dtype=torch.int32))
+
+        runner._sample = sample
+        return processor
+
+    manager._create_batch_processor = create_and_patch
+
+
+def inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
+    """One index per row of ``probs`` ([rows, entries], rows summing to about 1), drawn with probability
+    proportional to its entry: the first index whose running sum reaches a uniform draw in (0, row total].
+    An entry of probability 0 is never drawn (its running sum equals its predecessor's)."""
+    cdf = probs.cumsum(dim=-1)
+    draw = (1.0 - torch.rand(cdf.size(0), 1, dtype=cdf.dtype)) * cdf[:, -1:]
+    return torch.searchsorted(cdf, draw).squeeze(1)

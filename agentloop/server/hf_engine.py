@@ -133,6 +133,7 @@ class HFEngine:
             self.model.set_attn_implementation(hf_varlen.NAME)
         hf_batching.observe_prefix_hits(manager, self._cached_tokens.__setitem__)
         hf_batching.skip_neutral_warpers(manager)
+        hf_batching.sample_by_inverse_cdf(manager)
         manager.start()
         self._manager = manager
 

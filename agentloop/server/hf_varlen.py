@@ -91,8 +91,10 @@ def _attend(
     visible = (positions_k <= (lengths_k - lengths_q)[:, None, None] + positions_q[:, None]) & real_k[:, None, :]
 
     def padded(packed: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
-        # index_select, not advanced indexing: several times faster on CPU for these gathers
-        return packed.index_select(1, index).view(packed.shape[0], requests, length, packed.shape[2]).transpose(0, 1)
+        # ``packed`` [heads, tokens, d] is a view of [tokens, heads, d] memory: gathering whole rows of that copies
+        # contiguous blocks, twice as fast as a strided gather (and index_select several times faster than indexing)
+        rows = packed.transpose(0, 1).index_select(0, index)  # [requests * length, heads, d]
+        return rows.view(requests, length, *rows.shape[1:]).transpose(1, 2)
 
     attended = F.scaled_dot_product_attention(
         padded(query, index_q, max_q),  # [requests, heads, max_q, d]
