@@ -9,18 +9,20 @@ requests in flight than the least-loaded one, so the prompt is prefilled there o
 hit its prefix cache. A server that dies is skipped from then on and its sessions are re-homed on the
 next call. A request that new weights interrupted (``finish_reason`` ``interrupted``) is continued:
 resubmitted with the tokens it has, for the tokens it has left, until it ends; every model token's
-policy version is recorded per sample (``take_versions``), also when its loop generates under request ids
-of its own, as verl's loops do (``enter_sample``). The turns that become ready in one pass of
-the event loop (a batch's first turns) go to each server in one Ray call (``RolloutServer.generate_many``).
+policy version is recorded per session and taken per sample (``take_versions``), also when its loop
+generates under request ids of its own, as verl's loops do (``running_sample``). The turns that become
+ready in one pass of the event loop (a batch's first turns) go to each server in one Ray call
+(``RolloutServer.generate_many``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import ray
 from cachetools import LRUCache
@@ -31,8 +33,8 @@ from agentloop.protocol import TokenOutput, add_version_run, generate_continued
 
 logger = logging.getLogger(__name__)
 
-# The row request id of the sample whose agent loop runs in this asyncio task (``Router.enter_sample``; a task
-# the loop starts inherits it): the key for its tokens' versions and its GRPO group, whatever ids the loop uses.
+# The row request id of the sample whose agent loop runs in this asyncio task (``Router.running_sample``; a task
+# the loop starts inherits it): its sessions' tokens' versions and its GRPO group, whatever ids the loop uses.
 _current_sample: ContextVar[str | None] = ContextVar("agentloop_current_sample", default=None)
 
 
@@ -97,9 +99,10 @@ class Router:
         self.group_affinity_slack = group_affinity_slack  # None: no affinity
         self.group_of: LRUCache[str, str] = LRUCache(maxsize=max_sessions)  # request id -> GRPO group
         self.group_server: LRUCache[str, int] = LRUCache(maxsize=max_sessions)  # group -> its first session's server
-        # sample (``enter_sample``; outside a worker: the session) -> its model tokens' versions as [version, count]
-        # runs: one never taken costs a few runs until evicted, not one entry per token
+        # session -> its model tokens' versions as [version, count] runs: one never taken costs a few runs until
+        # evicted, not one entry per token; sample -> the sessions it began under ids other than its own, in order
         self.versions: LRUCache[str, list[list[int]]] = LRUCache(maxsize=max_sessions)
+        self.sessions_of: LRUCache[str, list[str]] = LRUCache(maxsize=max_sessions)
         self.stats = RouterStats([0] * len(servers))
         # per server: the calls made in this pass of the event loop, sent together at its end (``_call``)
         self._queued: list[list[tuple[tuple[Any, ...], asyncio.Future[TokenOutput]]]] = [[] for _ in servers]
@@ -110,11 +113,16 @@ class Router:
         self.group_of[request_id] = group
 
     @staticmethod
-    def enter_sample(request_id: str) -> None:
-        """Mark the running asyncio task (and the tasks it starts) as the agent loop of the sample ``request_id``:
-        its calls' token versions are kept under that id for ``take_versions`` and its sessions join its group,
-        whatever request ids the loop generates under."""
-        _current_sample.set(request_id)
+    @contextlib.contextmanager
+    def running_sample(request_id: str) -> Iterator[None]:
+        """Within it, the running asyncio task (and the tasks it starts) is the agent loop of the sample
+        ``request_id``: sessions it begins under other request ids join its GRPO group and count as its own
+        for ``take_versions``."""
+        token = _current_sample.set(request_id)
+        try:
+            yield
+        finally:
+            _current_sample.reset(token)
 
     def server_for(self, request_id: str) -> int:
         """The server index a session is (or will be) pinned to."""
@@ -154,20 +162,27 @@ class Router:
                 "image_data must hold agentloop.images.ProcessedImage items (agentloop.images.process_images), "
                 "with their expanded pads in prompt_ids"
             )
-        sample = _current_sample.get() or request_id
+        sample = _current_sample.get()
+        if sample not in (None, request_id) and request_id not in self.versions:  # a session the sample begins
+            self.sessions_of.setdefault(sample, []).append(request_id)
+        runs = self.versions.setdefault(request_id, [])
         output, versions, interruptions = await generate_continued(
             lambda ids, params: self._generate_once(request_id, ids, params, image_data or None), prompt_ids, sampling_params
         )
-        runs = self.versions.setdefault(sample, [])
         for version, count in versions:
             add_version_run(runs, version, count)
         self.stats.interrupted_requests += interruptions
         return output
 
     def take_versions(self, request_id: str) -> list[int]:
-        """The policy version of each token generated for the sample ``request_id`` so far, in the order its calls
-        returned (-1: unknown); forgets them."""
-        return [version for version, count in self.versions.pop(request_id, []) for _ in range(count)]
+        """The policy version of each token generated for the sample ``request_id`` so far, in order; forgets them.
+        Those of its own session if its loop generated under its id; else those of the sessions it began under
+        ids of its own (``running_sample``), one after the other in the order they began. Either way the
+        sessions it began are forgotten with it."""
+        own = self.versions.pop(request_id, None)
+        others = [self.versions.pop(session, []) for session in self.sessions_of.pop(request_id, [])]
+        runs = own if own is not None else [run for session in others for run in session]
+        return [version for version, count in runs for _ in range(count)]
 
     async def _generate_once(
         self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any], images: list[ProcessedImage] | None
@@ -228,11 +243,12 @@ class Router:
         task = asyncio.ensure_future(answering)
         self._answering.add(task)  # held until done: the loop keeps only weak references to tasks
         task.add_done_callback(self._answering.discard)
-        unsettled = [len(futures)]
+        unsettled = len(futures)
 
         def settled(_: asyncio.Future[TokenOutput]) -> None:  # all timed out or cancelled: stop waiting on a hung server
-            unsettled[0] -= 1
-            if not unsettled[0]:
+            nonlocal unsettled
+            unsettled -= 1
+            if not unsettled:
                 task.cancel()
 
         for future in futures:

@@ -108,21 +108,21 @@ class AgentLoopWorker:
         self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
     ) -> tuple[AgentLoopOutput, float]:
         start = time.perf_counter()
-        self.router.enter_sample(row["request_id"])  # this task's own context: gather wraps each sample in a task
         if row.get("uid") is not None:
             self.router.join_group(row["request_id"], row["uid"])
         try:
-            loop = build_agent_loop(
-                agent_loops[row["agent_name"]],
-                trainer_config=DictConfigWrap(self.config),
-                server_manager=self.router,
-                tokenizer=self.tokenizer,
-                processor=self.processor,
-                dataset_cls=None,
-                dataset_config=DictConfigWrap(self.config.data),
-            )
-            output = await loop.run(dict(sampling_params), **row)
-            await score_output(self.config, self.tokenizer, row, output)
+            with self.router.running_sample(row["request_id"]):
+                loop = build_agent_loop(
+                    agent_loops[row["agent_name"]],
+                    trainer_config=DictConfigWrap(self.config),
+                    server_manager=self.router,
+                    tokenizer=self.tokenizer,
+                    processor=self.processor,
+                    dataset_cls=None,
+                    dataset_config=DictConfigWrap(self.config.data),
+                )
+                output = await loop.run(dict(sampling_params), **row)
+                await score_output(self.config, self.tokenizer, row, output)
         except Exception as error:  # one sample's fault (a loop's bug, a reward function that raises) stays its own
             logger.warning("agent loop %r failed on sample %s (dataset index %s): %s: %s",
                            row["agent_name"], row["request_id"], row["index"], type(error).__name__, error)
@@ -132,8 +132,8 @@ class AgentLoopWorker:
 
 
 def token_versions(response_mask: list[int], generated: list[int]) -> list[int]:
-    """Each response token's policy version: the session's generated tokens' versions, in order, on the model
-    tokens (mask 1), -1 on observation tokens. A loop keeps its model tokens in the order they were generated
+    """Each response token's policy version: the sample's generated tokens' versions (``Router.take_versions``), in
+    order, on the model tokens (mask 1), -1 on observation tokens. A loop keeps its model tokens in the order they were generated
     and may cut the last ones (response length); model tokens beyond what was recorded get -1 (unknown)."""
     remaining = iter(generated)
     return [next(remaining, -1) if mask else -1 for mask in response_mask]

@@ -9,7 +9,8 @@ import time
 import pytest
 import ray
 import requests
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, decoders, models, normalizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from agentloop import AgentLoopManager
 from agentloop.server.http.chat import token_bytes
@@ -123,11 +124,24 @@ def test_abort_request(url):
 
 
 def test_logprob_bytes_spell_characters_split_across_tokens(model_path):
+    text = "na\u00efve \u2713 \U0001f600"
+    # byte-level BPE (the tiny model's, as Qwen's): pieces of characters are bytes of their own
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    text = "na\u00efve \u2713 \U0001f600 <|im_end|>"
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text + "<|im_end|>", add_special_tokens=False)
     assert any("\ufffd" in tokenizer.decode([token]) for token in ids), "no token holds part of a character"
-    assert b"".join(bytes(token_bytes(tokenizer, token)) for token in ids) == text.encode()
+    spell = token_bytes(tokenizer)
+    assert b"".join(bytes(spell(token)) for token in ids) == (text + "<|im_end|>").encode()
+    # SentencePiece with byte fallback (as Llama 2's): "\u2581" pieces for spaces, <0xHH> pieces for the rest
+    vocab = {"<unk>": 0, **{f"<0x{byte:02X}>": 1 + byte for byte in range(256)}}
+    vocab.update({piece: len(vocab) + i for i, piece in enumerate(["\u2581", "n", "a", "\u00ef", "v", "e", "\u2581n", "\u2581na"])})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "n"), ("\u2581n", "a")], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    sentencepiece = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    ids = sentencepiece.encode(text, add_special_tokens=False)
+    assert "<0xE2>" in sentencepiece.convert_ids_to_tokens(ids)
+    spell = token_bytes(sentencepiece)
+    assert b"".join(bytes(spell(token)) for token in ids) == (" " + text).encode()  # the prepended space included
 
 
 def test_openai_client_with_tool_calls(url, scripted):
@@ -145,7 +159,7 @@ def test_openai_client_with_tool_calls(url, scripted):
     assert len(extra["prompt_token_ids"]) == first.usage.prompt_tokens
     assert len(choice.model_extra["token_ids"]) == first.usage.completion_tokens == len(choice.logprobs.content)
     tokenizer = AutoTokenizer.from_pretrained(scripted[1])
-    spelled = b"".join(bytes(entry.bytes) for entry in choice.logprobs.content).decode()
+    spelled = b"".join(bytes(entry.bytes) for entry in choice.logprobs.content).decode()  # a byte-level tokenizer
     assert spelled == tokenizer.decode(choice.model_extra["token_ids"], skip_special_tokens=False)
 
     messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "5"}]

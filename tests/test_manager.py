@@ -89,6 +89,32 @@ def test_turns_ready_together_share_a_call_and_fail_alone(manager):
         asyncio.run(asyncio.wait_for(router.generate("unsendable", [5, 6], unsendable), timeout=30))
 
 
+def test_a_samples_token_versions_are_its_own_sessions_and_not_a_side_call(manager):
+    # a loop's tokens are stamped with the weights that sampled them: its own session's when it generates under
+    # its row's id (a side call under another id, a judge's, is not its), else its sessions' in the order begun
+    router = Router(manager.servers)
+    params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    state = _load_state(manager)
+
+    async def run():
+        with router.running_sample("row-a"):
+            await router.generate("judge-of-a", [5, 6, 7], params)
+        with router.running_sample("row-b"):
+            await router.generate("b-first", [5, 6, 8], params)
+        await asyncio.to_thread(manager.update_weights, state, version=41)
+        with router.running_sample("row-a"):
+            await router.generate("row-a", [5, 6, 9], params)
+        with router.running_sample("row-b"):
+            await router.generate("b-second", [5, 6, 10], params)
+        return router.take_versions("row-a"), router.take_versions("row-b")
+
+    manager.update_weights(state, version=40)
+    versions_a, versions_b = asyncio.run(run())
+    assert versions_a == [41] * 3
+    assert versions_b == [40] * 3 + [41] * 3
+    assert router.take_versions("judge-of-a") == []  # forgotten with its sample
+
+
 @ray.remote
 class HungServer:
     """A rollout server that never answers (a wedged engine), recording the aborts it is sent."""
@@ -124,10 +150,12 @@ def test_a_hung_server_times_out_each_request_aborts_it_and_leaves_no_task_behin
         return lone + burst, asyncio.all_tasks() - before
 
     errors, left = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    aborted = ray.get(hung.aborted_ids.remote(), timeout=30)
+    ray.kill(hung)
     assert all(isinstance(error, TimeoutError) and "request_timeout_s" in str(error) for error in errors), errors
     assert router.take_stats().server_calls == 2  # the lone call and the burst's one
     assert not left, f"tasks still waiting on the hung server: {left}"
-    assert sorted(ray.get(hung.aborted_ids.remote(), timeout=30)) == ["burst-0", "burst-1", "burst-2", "lone"]
+    assert sorted(aborted) == ["burst-0", "burst-1", "burst-2", "lone"]
 
 
 def test_prompts_render_through_the_chat_template(manager, model_path):

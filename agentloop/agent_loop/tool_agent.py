@@ -83,7 +83,9 @@ class ToolAgentLoop(AgentLoopBase):
                 turns.append(turn)
                 if end is not None:
                     reason = end
-                    if trajectory.withdrawn is not None:  # aborted before answering the last observation: it is gone
+                    # aborted before answering the last observation: that is gone (the empty turn stays on record,
+                    # as the model turn that was asked for)
+                    if trajectory.withdrawn is not None:
                         del turns[-2]["observation_tokens"]
                         user_turns -= 1
                     break

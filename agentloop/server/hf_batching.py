@@ -33,6 +33,7 @@ try:
         ContinuousBatchingManager,
         ContinuousBatchProcessor,
     )
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
     from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 except ImportError as error:  # pragma: no cover - depends on the installed transformers
     raise ImportError(
@@ -46,6 +47,7 @@ _REQUIRED = {
     ContinuousBatchingManager: ("_create_batch_processor", "pause", "cancel_request", "register_result_handler"),
     ContinuousBatchProcessor: ("has_pending_requests",),
     PagedAttentionCache: ("search_prefix_match", "evict_cached_blocks", "update"),
+    ModelRunner: ("_sample",),
 }
 
 
@@ -171,8 +173,8 @@ def skip_neutral_warpers(manager: Any) -> None:
 def sample_by_inverse_cdf(manager: Any) -> None:
     """On CPU, draw each next token with one uniform number per request (``inverse_cdf_sample``) instead of
     ``torch.multinomial``, which draws one exponential per vocabulary entry: at 128 requests and a
-    thousand-token vocabulary that was a fifth of a small model's decoding step. Same distribution, same
-    log-probs (of the softmax, as transformers computes them). The runner is built in the manager's thread
+    thousand-token vocabulary that was a fifth of a small model's decoding step. The same distribution (to
+    float64 rounding), the same log-probs (of the softmax, as transformers computes them). The runner is built in the manager's thread
     when it starts, so the factory is wrapped before ``start()``."""
     if manager.model.device.type != "cpu":
         return
@@ -180,10 +182,7 @@ def sample_by_inverse_cdf(manager: Any) -> None:
 
     def create_and_patch() -> Any:
         processor = create_processor()
-        runner = getattr(processor, "model_runner", None)
-        if not hasattr(runner, "_sample"):
-            raise RuntimeError(f"transformers {transformers.__version__}'s batch processor has no model_runner._sample "
-                               f"(checked with {CHECKED_WITH}); update agentloop/server/hf_batching.py")
+        runner = processor.model_runner
         original = runner._sample
 
         def sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
@@ -205,7 +204,11 @@ def sample_by_inverse_cdf(manager: Any) -> None:
 def inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
     """One index per row of ``probs`` ([rows, entries], rows summing to about 1), drawn with probability
     proportional to its entry: the first index whose running sum reaches a uniform draw in (0, row total].
-    An entry of probability 0 is never drawn (its running sum equals its predecessor's)."""
-    cdf = probs.cumsum(dim=-1)
-    draw = (1.0 - torch.rand(cdf.size(0), 1, dtype=cdf.dtype)) * cdf[:, -1:]
+    An entry of probability 0 is never drawn (its running sum equals its predecessor's). The sums are in
+    float64: in float32 an entry under about 6e-8 would add nothing to a sum near 1 and never be drawn."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    if not bool(torch.isfinite(total).all() and (total > 0).all()):
+        raise RuntimeError("the next-token probabilities of a request hold inf or nan (or are all zero): the model's logits are not finite")
+    draw = (1.0 - torch.rand(cdf.size(0), 1, dtype=cdf.dtype)) * total
     return torch.searchsorted(cdf, draw).squeeze(1)

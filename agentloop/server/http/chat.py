@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -25,8 +27,10 @@ from agentloop.server.http.native import Admission, ServerImages, weight_version
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.reasoning import prompt_opens_reasoning, split_reasoning
 
-# byte-level BPE (GPT-2's, Qwen's, Llama 3's) writes each byte of a token as one printable character
+# byte-level BPE (GPT-2's, Qwen's, Llama 3's) writes each byte of a token as one printable character;
+# SentencePiece's byte fallback (Llama 2's, Mistral's) has a piece per byte for characters it has no piece for
 _BYTE_OF_CHARACTER = {character: byte for byte, character in bytes_to_unicode().items()}
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class ChatMessage(BaseModel):
@@ -95,6 +99,7 @@ def chat_routes(
     image parts are processed (default: refused, a text-only model); ``admission``: the native routes' pause gate."""
     router = APIRouter()
     parse_tool_calls = get_parser(tool_format)
+    spell = token_bytes(tokenizer)
     images = images or ServerImages(None, tokenizer)
     admission = admission or Admission()
 
@@ -137,7 +142,7 @@ def chat_routes(
         # a reply cut short says so: "abort" as SGLang's OpenAI front reports it, or "length"
         finish = {"abort": "abort", "length": "length"}.get(output.finish_reason, "tool_calls" if tool_calls else "stop")
         logprobs = [
-            {"token": tokenizer.decode([token]), "logprob": lp, "bytes": token_bytes(tokenizer, token), "top_logprobs": []}
+            {"token": tokenizer.decode([token]), "logprob": lp, "bytes": spell(token), "top_logprobs": []}
             for token, lp in zip(output.token_ids, output.log_probs)
         ]
         return {
@@ -173,14 +178,26 @@ def chat_routes(
     return router
 
 
-def token_bytes(tokenizer: PreTrainedTokenizerBase, token: int) -> list[int] | None:
-    """OpenAI's ``bytes`` of a token: its exact UTF-8 bytes, which may hold part of a character (joined, a reply's
-    tokens' bytes are its text); None when the tokenizer cannot say (a piece of a character, not byte-level)."""
-    piece = tokenizer.convert_ids_to_tokens(token)
-    if isinstance(piece, str) and piece and all(character in _BYTE_OF_CHARACTER for character in piece):
-        return [_BYTE_OF_CHARACTER[character] for character in piece]
-    text = tokenizer.decode([token])
-    return None if "\ufffd" in text else list(text.encode())
+def token_bytes(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], list[int] | None]:
+    """OpenAI's ``bytes`` of a token id: its exact UTF-8 bytes, which may hold part of a character (joined, a
+    reply's tokens' bytes are its text): a byte-level BPE piece's bytes, a byte-fallback piece's byte
+    (``<0xE2>``), a SentencePiece piece's text (``▁`` a space); an added token's text. None for an added
+    token that decodes to a piece of a character."""
+    added = set(tokenizer.added_tokens_decoder)
+    byte_level = isinstance(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None), decoders.ByteLevel)
+
+    def spell(token: int) -> list[int] | None:
+        piece = tokenizer.convert_ids_to_tokens(token)
+        if token in added or not isinstance(piece, str):
+            text = tokenizer.decode([token])
+            return None if "\ufffd" in text else list(text.encode())
+        if byte_level:
+            return [_BYTE_OF_CHARACTER[character] for character in piece]
+        if _BYTE_FALLBACK.fullmatch(piece):
+            return [int(piece[3:5], 16)]
+        return list(piece.replace("\u2581", " ").encode())
+
+    return spell
 
 
 def split_message_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
