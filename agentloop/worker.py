@@ -133,7 +133,7 @@ class AgentLoopWorker:
 
 def token_versions(response_mask: list[int], generated: list[int]) -> list[int]:
     """Each response token's policy version: the sample's generated tokens' versions (``Router.take_versions``), in
-    order, on the model tokens (mask 1), -1 on observation tokens. A loop keeps its model tokens in the order they were generated
-    and may cut the last ones (response length); model tokens beyond what was recorded get -1 (unknown)."""
+    order, on the model tokens (mask 1), -1 on observation tokens. A loop keeps its model tokens in the order they
+    were generated and may cut the last ones (response length); model tokens beyond what was recorded get -1."""
     remaining = iter(generated)
     return [next(remaining, -1) if mask else -1 for mask in response_mask]

@@ -59,4 +59,3 @@ async def main() -> None:
 
 if __name__ == "__main__":
     asyncio.run(main())
-

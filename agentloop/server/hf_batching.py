@@ -61,16 +61,23 @@ def check_internals() -> None:
         )
 
 
-def observe_prefix_hits(manager: Any, record: Callable[[str, int], None]) -> None:
-    """Call ``record(request_id, matched_tokens)`` on every prefix-cache lookup of this manager.
-
-    The batch processor (and its cache) is created in the manager's thread when it starts, so the
-    factory is wrapped before ``start()``.
-    """
+def _when_built(manager: Any, adapt: Callable[[Any], None]) -> None:
+    """Call ``adapt(processor)`` on each batch processor the manager builds. It builds them (with their cache and
+    model runner) in its own thread when it starts, so the factory is wrapped before ``start()``."""
     create_processor = manager._create_batch_processor
 
-    def create_and_observe() -> Any:
+    def create_and_adapt() -> Any:
         processor = create_processor()
+        adapt(processor)
+        return processor
+
+    manager._create_batch_processor = create_and_adapt
+
+
+def observe_prefix_hits(manager: Any, record: Callable[[str, int], None]) -> None:
+    """Call ``record(request_id, matched_tokens)`` on every prefix-cache lookup of this manager."""
+
+    def observe(processor: Any) -> None:
         search = processor.cache.search_prefix_match
 
         def observed_search(request_id: str, prompt_ids: list[int]) -> int:
@@ -79,9 +86,8 @@ def observe_prefix_hits(manager: Any, record: Callable[[str, int], None]) -> Non
             return matched
 
         processor.cache.search_prefix_match = observed_search
-        return processor
 
-    manager._create_batch_processor = create_and_observe
+    _when_built(manager, observe)
 
 
 def is_healthy(manager: Any) -> bool:
@@ -174,14 +180,11 @@ def sample_by_inverse_cdf(manager: Any) -> None:
     """On CPU, draw each next token with one uniform number per request (``inverse_cdf_sample``) instead of
     ``torch.multinomial``, which draws one exponential per vocabulary entry: at 128 requests and a
     thousand-token vocabulary that was a fifth of a small model's decoding step. The same distribution (to
-    float64 rounding), the same log-probs (of the softmax, as transformers computes them). The runner is built in the manager's thread
-    when it starts, so the factory is wrapped before ``start()``."""
+    float64 rounding), the same log-probs (of the softmax, as transformers computes them)."""
     if manager.model.device.type != "cpu":
         return
-    create_processor = manager._create_batch_processor
 
-    def create_and_patch() -> Any:
-        processor = create_processor()
+    def replace_sampler(processor: Any) -> None:
         runner = processor.model_runner
         original = runner._sample
 
@@ -196,9 +199,8 @@ def sample_by_inverse_cdf(manager: Any) -> None:
             output_ids[1, : tokens.size(0)].copy_(log_probs.view(dtype=torch.int32))
 
         runner._sample = sample
-        return processor
 
-    manager._create_batch_processor = create_and_patch
+    _when_built(manager, replace_sampler)
 
 
 def inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
