@@ -11,6 +11,7 @@ import ray
 import requests
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from agentloop import AgentLoopManager
 from agentloop.server.http.chat import token_bytes
@@ -142,6 +143,12 @@ def test_logprob_bytes_spell_characters_split_across_tokens(model_path):
     assert "<0xE2>" in sentencepiece.convert_ids_to_tokens(ids)
     spell = token_bytes(sentencepiece)
     assert b"".join(bytes(spell(token)) for token in ids) == (" " + text).encode()  # the prepended space included
+    # a byte-level vocabulary with a piece that is no bytes (a tokenizer assembled by hand): its text, not an error
+    byte_vocab = {character: i for i, character in enumerate(bytes_to_unicode().values())}
+    byte_vocab["\u4e2d"] = len(byte_vocab)
+    backend = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
+    backend.decoder = decoders.ByteLevel()
+    assert token_bytes(PreTrainedTokenizerFast(tokenizer_object=backend))(byte_vocab["\u4e2d"]) == list("\u4e2d".encode())
 
 
 def test_openai_client_with_tool_calls(url, scripted):

@@ -191,7 +191,7 @@ def token_bytes(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], list[int]
         if token in added or not isinstance(piece, str):
             text = tokenizer.decode([token])
             return None if "\ufffd" in text else list(text.encode())
-        if byte_level:
+        if byte_level and all(character in _BYTE_OF_CHARACTER for character in piece):  # not so in a vocab gone wrong
             return [_BYTE_OF_CHARACTER[character] for character in piece]
         if _BYTE_FALLBACK.fullmatch(piece):
             return [int(piece[3:5], 16)]
