@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from tensordict import TensorDict
 
@@ -64,12 +65,12 @@ def test_async_training_overlaps_stamps_versions_corrects_and_resumes(local_ray,
     run = tmp_path / "run"
     # a command-line run, stopped with Ctrl-C after its step-3 checkpoint (the servers already generating ahead)
     command = [sys.executable, "-m", "trainer.main_ppo", *SMALL, *coin_overrides(
-        coin_model, tmp_path, "trainer.total_training_steps=40", "trainer.save_freq=3", "trainer.ray_address=auto",
-        f"hydra.run.dir={tmp_path / 'hydra'}",
+        coin_model, tmp_path, "trainer.total_training_steps=40", "trainer.save_freq=3",
+        f"trainer.ray_address={ray.get_runtime_context().gcs_address}", f"hydra.run.dir={tmp_path / 'hydra'}",
     )]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     code, output, stopped_s = signal_at_checkpoint(command, env, run / "latest_checkpointed_iteration.txt", 3, signal.SIGINT)
-    assert code != 0 and "KeyboardInterrupt" in output, output[-3000:]
+    assert code != 0 and "KeyboardInterrupt" in output, output[output.index("<<< signal") - 3000 :][:6000]
     print(f"stopped {stopped_s:.1f}s after Ctrl-C")
     assert stopped_s < 60  # the rollout in flight gets 30 s at most, the ranks 5 s
     state = json.loads((run / "global_step_3" / "trainer_state.json").read_text())

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray
 
 from agentloop.config import compose_config
 from agentloop.dumps import read_rollout_dump
@@ -134,7 +135,7 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
         "trainer.total_training_steps=4",
         "trainer.save_freq=2",
         "trainer.max_actor_ckpt_to_keep=1",
-        "trainer.ray_address=auto",
+        f"trainer.ray_address={ray.get_runtime_context().gcs_address}",
         "actor_rollout_ref.actor.optim.lr_warmup_steps=4",
         # the tiny random model scores 0 everywhere (no advantage); the entropy bonus still moves the policy,
         # so a resume that failed to restore it, or to push it to the servers, shows as mismatch

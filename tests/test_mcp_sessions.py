@@ -32,6 +32,23 @@ async def server_pid(tool_set) -> int:
     return int(result.text)
 
 
+async def started_server_pid(tool_set, within_s: float = 60.0) -> int:
+    """The server's pid once it answers. A call to a server not yet running starts it, which on a busy machine can
+    outlast a test's short call timeout; the start goes on after such a timeout and the next call waits for it."""
+    deadline = time.monotonic() + within_s
+    while (result := await call(tool_set, "pid")).error is not None:
+        assert result.error == "timeout" and time.monotonic() < deadline, result.text
+    return int(result.text)
+
+
+async def until_gone(pids: set[int], within_s: float = 30.0) -> None:
+    """``assert_gone`` inside the event loop that serves the calls (its sessions keep working meanwhile)."""
+    deadline = time.monotonic() + within_s
+    while {pid for pid in pids if psutil.pid_exists(pid)} and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert_gone(pids, within_s=0)
+
+
 def assert_gone(pids: set[int], within_s: float = 10.0) -> None:
     """Every pid exited and was reaped (a zombie still exists to psutil)."""
     deadline = time.monotonic() + within_s
@@ -46,14 +63,12 @@ def test_calls_share_one_process_and_shutdown_leaves_none(mcp_tools_yaml):
     async def run():
         pids = {await server_pid(tool_set) for _ in range(5)}
         pids |= {int(r.text) for r in await asyncio.gather(*(call(tool_set, "pid") for _ in range(8)))}
-        start = time.perf_counter()
         for _ in range(10):
             assert (await call(tool_set, "add", a=1, b=2)).text == "3"
-        return pids, (time.perf_counter() - start) / 10
+        return pids | {await server_pid(tool_set)}
 
-    pids, per_call_s = asyncio.run(run())
-    assert len(pids) == 1
-    assert per_call_s < 0.2  # a process start per call took ~1 s here
+    pids = asyncio.run(run())
+    assert len(pids) == 1  # every call, before and after the others, was served by the one process
     assert_gone(pids)  # the loop ended: its session shut the server down
 
     second = asyncio.run(server_pid(tool_set))  # a new loop gets a session of its own
@@ -73,8 +88,8 @@ def test_parallel_calls_run_concurrently_up_to_max_concurrency(mcp_tools_yaml):
 
     results, wall_s = asyncio.run(run())
     assert len({r["pid"] for r in results}) == 1
-    assert max(r["peak"] for r in results) == 4  # never more than max_concurrency at once ...
-    assert 0.95 < wall_s < 1.9  # ... and that many at once: two waves of 0.5 s, not eight
+    assert max(r["peak"] for r in results) == 4  # that many at once, never more than max_concurrency ...
+    assert wall_s >= 0.95  # ... so eight calls of 0.5 s took at least two waves
 
 
 def test_a_killed_server_fails_the_call_in_flight_and_restarts(mcp_tools_yaml):
@@ -85,7 +100,7 @@ def test_a_killed_server_fails_the_call_in_flight_and_restarts(mcp_tools_yaml):
         in_flight = asyncio.ensure_future(call(tool_set, "slow", seconds=20))
         await asyncio.sleep(0.5)
         os.kill(first, signal.SIGKILL)
-        failed = await asyncio.wait_for(in_flight, 5)
+        failed = await asyncio.wait_for(in_flight, 15)  # before the call's own 20 s
         return first, failed, await server_pid(tool_set)
 
     first, failed, second = asyncio.run(run())
@@ -96,10 +111,11 @@ def test_a_killed_server_fails_the_call_in_flight_and_restarts(mcp_tools_yaml):
 
 
 def test_a_slow_call_times_out_without_blocking_others_or_restarting(mcp_tools_yaml):
-    tool_set = load_tool_set(mcp_tools_yaml(None, "slow.yaml", timeout_s=1.5))
+    # a probe that answers in milliseconds gets 10 s, so a busy machine cannot make it fail
+    tool_set = load_tool_set(mcp_tools_yaml(None, "slow.yaml", timeout_s=1.5, ping_timeout_s=10.0))
 
     async def run():
-        first = await server_pid(tool_set)
+        first = await started_server_pid(tool_set)
         slow = asyncio.ensure_future(call(tool_set, "slow", seconds=60))
         quick = [await call(tool_set, "add", a=2, b=2) for _ in range(3)]  # served while `slow` hangs
         timed_out = await slow
@@ -116,20 +132,18 @@ def test_a_hung_server_is_restarted_and_the_calls_in_flight_fail(mcp_tools_yaml)
     tool_set = load_tool_set(mcp_tools_yaml(None, "hung.yaml", timeout_s=1.5, ping_timeout_s=1.0))
 
     async def run():
-        first = await server_pid(tool_set)
+        first = await started_server_pid(tool_set)
         other = asyncio.ensure_future(call(tool_set, "slow", seconds=60))
         await asyncio.sleep(0.2)
         frozen = await call(tool_set, "freeze")  # SIGSTOP: the process answers nothing any more
-        await asyncio.sleep(1.5)  # the probe gives up after 1 s
-        return first, frozen, await other, await server_pid(tool_set)
+        await until_gone({first})  # the probe after the timeout got no answer: the server was retired and killed
+        return first, frozen, await other, await started_server_pid(tool_set)
 
-    start = time.perf_counter()
     first, frozen, other, second = asyncio.run(run())
     assert frozen.error == "timeout"
     assert other.error in ("timeout", "exception")  # in flight when the server hung: failed either way
     assert second != first
     assert_gone({first, second})
-    assert time.perf_counter() - start < 15
 
 
 def test_a_server_that_cannot_start_fails_calls_with_the_cause():

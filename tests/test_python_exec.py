@@ -81,26 +81,26 @@ def test_an_exception_is_a_traceback_not_an_error(work_root):
 
 
 def test_an_infinite_loop_hits_the_cpu_limit(work_root):
-    start = time.monotonic()  # a generous wall limit: on a busy machine one CPU second takes longer
-    text, metrics = run(make_tool(work_root, wall_time_s=8, timeout_s=15), "while True: pass")
+    # a wall limit far above one CPU second however busy the machine: the message says which limit ended it
+    text, metrics = run(make_tool(work_root, wall_time_s=60, timeout_s=90), "while True: pass")
     assert text == "Error: CPU time limit 1 s exceeded" and metrics["sandbox_error"] == "cpu_time"
-    assert time.monotonic() - start < 8
 
 
 def test_a_sleeping_program_is_killed_at_the_wall_time(work_root):
-    tool = make_tool(work_root, wall_time_s=1.5)
+    tool = make_tool(work_root, wall_time_s=5)  # far above the sandbox's start, however busy the machine
 
     async def watched_run():
         call = asyncio.ensure_future(tool.execute("trajectory", {"code": "import time\nprint('started')\ntime.sleep(60)"}))
-        await asyncio.sleep(1.0)
-        assert len(sandbox_processes(work_root)) >= 2  # the survivor check of the fixture can see them
+        seen = 0
+        while seen < 2 and not call.done():
+            seen = len(sandbox_processes(work_root))
+            await asyncio.sleep(0.05)
+        assert seen >= 2  # the survivor check of the fixture can see them
         response, _, metrics = await call
         return response.text, metrics
 
-    start = time.monotonic()
     text, metrics = asyncio.run(watched_run())
-    assert text == "Error: python_exec killed after 1.5 s wall time\nstarted" and metrics["sandbox_error"] == "wall_time"
-    assert time.monotonic() - start < 1.5 + 3
+    assert text == "Error: python_exec killed after 5 s wall time\nstarted" and metrics["sandbox_error"] == "wall_time"
 
 
 def test_a_fork_bomb_hits_the_process_limit_and_nothing_survives(work_root, layers):
@@ -174,7 +174,7 @@ def test_the_os_layers_hold_when_the_audit_hook_is_evaded(work_root, layers):
 
 
 def test_a_cancelled_call_leaves_nothing_behind(work_root):
-    tool = make_tool(work_root, wall_time_s=5)
+    tool = make_tool(work_root, wall_time_s=120, timeout_s=130)
 
     async def cancelled_run():
         call = asyncio.ensure_future(tool.execute("trajectory", {"code": "import time\ntime.sleep(60)"}))
@@ -185,7 +185,8 @@ def test_a_cancelled_call_leaves_nothing_behind(work_root):
 
     start = time.monotonic()
     asyncio.run(cancelled_run())
-    assert time.monotonic() - start < 4  # then the fixture checks for survivors and the directory
+    assert time.monotonic() - start < 60  # the cancel ended it, not the program's end or the wall limit
+    # then the fixture checks for survivors and the directory
 
 
 def test_running_another_program_is_refused(work_root):

@@ -5,21 +5,31 @@ transformers' public continuous-batching API (``init_continuous_batching``, ``ad
 count of prompt tokens served from the prefix cache, answering a cancelled request (the manager
 sends no output for it), the tokens an interrupted request has so far, dropping cached prefixes
 after an in-place weight update, skipping the top-k/top-p sorts for batches that sample from the
-whole vocabulary, and sampling without a random number per vocabulary entry. Those reach
-into private attributes, checked against transformers 5.23 (``CHECKED_WITH``); a version without
-them fails here, at engine start, with a message naming what is missing, rather than mid-rollout.
-(``hf_varlen``, the CPU attention, calls the paged cache's ``update`` as transformers' own attention
-functions do; that is checked here too.)
+whole vocabulary, sampling without a random number per vocabulary entry, and reading the paged
+cache from an attention function of our own (``hf_varlen``). Those reach into private attributes
+that change between releases: the engine's start-up self-test (``hf_self_test``) runs each of them
+on real tokens before the server takes a request, so a release that breaks one fails the start
+with a message naming the tested range, not a rollout.
 """
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Any, Callable
 
 import torch
 import transformers
 
-CHECKED_WITH = "transformers 5.23"
+
+def tested_range() -> str:
+    """The transformers versions this agentloop declares (and was tested with), from its package metadata."""
+    try:
+        requirements = metadata.requires("agentloop") or []
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "the range in agentloop's pyproject.toml"
+    declared = next((r for r in requirements if r.replace(" ", "").startswith("transformers") and "extra" not in r), None)
+    return declared.replace(" ", "") if declared else "the range in agentloop's pyproject.toml"
+
 
 try:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -29,36 +39,29 @@ try:
         ContinuousBatchingTopKLogitsWarper,
         ContinuousBatchingTopPLogitsWarper,
     )
-    from transformers.generation.continuous_batching.continuous_api import (
-        ContinuousBatchingManager,
-        ContinuousBatchProcessor,
-    )
-    from transformers.generation.continuous_batching.model_runner import ModelRunner
     from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 except ImportError as error:  # pragma: no cover - depends on the installed transformers
     raise ImportError(
-        f"the hf engine needs transformers' continuous batching as in {CHECKED_WITH}; transformers "
-        f"{transformers.__version__} lacks it ({error}). Install transformers>=5.23,<6."
+        f"the hf engine needs transformers' continuous batching; transformers {transformers.__version__} lacks it "
+        f"({error}). Install {tested_range()} (pip install -c constraints.txt -e . installs the tested set)."
     ) from error
 
-__all__ = ["ContinuousBatchingConfig", "GenerationOutput", "PagedAttentionCache", "RequestStatus", "check_internals"]
-
-_REQUIRED = {
-    ContinuousBatchingManager: ("_create_batch_processor", "pause", "cancel_request", "register_result_handler"),
-    ContinuousBatchProcessor: ("has_pending_requests",),
-    PagedAttentionCache: ("search_prefix_match", "evict_cached_blocks", "update"),
-    ModelRunner: ("_sample",),
-}
+__all__ = ["ContinuousBatchingConfig", "GenerationOutput", "RequestStatus", "paged_keys_and_values", "tested_range"]
 
 
-def check_internals() -> None:
-    """Fail with a clear message when the installed transformers lacks an internal relied on here."""
-    missing = [f"{cls.__name__}.{name}" for cls, names in _REQUIRED.items() for name in names if not hasattr(cls, name)]
-    if missing:
-        raise RuntimeError(
-            f"transformers {transformers.__version__} lacks {missing}, which agentloop's hf engine uses "
-            f"(checked with {CHECKED_WITH}); install transformers>=5.23,<6 or update agentloop/server/hf_batching.py"
-        )
+def paged_keys_and_values(
+    module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every request's keys and values, packed, for one layer's attention in a continuous-batching step.
+
+    Up to transformers 5.23 the attention function was handed the paged cache (``cache``) and wrote the new
+    keys to it itself, as transformers' own attention functions did; from 5.24 the model's attention layer
+    updates the cache before calling the attention function, which receives the keys read back from it.
+    """
+    cache = kwargs.pop("cache", None)
+    if isinstance(cache, PagedAttentionCache):
+        return cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+    return key, value
 
 
 def _when_built(manager: Any, adapt: Callable[[Any], None]) -> None:
@@ -168,8 +171,7 @@ def skip_neutral_warpers(manager: Any) -> None:
     if manager.model.device.type != "cpu":
         return
     if not hasattr(manager, "logit_processor"):
-        raise RuntimeError(f"transformers {transformers.__version__}'s continuous-batching manager has no logit_processor "
-                           f"(checked with {CHECKED_WITH}); update agentloop/server/hf_batching.py")
+        raise RuntimeError(f"transformers {transformers.__version__}'s continuous-batching manager has no logit_processor")
     processors = manager.logit_processor.logits_processor
     for index, processor in enumerate(processors):
         if type(processor) in _NEUTRAL:

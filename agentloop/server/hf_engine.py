@@ -24,7 +24,7 @@ from transformers import GenerationConfig
 from agentloop.images import ProcessedImage
 from agentloop.models.loading import is_vision_language, model_class, vision_token_ids
 from agentloop.protocol import FinishReason, TokenOutput, finish_reason_of, id_list, validate_prompt, validate_sampling_params
-from agentloop.server import hf_batching, hf_varlen
+from agentloop.server import hf_batching, hf_self_test, hf_varlen
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.hf_batching import ContinuousBatchingConfig, GenerationOutput, RequestStatus
 from agentloop.server.hf_vision import ImageLane
@@ -65,7 +65,6 @@ class HFEngine:
         seed: int = 0,
         attention: str = "auto",
     ) -> None:
-        hf_batching.check_internals()
         self.device = resolve_device(device)
         self.model = model_class(model_path).from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
@@ -87,7 +86,7 @@ class HFEngine:
         self._cached_tokens: dict[str, int] = {}
         self._manager = None
         self._watchdog: asyncio.Task | None = None
-        self._start_manager()
+        hf_self_test.check(self, start=self._start_manager, stop=self._stop_manager)  # a broken release fails here
 
     @classmethod
     def from_config(cls, config: DictConfig, rank: int) -> HFEngine:

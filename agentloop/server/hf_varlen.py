@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
-from agentloop.server.hf_batching import PagedAttentionCache
+from agentloop.server.hf_batching import paged_keys_and_values
 
 NAME = "agentloop_varlen"
 
@@ -42,15 +42,19 @@ def varlen_attention_forward(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
-    cache: PagedAttentionCache | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature; ``query`` is ``[1, heads, tokens, head_dim]``, the new
-    ``key``/``value`` are written to the paged cache, which returns every request's keys, packed."""
-    if not isinstance(cache, PagedAttentionCache):
-        raise RuntimeError(f"{NAME} serves continuous batching only (it needs the paged cache)")
-    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
-    output = varlen_attention(query[0], key[0], value[0], kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], scaling)
+    """transformers' attention-function signature; ``query`` is ``[1, heads, tokens, head_dim]``; ``key``/``value``
+    become every request's keys and values, packed, as the paged cache holds them."""
+    if "cu_seq_lens_k" not in kwargs:
+        raise RuntimeError(f"{NAME} serves continuous batching only (it needs the packed batch's sequence lengths)")
+    key, value = paged_keys_and_values(module, key, value, kwargs)
+    cu_seq_lens_k = kwargs["cu_seq_lens_k"]
+    if key.shape[-2] != int(cu_seq_lens_k[-1]):
+        raise RuntimeError(
+            f"{NAME} got {key.shape[-2]} keys for a batch that reads {int(cu_seq_lens_k[-1])} from the paged cache"
+        )
+    output = varlen_attention(query[0], key[0], value[0], kwargs["cu_seq_lens_q"], cu_seq_lens_k, scaling)
     return output.unsqueeze(0), None
 
 

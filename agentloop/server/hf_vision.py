@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, ContextManager
 
@@ -65,6 +66,8 @@ class ImageLane:
         self.aborted: set[str] = set()
         self.in_flight: dict[str, str] = {}  # engine id -> session
         self.suppress = SuppressTokensLogitsProcessor(vision_token_ids(model.config), device=model.device)
+        # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns until 5.40)
+        self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     async def generate(
         self, engine_id: str, session: str, prompt_ids: list[int], images: list[ProcessedImage], params: dict[str, Any],
@@ -159,7 +162,7 @@ class ImageLane:
             logits = self.model(
                 input_ids=ids[:, reuse:],
                 position_ids=positions[:, :, reuse:],
-                past_key_values=cache,
+                **{self.cache_argument: cache},
                 use_cache=True,
                 logits_to_keep=1,
                 **{key: value.to(device) for key, value in vision.items()},
@@ -194,7 +197,7 @@ class ImageLane:
             logits = self.model(
                 input_ids=torch.tensor([[token]], device=self.model.device),
                 position_ids=torch.cat([text_position, positions[1:]]),
-                past_key_values=entry.cache,
+                **{self.cache_argument: entry.cache},
                 use_cache=True,
             ).logits[0, -1]
         entry.ids.append(token)
