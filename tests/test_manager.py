@@ -3,13 +3,14 @@
 import asyncio
 import threading
 import time
+import uuid
 
 import pytest
 import ray
 import torch
 
 import agentloop.testing  # noqa: F401  (registers fixed_length)
-import tests.support.probe_loops  # noqa: F401  (registers probe_multi_turn)
+import tests.support.probe_loops  # noqa: F401  (registers probe_multi_turn, probe_ordered_turn)
 from agentloop import AgentLoopManager
 from agentloop.router import Router
 from tests.support.config import small_config
@@ -150,7 +151,9 @@ def test_a_hung_server_times_out_each_request_aborts_it_and_leaves_no_task_behin
         return lone + burst, asyncio.all_tasks() - before
 
     errors, left = asyncio.run(asyncio.wait_for(run(), timeout=60))
-    aborted = ray.get(hung.aborted_ids.remote(), timeout=30)
+    deadline = time.monotonic() + 30  # the aborts are sent as the requests time out: they may still be on their way
+    while len(aborted := ray.get(hung.aborted_ids.remote(), timeout=30)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
     ray.kill(hung)
     assert all(isinstance(error, TimeoutError) and "request_timeout_s" in str(error) for error in errors), errors
     assert router.take_stats().server_calls == 2  # the lone call and the burst's one
@@ -257,13 +260,15 @@ def one_router_manager(local_ray):
 
 
 def test_router_balances_mixed_lengths(one_router_manager):
-    # Staggered arrivals, alternating long and short requests: a counter that never went down would
-    # degrade to round-robin and pile every long request on one server. The tokens each server
-    # generated judge the balance, not the router's in-flight counts.
+    # Alternating long and short requests, each long one arriving once the short one before it has finished, each
+    # short one once the long one before it is in flight (an order, not delays a busy machine could stretch): a
+    # counter that never went down would degrade to round-robin and pile every long request on one server. The
+    # tokens each server generated judge the balance, not the router's in-flight counts.
     lengths = [64 if i % 2 == 0 else 2 for i in range(24)]
+    batch = uuid.uuid4().hex
     batch_rows = [
-        {"prompt": [{"role": "user", "content": "go"}], "agent_name": "fixed_length",
-         "extra_info": {"length": length, "delay_s": 0.02 * i}}
+        {"prompt": [{"role": "user", "content": "go"}], "agent_name": "probe_ordered_turn",
+         "extra_info": {"length": length, "batch": batch, "index": i, "after": "finished" if length == 64 else "placed"}}
         for i, length in enumerate(lengths)
     ]
     batch = one_router_manager.generate_sequences(batch_rows)

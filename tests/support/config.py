@@ -13,7 +13,7 @@ SMALL = [
     "data.max_response_length=24",
     "actor_rollout_ref.rollout.hf.num_blocks=256",
     "actor_rollout_ref.rollout.request_timeout_s=120",
-    "actor_rollout_ref.rollout.server_startup_timeout_s=120",
+    "actor_rollout_ref.rollout.server_startup_timeout_s=300",  # a loaded machine starts processes slowly
     # one agent-loop worker process to start per manager; tests of several workers ask for them
     "actor_rollout_ref.rollout.agent.num_workers=1",
 ]

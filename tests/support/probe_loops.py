@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -91,3 +92,37 @@ class ChaosProbe(AgentLoopBase):
         # only the answer is trained: the second turn's tokens are there to be interrupted, not learned
         mask = [1] * len(first.token_ids) + [0] * len(second.token_ids)
         return AgentLoopOutput(prompt_ids, ids, mask, first.log_probs + second.log_probs, num_turns=3, reward_score=reward)
+
+
+_ARRIVALS: dict[tuple[str, int, str], asyncio.Event] = {}
+
+
+def _arrival(batch: str, index: int, what: str) -> asyncio.Event:
+    return _ARRIVALS.setdefault((batch, index, what), asyncio.Event())
+
+
+@register("probe_ordered_turn")
+class OrderedTurnProbe(AgentLoopBase):
+    """One turn of exactly ``extra_info.length`` tokens (eos ignored) arriving in a set order without wall-clock
+    delays: sample ``extra_info.index`` of ``extra_info.batch`` starts once sample ``index - 1`` was counted in
+    flight on its server (``extra_info.after="placed"``) or has finished (``"finished"``). The samples of a batch
+    must share one worker. Records the index of its server in ``extra_fields["server"]``."""
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        info = row["extra_info"]
+        batch, index = info["batch"], int(info["index"])
+        if index:
+            await _arrival(batch, index - 1, info["after"]).wait()
+        prompt_ids = self.encode_prompt(row["prompt"])
+        params = {**sampling_params, "max_new_tokens": info["length"], "ignore_eos": True}
+        server = self.server_manager.server_for(row["request_id"])
+        turn = asyncio.ensure_future(self.server_manager.generate(row["request_id"], prompt_ids, params))
+        await asyncio.sleep(0)  # the turn runs up to its dispatch, which counts it in flight on its server
+        _arrival(batch, index, "placed").set()
+        try:
+            output = await turn
+        finally:
+            _arrival(batch, index, "finished").set()
+        return AgentLoopOutput(
+            prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs, extra_fields={"server": server}
+        )
