@@ -113,9 +113,11 @@ class AgentLoopManager:
         # Each trajectory's turns are individually bounded by request_timeout_s; the batch as a whole
         # is bounded by generate_timeout_s.
         parts = self._run_chunks(chunks, params, agent_loops, time.monotonic() + float(self.rollout.generate_timeout_s))
-        self.pool.check()  # servers that died during the rollout (their sessions were re-homed) are replaced now
+        stats = RouterStats.merge([part_stats for _, part_stats in parts])
+        # servers that died or hung during the rollout (their sessions were re-homed) are replaced now
+        self.pool.check(unhealthy=stats.unhealthy_ranks)
         elapsed = time.perf_counter() - start
-        return self.finish_batch(RolloutBatch.concat([part for part, _ in parts]), RouterStats.merge([stats for _, stats in parts]), elapsed)
+        return self.finish_batch(RolloutBatch.concat([part for part, _ in parts]), stats, elapsed)
 
     def finish_batch(self, batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -> RolloutBatch:
         """Fail on too many failed samples (``_check_failures``), else give ``batch`` its rollout metrics and the

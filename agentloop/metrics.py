@@ -28,6 +28,7 @@ def rollout_metrics(batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -
         "rollout/cached_token_share": stats.cached_token_share,
         "rollout/in_flight_imbalance": stats.in_flight_imbalance,
         "rollout/interrupted_requests": stats.interrupted_requests,
+        "rollout/rehomed_requests": stats.rehomed_requests,
         "rollout/requests_per_call": stats.requests_per_call,
         "rollout/response_tokens": int(batch.batch["response_mask"].sum()),
         "rollout/failed_samples": sum(is_failed(extra) for extra in extra_fields),

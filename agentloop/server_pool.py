@@ -15,7 +15,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import ray
 from omegaconf import DictConfig
@@ -88,9 +88,14 @@ class ServerPool:
 
     # ------------------------------------------------------------------ supervision
 
-    def check(self) -> list[int]:
-        """Probe every live server; replace the dead or unresponsive. Returns the ranks replaced."""
-        results = self._call("in_flight", (), float(self.supervision.health_timeout_s), replace=False)
+    def check(self, unhealthy: Collection[int] = ()) -> list[int]:
+        """Probe every live server; replace the dead or unresponsive, and those of ``unhealthy`` (ranks the routers
+        found dead or hung during a rollout: probing a hung one again would cost ``health_timeout_s`` more).
+        Returns the ranks replaced."""
+        known = [rank for rank in self.live_ranks if rank in unhealthy]
+        probed = [rank for rank in self.live_ranks if rank not in known]
+        results = self._call("in_flight", (), float(self.supervision.health_timeout_s), replace=False, ranks=probed)
+        results.update({rank: RuntimeError("found dead or hung by the routers during the rollout") for rank in known})
         failed = [rank for rank, outcome in results.items() if isinstance(outcome, BaseException)]
         for rank in failed:
             self.replace(rank, f"{type(results[rank]).__name__}: {results[rank]}")
@@ -129,10 +134,13 @@ class ServerPool:
 
     # ------------------------------------------------------------------ control of every server
 
-    def _call(self, method: str, args: tuple, timeout_s: float, replace: bool = True) -> dict[int, Any]:
-        """``method(*args)`` on every live server; a server that dies or times out is replaced (``replace``),
-        which leaves the replacement in the state the call was for. Returns rank -> result or exception."""
-        refs = {rank: getattr(self.servers[rank], method).remote(*args) for rank in self.live_ranks}
+    def _call(self, method: str, args: tuple, timeout_s: float, replace: bool = True, ranks: list[int] | None = None) -> dict[int, Any]:
+        """``method(*args)`` on every live server (of ``ranks``); a server that dies or times out is replaced
+        (``replace``), which leaves the replacement in the state the call was for. Returns rank -> result or
+        exception."""
+        refs = {rank: getattr(self.servers[rank], method).remote(*args) for rank in (self.live_ranks if ranks is None else ranks)}
+        if not refs:
+            return {}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         results: dict[int, Any] = {}
         for rank, ref in refs.items():

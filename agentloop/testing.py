@@ -25,8 +25,8 @@ class FixedLengthAgentLoop(AgentLoopBase):
         prompt_ids = self.encode_prompt(row["prompt"])
         params = {**sampling_params, "max_new_tokens": extra_info["length"], "ignore_eos": True}
         request_id = uuid.uuid4().hex if extra_info.get("own_request_id") else row["request_id"]
-        server = self.server_manager.server_for(request_id)
         output = await self.server_manager.generate(request_id, prompt_ids, params)
+        server = self.server_manager.server_of(request_id)
         return AgentLoopOutput(
             prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs, extra_fields={"server": server}
         )

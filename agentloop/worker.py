@@ -36,7 +36,10 @@ class AgentLoopWorker:
         self.processor = load_processor(path)  # None for a text-only model
         self.vision_model = structure(path)
         slack = self.rollout.agent.group_affinity_slack
-        self.router = Router(servers, request_timeout_s=self.rollout.request_timeout_s, group_affinity_slack=slack)
+        self.router = Router(
+            servers, request_timeout_s=self.rollout.request_timeout_s,
+            health_timeout_s=self.rollout.supervision.health_timeout_s, group_affinity_slack=slack,
+        )
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._groups: dict[int, asyncio.Task] = {}  # streamed groups in flight
         self._finished: list[tuple[int, RolloutBatch | Exception]] = []
@@ -108,10 +111,8 @@ class AgentLoopWorker:
         self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
     ) -> tuple[AgentLoopOutput, float]:
         start = time.perf_counter()
-        if row.get("uid") is not None:
-            self.router.join_group(row["request_id"], row["uid"])
         try:
-            with self.router.running_sample(row["request_id"]):
+            with self.router.running_sample(row["request_id"], row.get("uid")):
                 loop = build_agent_loop(
                     agent_loops[row["agent_name"]],
                     trainer_config=DictConfigWrap(self.config),

@@ -122,13 +122,19 @@ class HungServer:
 
     def __init__(self) -> None:
         self.aborted: list[str] = []
+        self.received = 0
 
     async def generate(self, prompt_ids, sampling_params, request_id, images=None):
+        self.received += 1
         await asyncio.Event().wait()
 
     async def generate_many(self, requests):
+        self.received += len(requests)
         await asyncio.Event().wait()
         yield []
+
+    def received_requests(self) -> int:
+        return self.received
 
     def abort(self, request_id: str) -> int:
         self.aborted.append(request_id)
@@ -159,6 +165,29 @@ def test_a_hung_server_times_out_each_request_aborts_it_and_leaves_no_task_behin
     assert router.take_stats().server_calls == 2  # the lone call and the burst's one
     assert not left, f"tasks still waiting on the hung server: {left}"
     assert sorted(aborted) == ["burst-0", "burst-1", "burst-2", "lone"]
+
+
+def test_a_replacement_server_stays_live_with_a_true_count_when_its_predecessors_requests_fail(manager):
+    # the requests in flight on a server fail (its actor is killed) only after the server was replaced: they
+    # must neither mark the replacement dead nor lower its count, and they are re-homed onto it
+    doomed = HungServer.remote()
+    router = Router([doomed], request_timeout_s=120)
+    greedy = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+    async def run():
+        turns = [asyncio.ensure_future(router.generate(f"race-{i}", [5, 6, 7 + i], greedy)) for i in range(3)]
+        while await doomed.received_requests.remote() < 3:
+            await asyncio.sleep(0.05)
+        router.replace(0, manager.servers[0])
+        ray.kill(doomed)
+        outputs = await asyncio.gather(*turns)
+        return outputs, [slot.in_flight for slot in router.placement.slots], [slot.alive for slot in router.placement.slots]
+
+    outputs, in_flight, alive = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    assert [len(output.token_ids) for output in outputs] == [4, 4, 4]
+    assert alive == [True] and in_flight == [0]
+    stats = router.take_stats()
+    assert stats.rehomed_requests == 3 and stats.requests_per_server == [6] and stats.unhealthy_ranks == []
 
 
 def test_prompts_render_through_the_chat_template(manager, model_path):

@@ -4,6 +4,8 @@ and a worker that dies mid-batch has its samples rerun."""
 
 from __future__ import annotations
 
+import time
+
 import ray
 import torch
 from transformers import AutoModelForCausalLM
@@ -83,5 +85,39 @@ def test_a_worker_that_dies_mid_batch_has_its_samples_rerun(local_ray, tmp_path)
         assert len(batch) == 4 and sorted(batch.non_tensor_batch["index"]) == [0, 1, 2, 3]
         assert all(batch.batch["response_mask"][i].sum() > 0 for i in range(4))
         assert len(manager.generate_sequences(rows)) == 4  # the replacement keeps serving
+    finally:
+        manager.shutdown()
+
+
+def test_a_hung_server_costs_the_rollout_its_health_timeout_not_the_request_timeout(local_ray, tmp_path):
+    # mid-rollout, one sample stops its server's process (SIGSTOP: a wedged engine); the routers' probes find it
+    # within health_timeout_s, its waiting turns run again on the other server, and it is replaced after the batch
+    import tests.support.probe_loops  # noqa: F401  (probe_chaos)
+
+    health_timeout_s, request_timeout_s = 10, 600
+    manager = AgentLoopManager(small_config(
+        "actor_rollout_ref.rollout.data_parallel_size=2", f"actor_rollout_ref.rollout.request_timeout_s={request_timeout_s}",
+        f"actor_rollout_ref.rollout.supervision.health_timeout_s={health_timeout_s}",
+    ))
+    try:
+        rows = [
+            {"prompt": [{"role": "user", "content": f"question {i}"}], "agent_name": "probe_chaos",
+             "extra_info": {"index": i, "chaos": "stop" if i == 0 else None, "chaos_marker": str(tmp_path / "stopped")}}
+            for i in range(6)
+        ]
+        start = time.monotonic()
+        batch = manager.generate_sequences(rows)
+        elapsed = time.monotonic() - start
+        assert (tmp_path / "stopped").exists() and len(batch) == 6
+        assert all(batch.batch["attention_mask"][i, -24:].sum() > 0 for i in range(6))
+        assert batch.meta_info["rollout/rehomed_requests"] >= 1 and batch.meta_info["rollout/failed_samples"] == 0
+        [event] = manager.pool.events
+        assert event.kind == "restarted" and "found dead or hung by the routers" in event.cause
+        # bounded by the probes, not by request_timeout_s (which the turns waiting on the stopped server would wait out)
+        assert elapsed < request_timeout_s / 4
+        print(f"rollout with a stopped server: {elapsed:.1f} s (health_timeout_s={health_timeout_s}, "
+              f"replacement serving after {event.seconds:.1f} s)")
+        again = manager.generate_sequences(rows[1:])
+        assert all(count > 0 for count in again.meta_info["rollout/requests_per_server"])
     finally:
         manager.shutdown()

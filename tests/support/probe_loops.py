@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from typing import Any
 
 from agentloop import AgentLoopBase, AgentLoopOutput, register
@@ -23,8 +24,8 @@ class MultiTurnProbe(AgentLoopBase):
                 response += observation
                 mask += [0] * len(observation)
                 logprobs += [0.0] * len(observation)
-            servers.append(self.server_manager.server_for(row["request_id"]))
             output = await self.server_manager.generate(row["request_id"], prompt_ids + response, params)
+            servers.append(self.server_manager.server_of(row["request_id"]))
             response += output.token_ids
             mask += [1] * len(output.token_ids)
             logprobs += output.log_probs
@@ -70,7 +71,7 @@ class WorkerKillingProbe(AgentLoopBase):
 @register("probe_chaos")
 class ChaosProbe(AgentLoopBase):
     """Two model turns; between them, once per marker file, a row's ``extra_info.chaos`` kills the server its
-    session is on (``server``) or its own worker process (``worker``)."""
+    session is on (``server``), stops that server's process (``stop``) or kills its own worker (``worker``)."""
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         import ray
@@ -84,7 +85,11 @@ class ChaosProbe(AgentLoopBase):
             open(marker, "w").close()
             if extra["chaos"] == "worker":
                 os._exit(1)
-            ray.kill(self.server_manager.servers[self.server_manager.server_for(row["request_id"])])
+            server = self.server_manager.servers[self.server_manager.server_of(row["request_id"])]
+            if extra["chaos"] == "stop":  # the server's process stops, as a wedged engine or GPU behaves
+                os.kill((await server.node_info.remote())["pid"], signal.SIGSTOP)
+            else:
+                ray.kill(server)
         second = await self.server_manager.generate(row["request_id"], prompt_ids + first.token_ids, params)
         ids = first.token_ids + second.token_ids
         # learned in a step or two by the "yes or no" test model (tests/support/models.build_coin_model)
@@ -115,7 +120,6 @@ class OrderedTurnProbe(AgentLoopBase):
             await _arrival(batch, index - 1, info["after"]).wait()
         prompt_ids = self.encode_prompt(row["prompt"])
         params = {**sampling_params, "max_new_tokens": info["length"], "ignore_eos": True}
-        server = self.server_manager.server_for(row["request_id"])
         turn = asyncio.ensure_future(self.server_manager.generate(row["request_id"], prompt_ids, params))
         await asyncio.sleep(0)  # the turn runs up to its dispatch, which counts it in flight on its server
         _arrival(batch, index, "placed").set()
@@ -123,6 +127,7 @@ class OrderedTurnProbe(AgentLoopBase):
             output = await turn
         finally:
             _arrival(batch, index, "finished").set()
+        server = self.server_manager.server_of(row["request_id"])
         return AgentLoopOutput(
             prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs, extra_fields={"server": server}
         )
