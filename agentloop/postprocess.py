@@ -1,4 +1,4 @@
-"""Pad finished trajectories into the trainer's tensor layout (see DESIGN.md, "Padded batch").
+"""Pad finished trajectories into the trainer's tensor layout (README.md, "How a rollout flows": **Batch**).
 
 prompts are left-padded to P, responses right-padded to R; ``input_ids`` is prompts ‖ responses;
 ``position_ids`` count attended tokens (0 on padding); ``response_mask`` is 1 only on model tokens;

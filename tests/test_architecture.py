@@ -1,5 +1,5 @@
 """The seams hold: no import circle, no import from a lower layer up, `import agentloop` loads no task,
-small source files, and every engine behind one contract (a new one plugs in by name)."""
+short functions, and every engine behind one contract (a new one plugs in by name)."""
 
 from __future__ import annotations
 
@@ -97,9 +97,18 @@ def test_importing_agentloop_loads_no_task_and_no_model_builder():
     assert result.stdout.strip() == "[]"
 
 
-def test_source_files_stay_small():
-    long = {str(path.relative_to(REPO)): n for path in module_files().values() if (n := len(path.read_text().splitlines())) > 400}
-    assert not long, f"split these files (over 400 lines): {long}"
+MAX_FUNCTION_LINES = 60
+
+
+def test_functions_stay_short():
+    """A function a reader takes in at once: at most 60 lines from ``def`` to its end, nested functions included."""
+    long = [
+        f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({length} lines)"
+        for path in module_files().values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"split these functions (over {MAX_FUNCTION_LINES} lines) into named steps:\n" + "\n".join(long)
 
 
 @pytest.mark.parametrize("name", sorted(ENGINES))

@@ -1,4 +1,4 @@
-"""The padded layout of DESIGN.md, checked cell by cell on a batch with mixed lengths."""
+"""The padded layout (agentloop/postprocess.py's docstring), checked cell by cell on a batch with mixed lengths."""
 
 import pytest
 import torch

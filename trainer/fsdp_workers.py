@@ -122,7 +122,6 @@ class FSDPWorker:
         self.actor = config.actor_rollout_ref.actor
         self.critic_config = config.critic
         self.temperature = float(config.actor_rollout_ref.rollout.temperature)
-        self.correction = RolloutCorrection.from_config(config)
         ref_config = config.actor_rollout_ref.ref
         self.log_prob_batching = MicroBatching.for_log_probs(config.actor_rollout_ref.rollout, self.actor)
         self.ref_log_prob_batching = MicroBatching.for_log_probs(ref_config, self.actor)
@@ -174,13 +173,14 @@ class FSDPWorker:
         self.critic.model.eval()
         return self.value_batching.score(batch, self.device, lambda micro: response_values(self.critic.model, micro))
 
-    def update_policy(self, batch: TensorDict) -> dict[str, float]:
-        """PPO updates of the policy on this rank's slice (see ``_Trainable.update``); metrics as verl names them.
+    def update_policy(self, batch: TensorDict, correction: RolloutCorrection = RolloutCorrection()) -> dict[str, float]:
+        """PPO updates of the policy on this rank's slice (see ``Trainable.update``); metrics as verl names them.
 
         ``batch`` carries ``old_log_probs`` (the rollout's in bypass mode), ``advantages`` and ``response_mask``,
         plus ``rollout_is_weights`` from decoupled rollout correction and ``ref_log_probs`` when ``actor.use_kl_loss``.
+        ``correction``: the run's rollout correction as the trainer resolved it (its bypass mode corrects here).
         """
-        return self._update_policy(batch)[0]
+        return self._update_policy(batch, correction)[0]
 
     def update_policy_scoring_old(self, batch: TensorDict, correction: RolloutCorrection) -> tuple[dict[str, float], torch.Tensor]:
         """``update_policy`` on a batch without ``old_log_probs``, for an update that is one optimizer step (one
@@ -192,26 +192,28 @@ class FSDPWorker:
         if self.policy_has_dropout:
             batch["old_log_probs"] = self.compute_log_prob(batch)
             correct_batch(batch, correction)
-            return self._update_policy(batch)[0], batch["old_log_probs"]
-        return self._update_policy(batch, correction)
+            return self._update_policy(batch, correction)[0], batch["old_log_probs"]
+        return self._update_policy(batch, correction, scoring_old=True)
 
-    def _update_policy(self, batch: TensorDict, scoring_old: RolloutCorrection | None = None) -> tuple[dict[str, float], torch.Tensor | None]:
+    def _update_policy(
+        self, batch: TensorDict, correction: RolloutCorrection, scoring_old: bool = False
+    ) -> tuple[dict[str, float], torch.Tensor | None]:
         actor = self.actor
         scale = actor.get("loss_scale_factor")
         old_log_probs = None
-        if scoring_old is not None:
+        if scoring_old:
             old_log_probs = torch.zeros(batch["responses"].shape, dtype=torch.float32)
             batch["row_index"] = torch.arange(len(batch))
 
         def loss(micro: TensorDict) -> tuple[torch.Tensor, dict[str, Any]]:
             log_probs, entropy = response_log_probs(self.policy.model, micro, self.temperature)
-            if scoring_old is not None:
+            if scoring_old:
                 old = micro["old_log_probs"] = log_probs.detach()
                 old_log_probs[micro["row_index"].cpu()] = old.cpu()
-                weights = correct(old, micro["rollout_log_probs"], micro["response_mask"].float(), scoring_old)[0]
+                weights = correct(old, micro["rollout_log_probs"], micro["response_mask"].float(), correction)[0]
                 if weights is not None:
                     micro["rollout_is_weights"] = weights
-            pg_loss, mask, stats = policy_gradient_loss(micro, log_probs, actor, self.correction)
+            pg_loss, mask, stats = policy_gradient_loss(micro, log_probs, actor, correction)
             entropy_bonus = algorithms.aggregate_loss(entropy, mask, actor.loss_agg_mode, scale)
             total = pg_loss - float(actor.entropy_coeff) * entropy_bonus
             if actor.use_kl_loss:
