@@ -1,6 +1,6 @@
 """Synchronous vs asynchronous training on the quick start's task, with a long-tailed tool latency.
 
-    python benchmarks/async_training.py [--steps 8] [--repeats 2] [--max-staleness 1] [overrides ...]
+    python -m benchmarks.async_training [--steps 8] [--repeats 2] [--max-staleness 1] [overrides ...]
 
 Both modes train the quick start's job (``arithmetic_grpo``: warm-started tiny model, same data order,
 same number of trained samples) for ``--steps`` steps; the calculator answers after a lognormal delay
@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,12 +27,9 @@ import numpy as np
 import ray
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from agentloop.config import compose_config  # noqa: E402
-from agentloop.tasks.arithmetic.tools import CalculatorTool  # noqa: E402
-from trainer.main_ppo import RayPPOTrainer  # noqa: E402
+from agentloop.config import CONFIG_DIR, compose_config
+from agentloop.tasks.arithmetic.tools import CalculatorTool
+from trainer.main_ppo import RayPPOTrainer
 
 
 class SlowCalculatorTool(CalculatorTool):
@@ -46,7 +41,7 @@ class SlowCalculatorTool(CalculatorTool):
 
 
 def slow_tools_yaml(directory: Path) -> str:
-    tools = yaml.safe_load((REPO / "config/tools/arithmetic.yaml").read_text())
+    tools = yaml.safe_load((CONFIG_DIR / "tools/arithmetic.yaml").read_text())
     tools["tools"][0]["class_name"] = "benchmarks.async_training.SlowCalculatorTool"
     path = directory / "slow_arithmetic.yaml"
     path.write_text(yaml.safe_dump(tools, sort_keys=False))  # the warm start is keyed by the schemas as written
@@ -96,8 +91,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides for both modes, e.g. async_training.partial_rollout=false")
     args = parser.parse_args()
     random.seed(0)
-    ray.init(include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}})
+    # the workers import benchmarks.async_training.SlowCalculatorTool: Ray puts the driver's working directory
+    # (the repository root, for python -m) on their path
+    ray.init(include_dashboard=False, log_to_driver=False)
     results: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory() as tmp:
         tools = slow_tools_yaml(Path(tmp))

@@ -1,6 +1,6 @@
 """The hf engine's decoding step on CPU: inverse-CDF sampling vs. transformers' ``torch.multinomial``.
 
-    python benchmarks/engine_step.py [--requests 32 128] [--threads 1] [--repeats 5]
+    python -m benchmarks.engine_step [--requests 32 128] [--threads 1] [--repeats 5]
 
 Two ``HFEngine``s on the tiny default model in this process, identical but for the sampler: (a) the
 engine as shipped (``hf_batching.sample_by_inverse_cdf``: one uniform draw per request), (b) the same

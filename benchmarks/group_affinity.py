@@ -1,6 +1,6 @@
 """GRPO group affinity in the router: prompt tokens taken from the prefix cache on first turns, with and without.
 
-    python benchmarks/group_affinity.py [--rows 8] [--n 8] [--repeats 3]
+    python -m benchmarks.group_affinity [--rows 8] [--n 8] [--repeats 3]
 
 Two rollout servers (``data_parallel_size=2``), ``--rows`` prompts of about 300 tokens each sampled
 ``--n`` times, one 8-token turn per sample: every prompt token is a first-turn token. Runs alternate
@@ -12,18 +12,14 @@ each on freshly flushed caches, and print ``rollout/cached_token_share``, the pr
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import agentloop.testing  # noqa: E402,F401  (registers fixed_length)
-from agentloop import AgentLoopManager  # noqa: E402
-from agentloop.config import compose_config  # noqa: E402
+import agentloop.testing  # noqa: F401  (registers fixed_length)
+from agentloop import AgentLoopManager
+from agentloop.config import compose_config
 
 
 def rollout(slack: str, rows: list[dict], n: int) -> tuple[float, float, float]:

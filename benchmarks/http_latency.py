@@ -1,6 +1,6 @@
 """Per-request latency of a rollout server's HTTP front, against the same request written in one packet.
 
-    python benchmarks/http_latency.py [--requests 50]
+    python -m benchmarks.http_latency [--requests 50]
 
 One ``hf`` server with ``rollout.http`` on 127.0.0.1. (a) ``requests`` on a keep-alive session:
 ``GET /health`` and ``POST /abort_request`` of an unknown id (404, no engine work); (b) the same POST
@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import argparse
 import socket
-import sys
 import time
-from pathlib import Path
 
 import ray
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from agentloop import AgentLoopManager  # noqa: E402
-from agentloop.config import compose_config  # noqa: E402
+from agentloop import AgentLoopManager
+from agentloop.config import compose_config
 
 
 def mean_ms(call, count: int) -> float:

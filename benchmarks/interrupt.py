@@ -1,6 +1,6 @@
 """A weight update that interrupts the requests in flight, against the same update with none in flight.
 
-    python benchmarks/interrupt.py [--requests 64] [--repeats 5]
+    python -m benchmarks.interrupt [--requests 64] [--repeats 5]
 
 One rollout server (``hf`` engine, tiny default model) behind ``AgentLoopManager``. Each repeat pushes
 the model's own weights twice through ``manager.update_weights``: once while ``--requests`` requests

@@ -1,6 +1,6 @@
 """Long-tail multi-turn workload: request-level agent loops vs. batch-synchronous turns.
 
-    python benchmarks/long_tail.py [--samples 64]
+    python -m benchmarks.long_tail [--samples 64]
 
 Each trajectory has 1-8 turns; a turn generates 8 tokens and is followed by a tool call with a
 long-tailed latency (lognormal, median 0.1 s, sigma 1, capped at 2 s: most calls are quick, a few are slow). (a) runs every trajectory as its own

@@ -1,6 +1,6 @@
 """MCP tool calls: a long-lived supervised session against a fresh session per call (the old way).
 
-    python benchmarks/mcp_sessions.py [--calls 10] [--repeats 3]
+    python -m benchmarks.mcp_sessions [--calls 10] [--repeats 3]
 
 The server is a real third-party stdio MCP server, PyPI ``mcp-server-time`` (``python -m
 mcp_server_time``; ``pip install mcp-server-time``), and the call ``get_current_time`` for UTC. Two ways:

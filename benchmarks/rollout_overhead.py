@@ -1,6 +1,6 @@
 """Rollout-stack overhead: the same requests sent straight to one engine vs. through the whole stack.
 
-    python benchmarks/rollout_overhead.py [--samples 256]
+    python -m benchmarks.rollout_overhead [--samples 256]
 
 (a) one ``HFEngine`` driven in-process with asyncio; (b) ``AgentLoopManager`` -> workers -> router ->
 one ``RolloutServer`` with the same engine settings and CPU threads. Prints tokens/s of both and

@@ -1,6 +1,6 @@
 """Image trajectories: the same multi-turn rollouts run straight on one engine vs. through the whole stack.
 
-    python benchmarks/vlm_rollout.py [--samples 32] [--repeats 3]
+    python -m benchmarks.vlm_rollout [--samples 32] [--repeats 3]
 
 Each trajectory: a prompt with one picture, then three turns of 16 greedy tokens, each of the first two
 answered by a new picture (84x84 pixels: 9 image tokens each). (a) the ``Trajectory`` code and one

@@ -1,6 +1,6 @@
 """Weight push: FSDP gather + push to the rollout servers, against one serialization of the same weights.
 
-    python benchmarks/weight_sync.py [--repeats 5] [--models tiny,medium] [--asleep]
+    python -m benchmarks.weight_sync [--repeats 5] [--models tiny,medium] [--asleep]
 
 Two policy ranks (FSDP2 over gloo) and one rollout server (``hf`` engine), for (a) the tiny default
 model and (b) ``medium``, a ~77M-parameter model of the same architecture with random weights, built
