@@ -21,10 +21,10 @@ from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from agentloop.images import split_images
-from agentloop.protocol import generate_continued
+from agentloop.images import ProcessedImage, split_images
+from agentloop.protocol import TokenOutput, generate_continued
 from agentloop.server.http.native import Admission, ServerImages, weight_versions_json
-from agentloop.tools.parsers import get_parser
+from agentloop.tools.parsers import Parser, get_parser
 from agentloop.tools.reasoning import prompt_opens_reasoning, split_reasoning
 
 # byte-level BPE (GPT-2's, Qwen's, Llama 3's) writes each byte of a token as one printable character;
@@ -107,64 +107,21 @@ def chat_routes(
     async def chat_completions(body: ChatBody) -> dict[str, Any]:
         if body.stream or body.n != 1:
             raise ValueError("only stream=false and n=1 are supported")
-        messages = [_as_templates_take_it(message.model_dump(exclude_none=True), i) for i, message in enumerate(body.messages)]
-        pictures: list[Any] = []
-        if any(isinstance(message.get("content"), list) and any(map(_is_image_part, message["content"])) for message in messages):
-            # decoding images takes a while: off the event loop, which serves every request
-            messages, pictures = await asyncio.to_thread(split_message_images, messages)
-        processed = await images.process(pictures, "messages' images")
-        try:
-            prompt = list(
-                tokenizer.apply_chat_template(messages, tools=body.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
-            )
-        except Exception as error:  # the template's own checks (jinja raise_exception, bad tool schemas): the client's input
-            raise ValueError(f"the chat template cannot render these messages: {type(error).__name__}: {error}") from error
-        prompt = images.expand(prompt, processed, "the rendered messages")
-        params = {"temperature": body.temperature, "top_p": body.top_p}
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        if max_tokens:
-            params["max_new_tokens"] = max_tokens
+        prompt, processed = await render_prompt(body, tokenizer, images)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         # a weight push mid-request interrupts it: continued here, as the router does, since an OpenAI client
         # cannot resume a cut-off message
         async with admission.admitted(request_id):
             output, versions, _ = await generate_continued(
-                lambda ids, more: server.generate(ids, more, request_id, images=processed or None), prompt, params
+                lambda ids, more: server.generate(ids, more, request_id, images=processed or None), prompt, engine_params(body)
             )
-        ids = output.token_ids[:-1] if output.finish_reason == "stop" else output.token_ids
-        reasoning, visible = split_reasoning(
-            tokenizer.decode(ids, skip_special_tokens=False), opened=prompt_opens_reasoning(tokenizer, prompt)
-        )
-        content, calls = parse_tool_calls(visible) if body.tools else (visible, [])
-        if any(call.error is not None for call in calls):  # the client sees what the model wrote, as vLLM's does
-            content, calls = visible, []
-        tool_calls = [_tool_call(call.name, call.arguments) for call in calls]
-        # a reply cut short says so: "abort" as SGLang's OpenAI front reports it, or "length"
-        finish = {"abort": "abort", "length": "length"}.get(output.finish_reason, "tool_calls" if tool_calls else "stop")
-        logprobs = [
-            {"token": tokenizer.decode([token]), "logprob": lp, "bytes": spell(token), "top_logprobs": []}
-            for token, lp in zip(output.token_ids, output.log_probs)
-        ]
+        choice = completion_choice(output, prompt, tokenizer, parse_tool_calls if body.tools else None, spell)
         return {
             "id": request_id,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.model or model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": content if (content or not tool_calls) else None,
-                        "reasoning_content": reasoning,
-                        "tool_calls": tool_calls or None,
-                    },
-                    "finish_reason": finish,
-                    "logprobs": {"content": logprobs},
-                    # exact tokens for training: what was sampled, with the engine's logprobs
-                    "token_ids": output.token_ids,
-                }
-            ],
+            "choices": [choice],
             "usage": {
                 "prompt_tokens": len(prompt),
                 "completion_tokens": len(output.token_ids),
@@ -176,6 +133,70 @@ def chat_routes(
         }
 
     return router
+
+
+async def render_prompt(
+    body: ChatBody, tokenizer: PreTrainedTokenizerBase, images: ServerImages
+) -> tuple[list[int], list[ProcessedImage]]:
+    """The request's messages through the chat template: the prompt's ids, each image's pad widened to its
+    tokens, and the processed images in order. ValueError for messages or images the server cannot take."""
+    messages = [_as_templates_take_it(message.model_dump(exclude_none=True), i) for i, message in enumerate(body.messages)]
+    pictures: list[Any] = []
+    if any(isinstance(message.get("content"), list) and any(map(_is_image_part, message["content"])) for message in messages):
+        # decoding images takes a while: off the event loop, which serves every request
+        messages, pictures = await asyncio.to_thread(split_message_images, messages)
+    processed = await images.process(pictures, "messages' images")
+    try:
+        prompt = list(
+            tokenizer.apply_chat_template(messages, tools=body.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+    except Exception as error:  # the template's own checks (jinja raise_exception, bad tool schemas): the client's input
+        raise ValueError(f"the chat template cannot render these messages: {type(error).__name__}: {error}") from error
+    return images.expand(prompt, processed, "the rendered messages"), processed
+
+
+def engine_params(body: ChatBody) -> dict[str, Any]:
+    """The request's sampling settings as the engine's params."""
+    params: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p}
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens:
+        params["max_new_tokens"] = max_tokens
+    return params
+
+
+def completion_choice(
+    output: TokenOutput, prompt: list[int], tokenizer: PreTrainedTokenizerBase, parse_tool_calls: Parser | None,
+    spell: Callable[[int], list[int] | None],
+) -> dict[str, Any]:
+    """The completion's one choice: the reply split into reasoning, content and tool calls (``parse_tool_calls``:
+    None when the request offered no tools), why it ended, and its exact tokens with their logprobs."""
+    ids = output.token_ids[:-1] if output.finish_reason == "stop" else output.token_ids
+    reasoning, visible = split_reasoning(
+        tokenizer.decode(ids, skip_special_tokens=False), opened=prompt_opens_reasoning(tokenizer, prompt)
+    )
+    content, calls = parse_tool_calls(visible) if parse_tool_calls else (visible, [])
+    if any(call.error is not None for call in calls):  # the client sees what the model wrote, as vLLM's does
+        content, calls = visible, []
+    tool_calls = [_tool_call(call.name, call.arguments) for call in calls]
+    # a reply cut short says so: "abort" as SGLang's OpenAI front reports it, or "length"
+    finish = {"abort": "abort", "length": "length"}.get(output.finish_reason, "tool_calls" if tool_calls else "stop")
+    logprobs = [
+        {"token": tokenizer.decode([token]), "logprob": lp, "bytes": spell(token), "top_logprobs": []}
+        for token, lp in zip(output.token_ids, output.log_probs)
+    ]
+    return {
+        "index": 0,
+        "message": {
+            "role": "assistant",
+            "content": content if (content or not tool_calls) else None,
+            "reasoning_content": reasoning,
+            "tool_calls": tool_calls or None,
+        },
+        "finish_reason": finish,
+        "logprobs": {"content": logprobs},
+        # exact tokens for training: what was sampled, with the engine's logprobs
+        "token_ids": output.token_ids,
+    }
 
 
 def token_bytes(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], list[int] | None]:

@@ -195,6 +195,16 @@ def native_routes(
     router = APIRouter()
     images = images or ServerImages(None, tokenizer)
     admission = admission or Admission()
+    add_generation_routes(router, server, tokenizer, images, admission)
+    add_admission_routes(router, server, admission)
+    add_weight_and_memory_routes(router, server)
+    return router
+
+
+def add_generation_routes(
+    router: APIRouter, server: Any, tokenizer: PreTrainedTokenizerBase, images: ServerImages, admission: Admission
+) -> None:
+    """``/health_generate`` and token-in/token-out ``/generate``, admitted through ``admission``."""
 
     @router.get("/health_generate")
     async def health_generate() -> dict[str, str]:
@@ -228,6 +238,10 @@ def native_routes(
             meta["output_token_logprobs"] = [[lp, token, None] for lp, token in zip(output.log_probs, output.token_ids)]
         return {"text": tokenizer.decode(output.token_ids, skip_special_tokens=True), "output_ids": output.token_ids, "meta_info": meta}
 
+
+def add_admission_routes(router: APIRouter, server: Any, admission: Admission) -> None:
+    """``/abort_request``, and ``/pause_generation`` and ``/continue_generation``, which close and open the gate."""
+
     @router.post("/abort_request")
     async def abort_request(body: AbortBody) -> JSONResponse:
         if body.abort_all:
@@ -252,7 +266,10 @@ def native_routes(
         admission.open.set()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    # Weight and memory control in SGLang's shapes, so the sglang backend's client can drive this server.
+
+def add_weight_and_memory_routes(router: APIRouter, server: Any) -> None:
+    """Weight, cache and memory control in SGLang's shapes, so the sglang backend's client can drive this server."""
+
     @router.post("/begin_weight_update")
     @router.post("/end_weight_update")
     async def weight_update_session() -> dict[str, Any]:
@@ -282,5 +299,3 @@ def native_routes(
     async def resume_memory_occupation() -> dict[str, Any]:
         await server.wake_up()
         return {"success": True}
-
-    return router
