@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from agentloop.server.engine import EngineAsleep
 from agentloop.server.hf_batching import inverse_cdf_sample
 from agentloop.server.hf_engine import HFEngine
 
@@ -148,6 +149,24 @@ def test_waking_up_does_not_replay_the_samples_of_before(engine):
     run(engine.sleep())
     run(engine.wake_up())
     assert run(engine.generate(PROMPT, params, "rng-2")).token_ids != before
+
+
+def test_an_engine_whose_manager_cannot_start_again_is_broken_not_asleep(model_path):
+    engine = HFEngine(model_path, device="cpu", num_blocks=64, seed=0)
+    try:
+        run(engine.sleep())
+        engine._cb_config["page_size"] = 0  # a KV cache transformers refuses to build: the wake-up cannot start a manager
+        with pytest.raises(ValueError, match="page_size must be at least"):
+            run(engine.wake_up())
+        assert not engine.is_sleeping
+        # asleep would say "call wake_up()"; broken names the failure and that only a new server serves again
+        for call in (lambda: engine.generate(PROMPT, {"max_new_tokens": 2}, "after"), engine.wake_up):
+            with pytest.raises(RuntimeError, match=r"broken.*ValueError: page_size must be at least.*replace") as raised:
+                run(call())
+            assert not isinstance(raised.value, EngineAsleep) and "call wake_up()" not in str(raised.value)
+        assert engine.num_in_flight == 0
+    finally:
+        run(engine.shutdown())
 
 
 def test_update_weights_rejects_wrong_names_and_shapes(engine):

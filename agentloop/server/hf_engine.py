@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -26,7 +25,8 @@ from agentloop.models.loading import is_vision_language, model_class, vision_tok
 from agentloop.protocol import FinishReason, TokenOutput, finish_reason_of, id_list, validate_prompt, validate_sampling_params
 from agentloop.server import hf_batching, hf_self_test, hf_varlen
 from agentloop.server.engine import EngineAsleep
-from agentloop.server.hf_batching import ContinuousBatchingConfig, GenerationOutput, RequestStatus
+from agentloop.server.hf_batching import ContinuousBatchingConfig
+from agentloop.server.hf_state import EngineState, Request
 from agentloop.server.hf_vision import ImageLane
 
 logger = logging.getLogger(__name__)
@@ -80,11 +80,9 @@ class HFEngine:
         self._cb_config = dict(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
         self._seed, self._starts = seed, itertools.count()
         self._request_counter = itertools.count()
-        self._pending: dict[str, asyncio.Future[TokenOutput]] = {}
-        self._limits: dict[str, tuple[list[int], int]] = {}  # engine id -> (stop ids, max_new_tokens)
-        self._by_session: dict[str, set[str]] = defaultdict(set)
-        self._cached_tokens: dict[str, int] = {}
+        self._requests: dict[str, Request] = {}  # by engine id: the caller's request id and a counter
         self._manager = None
+        self._state, self._failure = EngineState.ASLEEP, None  # the failure: why a broken engine's manager would not start
         self._watchdog: asyncio.Task | None = None
         hf_self_test.check(self, start=self._start_manager, stop=self._stop_manager)  # a broken release fails here
 
@@ -106,6 +104,15 @@ class HFEngine:
     # ------------------------------------------------------------------ lifecycle
 
     def _start_manager(self) -> None:
+        """Build and start a batching manager: the engine serves, or is broken (and says why) when that fails."""
+        try:
+            manager = self._new_manager()
+        except Exception as error:
+            self._state, self._failure = EngineState.BROKEN, error
+            raise
+        self._manager, self._state = manager, EngineState.SERVING
+
+    def _new_manager(self) -> Any:
         # Per-request temperature/top-k/top-p processors exist only when the generation config sets
         # non-neutral defaults at creation; every request then passes its own values explicitly.
         generation_config = GenerationConfig(
@@ -130,22 +137,36 @@ class HFEngine:
         manager = self.model.init_continuous_batching(generation_config=generation_config, continuous_batching_config=cb_config)
         if self._varlen:  # before start(): the manager's thread decides then whether to build dense masks
             self.model.set_attn_implementation(hf_varlen.NAME)
-        hf_batching.observe_prefix_hits(manager, self._cached_tokens.__setitem__)
+        hf_batching.observe_prefix_hits(manager, self._record_prefix_hit)
         hf_batching.skip_neutral_warpers(manager)
         hf_batching.sample_by_inverse_cdf(manager)
         manager.start()
-        self._manager = manager
+        return manager
+
+    def _record_prefix_hit(self, engine_id: str, matched_tokens: int) -> None:  # on the manager's thread
+        if (request := self._requests.get(engine_id)) is not None:
+            request.cached_tokens = matched_tokens
 
     def _stop_manager(self, interrupt: bool = False) -> None:
         """Stop the batching loop; its requests end with the tokens and logprobs they have so far: ``abort``, or
         with ``interrupt`` (new weights are coming) ``interrupted``."""
         if self._manager is None:
             return
-        partial = hf_batching.partial_outputs(self._manager, list(self._pending))
-        for engine_id in list(self._pending):
+        partial = hf_batching.partial_outputs(self._manager, list(self._requests))
+        for engine_id in list(self._requests):
             self._answer_unfinished(engine_id, partial.get(engine_id, ([], [])), "interrupted" if interrupt else "abort")
         self._manager.stop(block=True, timeout=30, keep_for_next_session=False, hard_stop=True)
-        self._manager = None  # (transformers' stop empties the accelerator's cache)
+        self._manager, self._state = None, EngineState.ASLEEP  # (transformers' stop empties the accelerator's cache)
+
+    def _check_serving(self) -> None:
+        """Raise why the engine cannot serve, if it cannot: asleep, it wakes up; broken, it must be replaced."""
+        if self._state is EngineState.ASLEEP:
+            raise EngineAsleep("engine is asleep: call wake_up() before generate()")
+        if self._state is EngineState.BROKEN:
+            raise RuntimeError(
+                f"engine is broken: starting its continuous-batching manager failed with {type(self._failure).__name__}: "
+                f"{self._failure}. wake_up() cannot revive it: replace or restart the rollout server"
+            ) from self._failure
 
     # ------------------------------------------------------------------ generation
 
@@ -154,8 +175,7 @@ class HFEngine:
     ) -> TokenOutput:
         """Generate from exact prompt ids (with ``images``: one image's pads each, expanded); return the sampled
         ids, their logprobs and why it stopped."""
-        if self._manager is None:
-            raise EngineAsleep("engine is asleep: call wake_up() before generate()")
+        self._check_serving()
         params = validate_sampling_params(sampling_params)
         # checked before the request enters the batch: a bad id would fail the batch's forward pass
         prompt_ids = validate_prompt(prompt_ids, int(params["max_new_tokens"]), self.vocab_size, self.max_model_len)
@@ -171,52 +191,38 @@ class HFEngine:
             stop_ids += self.eos_token_ids
         if images:
             return await self._generate_with_images(prompt_ids, images, params, request_id, stop_ids)
+        return await self._generate_batched(prompt_ids, params, request_id, stop_ids)
+
+    async def _generate_batched(
+        self, prompt_ids: list[int], params: dict[str, Any], request_id: str, stop_ids: list[int]
+    ) -> TokenOutput:
+        """One request through the continuous-batching manager."""
         greedy = params["temperature"] == 0
         top_k = self.vocab_size if params["top_k"] == -1 else min(int(params["top_k"]), self.vocab_size)
-        max_new_tokens = int(params["max_new_tokens"])
-
         engine_id = f"{request_id}#{next(self._request_counter)}"
-        future: asyncio.Future[TokenOutput] = asyncio.get_running_loop().create_future()
-        self._pending[engine_id] = future
-        self._limits[engine_id] = (stop_ids, max_new_tokens)
-        self._by_session[request_id].add(engine_id)
-
-        def on_result(output: GenerationOutput) -> None:
-            if future.done():
-                return
-            try:
-                future.set_result(self._to_token_output(output, stop_ids, max_new_tokens))
-            except RuntimeError as error:
-                future.set_exception(error)
-
-        def submit() -> Any:
-            self._manager.register_result_handler(engine_id, on_result)
-            return self._manager.add_request(
+        request = self._requests[engine_id] = Request(request_id, stop_ids, int(params["max_new_tokens"]))
+        try:
+            self._manager.register_result_handler(engine_id, request.take)
+            submitted = self._manager.add_request(
                 input_ids=list(prompt_ids),
                 request_id=engine_id,
-                max_new_tokens=max_new_tokens,
+                max_new_tokens=request.max_new_tokens,
                 eos_token_id=stop_ids or -1,
                 # Greedy is top-1 sampling, so one manager serves greedy and sampled requests alike.
                 temperature=1.0 if greedy else float(params["temperature"]),
                 top_k=1 if greedy else top_k,
                 top_p=1.0 if greedy else float(params["top_p"]),
             )
-
-        try:
-            if submit() is None:
+            if submitted is None:
                 raise RuntimeError("the continuous-batching manager refused the request (it is stopping)")
-            return await self._result(future)
+            return await self._result(request.answer)
         except asyncio.CancelledError:  # its caller went away: free the batch of it too
             if self._manager is not None:
                 self._manager.cancel_request(engine_id)
                 hf_batching.drop_result_handler(self._manager, engine_id)
             raise
         finally:
-            self._pending.pop(engine_id, None)
-            self._limits.pop(engine_id, None)
-            self._by_session[request_id].discard(engine_id)
-            if not self._by_session[request_id]:
-                del self._by_session[request_id]
+            self._requests.pop(engine_id, None)
 
     def _batching_paused(self) -> contextlib.AbstractContextManager:
         """Keeps the batching loop off the model (the image lane's steps run inside it)."""
@@ -240,11 +246,11 @@ class HFEngine:
     async def _watch(self) -> None:
         # The manager's thread can die on an error no check foresaw: its requests would never be answered. One
         # watchdog for all of them, not a timed wait per request (that costs more than the rest of a request here).
-        while self._pending:
+        while self._requests:
             await asyncio.sleep(WATCHDOG_S)
             try:
                 self._restart_if_dead()
-            except Exception:  # its requests have been failed already; the next request tries again
+            except Exception:  # its requests have been failed already; the engine is broken now and says so
                 logger.exception("could not restart the continuous-batching thread")
 
     def _restart_if_dead(self) -> None:
@@ -253,26 +259,18 @@ class HFEngine:
         manager = self._manager
         if manager is None or hf_batching.is_healthy(manager):
             return
-        logger.error("the continuous-batching thread died; failing its %d request(s) and restarting it", len(self._pending))
-        for engine_id, future in list(self._pending.items()):
-            if not future.done():
-                future.set_exception(RuntimeError(f"request {engine_id} failed: the engine's generation thread died"))
+        logger.error("the continuous-batching thread died; failing its %d request(s) and restarting it", len(self._requests))
+        for engine_id, request in list(self._requests.items()):
+            request.fail(RuntimeError(f"request {engine_id} failed: the engine's generation thread died"))
         self._manager = None
         with contextlib.suppress(Exception):  # dead or dying: stopping only waits for it and releases what is left
             manager.stop(block=True, timeout=30)
         self._start_manager()
 
-    def _to_token_output(self, output: GenerationOutput, stop_ids: list[int], max_new_tokens: int) -> TokenOutput:
-        cached = self._cached_tokens.pop(output.request_id, 0)
-        if output.status == RequestStatus.FAILED:
-            raise RuntimeError(f"generation failed in the engine: {output.error}")
-        tokens = list(output.generated_tokens)
-        return TokenOutput(tokens, [float(x) for x in output.logprobs], finish_reason_of(tokens, stop_ids, max_new_tokens, "abort"), cached)
-
     async def abort(self, request_id: str) -> int:
         """Abort every in-flight generation of a session; each returns the tokens it has so far (as SGLang's do)
         with ``finish_reason='abort'``."""
-        engine_ids = list(self._by_session.get(request_id, ()))
+        engine_ids = [engine_id for engine_id, request in self._requests.items() if request.session == request_id]
         partial = hf_batching.partial_outputs(self._manager, engine_ids) if engine_ids else {}
         for engine_id in engine_ids:
             self._manager.cancel_request(engine_id)
@@ -281,20 +279,14 @@ class HFEngine:
 
     def _answer_unfinished(self, engine_id: str, partial: tuple[list[int], list[float]], reason: FinishReason) -> None:
         """Answer a request the manager never will (aborted, or interrupted by a weight update) with its tokens
-        and logprobs so far (``partial``): ``reason``, or ``stop``/``length`` when they already end it (its
-        stop token, or its last token, had just been sampled)."""
+        and logprobs so far (``partial``): ``reason``, unless they already end it."""
         hf_batching.drop_result_handler(self._manager, engine_id)
-        cached = self._cached_tokens.pop(engine_id, 0)
-        future = self._pending.get(engine_id)
-        if future is None or future.done():
-            return
-        tokens, log_probs = partial
-        stop_ids, max_new_tokens = self._limits[engine_id]
-        future.set_result(TokenOutput(tokens, log_probs, finish_reason_of(tokens, stop_ids, max_new_tokens, reason), cached))
+        if (request := self._requests.get(engine_id)) is not None:
+            request.finish(*partial, reason)
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._pending) + (self._lane.num_in_flight if self._lane else 0)
+        return len(self._requests) + (self._lane.num_in_flight if self._lane else 0)
 
     # ------------------------------------------------------------------ weights and memory
 
@@ -346,7 +338,7 @@ class HFEngine:
         ``interrupted`` with their tokens so far, which the router continues under the new weights.
         """
         manager = self._manager
-        if manager is not None and not self._pending and manager.is_running():
+        if manager is not None and not self._requests and manager.is_running():
             with manager.pause():
                 if not hf_batching.has_pending_requests(manager):
                     try:
@@ -385,13 +377,14 @@ class HFEngine:
             self._stop_manager()
 
     async def wake_up(self) -> None:
-        """Allocate a fresh KV cache and resume serving."""
-        if self._manager is None:
+        """Allocate a fresh KV cache and resume serving (a broken engine says why it cannot)."""
+        if self._state is EngineState.ASLEEP:
             self._start_manager()
+        self._check_serving()
 
     @property
     def is_sleeping(self) -> bool:
-        return self._manager is None
+        return self._state is EngineState.ASLEEP
 
     async def shutdown(self) -> None:
         async with self._lane_paused(abort=True):
