@@ -132,9 +132,9 @@ def test_update_while_idle_drops_cached_prefixes_and_serves_the_new_weights(engi
     with torch.no_grad():
         for tensor in model.state_dict().values():
             tensor.add_(0.1 * torch.randn_like(tensor))
-    manager = engine._manager
+    manager = engine._batcher
     run(engine.update_weights(model.state_dict()))
-    assert engine._manager is manager, "an idle engine is updated in place, without restarting its batching loop"
+    assert engine._batcher is manager, "an idle engine is updated in place, without restarting its batching loop"
     # KV cached under the old weights would be stale: nothing may be reused, and logprobs follow the new model
     output = run(engine.generate(PROMPT, params, "cache-3"))
     assert output.cached_tokens == 0
@@ -204,7 +204,7 @@ def test_bad_prompts_fail_alone_and_a_dead_generation_thread_is_replaced(engine)
 
     # a thread that dies without failing its requests (an exception transformers' loop does not catch): the
     # engine's watchdog fails them within a second or so, and the next request gets a fresh thread
-    processor = engine._manager.batch_processor
+    processor = engine._batcher.batch_processor
     prepare = processor.prepare_next_batch
 
     def dies_with_a_request_in_hand() -> bool:
@@ -285,7 +285,7 @@ def test_a_request_the_cache_soft_reset_keeps_all_its_tokens_when_new_weights_in
     params = {"max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True}
 
     def soft_reset_and_generating() -> bool:
-        processor = engine._manager.batch_processor  # built by the batching thread once it starts
+        processor = engine._batcher.batch_processor  # built by the batching thread once it starts
         requests = list(processor.scheduler.active_requests.values()) if processor is not None else []
         return any(state._true_initial_tokens and state.generated_tokens for state in requests)
 

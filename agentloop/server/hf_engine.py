@@ -81,10 +81,10 @@ class HFEngine:
         self._seed, self._starts = seed, itertools.count()
         self._request_counter = itertools.count()
         self._requests: dict[str, Request] = {}  # by engine id: the caller's request id and a counter
-        self._manager = None
+        self._batcher = None
         self._state, self._failure = EngineState.ASLEEP, None  # the failure: why a broken engine's manager would not start
         self._watchdog: asyncio.Task | None = None
-        hf_self_test.check(self, start=self._start_manager, stop=self._stop_manager)  # a broken release fails here
+        hf_self_test.check(self, start=self._start_batcher, stop=self._stop_batcher)  # a broken release fails here
 
     @classmethod
     def from_config(cls, config: DictConfig, rank: int) -> HFEngine:
@@ -103,16 +103,16 @@ class HFEngine:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _start_manager(self) -> None:
+    def _start_batcher(self) -> None:
         """Build and start a batching manager: the engine serves, or is broken (and says why) when that fails."""
         try:
-            manager = self._new_manager()
+            manager = self._new_batcher()
         except Exception as error:
             self._state, self._failure = EngineState.BROKEN, error
             raise
-        self._manager, self._state = manager, EngineState.SERVING
+        self._batcher, self._state = manager, EngineState.SERVING
 
-    def _new_manager(self) -> Any:
+    def _new_batcher(self) -> Any:
         # Per-request temperature/top-k/top-p processors exist only when the generation config sets
         # non-neutral defaults at creation; every request then passes its own values explicitly.
         generation_config = GenerationConfig(
@@ -147,16 +147,16 @@ class HFEngine:
         if (request := self._requests.get(engine_id)) is not None:
             request.cached_tokens = matched_tokens
 
-    def _stop_manager(self, interrupt: bool = False) -> None:
+    def _stop_batcher(self, interrupt: bool = False) -> None:
         """Stop the batching loop; its requests end with the tokens and logprobs they have so far: ``abort``, or
         with ``interrupt`` (new weights are coming) ``interrupted``."""
-        if self._manager is None:
+        if self._batcher is None:
             return
-        partial = hf_batching.partial_outputs(self._manager, list(self._requests))
+        partial = hf_batching.partial_outputs(self._batcher, list(self._requests))
         for engine_id in list(self._requests):
             self._answer_unfinished(engine_id, partial.get(engine_id, ([], [])), "interrupted" if interrupt else "abort")
-        self._manager.stop(block=True, timeout=30, keep_for_next_session=False, hard_stop=True)
-        self._manager, self._state = None, EngineState.ASLEEP  # (transformers' stop empties the accelerator's cache)
+        self._batcher.stop(block=True, timeout=30, keep_for_next_session=False, hard_stop=True)
+        self._batcher, self._state = None, EngineState.ASLEEP  # (transformers' stop empties the accelerator's cache)
 
     def _check_serving(self) -> None:
         """Raise why the engine cannot serve, if it cannot: asleep, it wakes up; broken, it must be replaced."""
@@ -202,8 +202,8 @@ class HFEngine:
         engine_id = f"{request_id}#{next(self._request_counter)}"
         request = self._requests[engine_id] = Request(request_id, stop_ids, int(params["max_new_tokens"]))
         try:
-            self._manager.register_result_handler(engine_id, request.take)
-            submitted = self._manager.add_request(
+            self._batcher.register_result_handler(engine_id, request.take)
+            submitted = self._batcher.add_request(
                 input_ids=list(prompt_ids),
                 request_id=engine_id,
                 max_new_tokens=request.max_new_tokens,
@@ -217,16 +217,16 @@ class HFEngine:
                 raise RuntimeError("the continuous-batching manager refused the request (it is stopping)")
             return await self._result(request.answer)
         except asyncio.CancelledError:  # its caller went away: free the batch of it too
-            if self._manager is not None:
-                self._manager.cancel_request(engine_id)
-                hf_batching.drop_result_handler(self._manager, engine_id)
+            if self._batcher is not None:
+                self._batcher.cancel_request(engine_id)
+                hf_batching.drop_result_handler(self._batcher, engine_id)
             raise
         finally:
             self._requests.pop(engine_id, None)
 
     def _batching_paused(self) -> contextlib.AbstractContextManager:
         """Keeps the batching loop off the model (the image lane's steps run inside it)."""
-        manager = self._manager
+        manager = self._batcher
         return manager.pause() if manager is not None and manager.is_running() else contextlib.nullcontext()
 
     async def _generate_with_images(
@@ -256,31 +256,31 @@ class HFEngine:
     def _restart_if_dead(self) -> None:
         """Fail the requests of a manager whose generation thread died (or met a fatal error and is stopping),
         and start a fresh one."""
-        manager = self._manager
+        manager = self._batcher
         if manager is None or hf_batching.is_healthy(manager):
             return
         logger.error("the continuous-batching thread died; failing its %d request(s) and restarting it", len(self._requests))
         for engine_id, request in list(self._requests.items()):
             request.fail(RuntimeError(f"request {engine_id} failed: the engine's generation thread died"))
-        self._manager = None
+        self._batcher = None
         with contextlib.suppress(Exception):  # dead or dying: stopping only waits for it and releases what is left
             manager.stop(block=True, timeout=30)
-        self._start_manager()
+        self._start_batcher()
 
     async def abort(self, request_id: str) -> int:
         """Abort every in-flight generation of a session; each returns the tokens it has so far (as SGLang's do)
         with ``finish_reason='abort'``."""
         engine_ids = [engine_id for engine_id, request in self._requests.items() if request.session == request_id]
-        partial = hf_batching.partial_outputs(self._manager, engine_ids) if engine_ids else {}
+        partial = hf_batching.partial_outputs(self._batcher, engine_ids) if engine_ids else {}
         for engine_id in engine_ids:
-            self._manager.cancel_request(engine_id)
+            self._batcher.cancel_request(engine_id)
             self._answer_unfinished(engine_id, partial.get(engine_id, ([], [])), "abort")
         return len(engine_ids) + (self._lane.abort(request_id) if self._lane else 0)
 
     def _answer_unfinished(self, engine_id: str, partial: tuple[list[int], list[float]], reason: FinishReason) -> None:
         """Answer a request the manager never will (aborted, or interrupted by a weight update) with its tokens
         and logprobs so far (``partial``): ``reason``, unless they already end it."""
-        hf_batching.drop_result_handler(self._manager, engine_id)
+        hf_batching.drop_result_handler(self._batcher, engine_id)
         if (request := self._requests.get(engine_id)) is not None:
             request.finish(*partial, reason)
 
@@ -337,7 +337,7 @@ class HFEngine:
         manager is restarted, which ends them: ``abort``, or with ``interrupt`` (a weight update)
         ``interrupted`` with their tokens so far, which the router continues under the new weights.
         """
-        manager = self._manager
+        manager = self._batcher
         if manager is not None and not self._requests and manager.is_running():
             with manager.pause():
                 if not hf_batching.has_pending_requests(manager):
@@ -347,12 +347,12 @@ class HFEngine:
                         hf_batching.evict_cached_blocks(manager)
                     return
         was_awake = manager is not None
-        self._stop_manager(interrupt)
+        self._stop_batcher(interrupt)
         try:
             yield
         finally:
             if was_awake:
-                self._start_manager()
+                self._start_batcher()
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Load the ``*.safetensors`` of a checkpoint directory in place (prefix cache flushed)."""
@@ -374,12 +374,12 @@ class HFEngine:
     async def sleep(self) -> None:
         """Free the KV cache (aborting in-flight requests); weights stay loaded."""
         async with self._lane_paused(abort=True):
-            self._stop_manager()
+            self._stop_batcher()
 
     async def wake_up(self) -> None:
         """Allocate a fresh KV cache and resume serving (a broken engine says why it cannot)."""
         if self._state is EngineState.ASLEEP:
-            self._start_manager()
+            self._start_batcher()
         self._check_serving()
 
     @property
@@ -388,4 +388,4 @@ class HFEngine:
 
     async def shutdown(self) -> None:
         async with self._lane_paused(abort=True):
-            self._stop_manager()
+            self._stop_batcher()

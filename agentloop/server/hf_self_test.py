@@ -99,7 +99,7 @@ async def _exercise(engine: Any) -> None:
     for prompt, output, params in checks:
         _compare(engine, prompt, output, params)
     with engine._batching_paused():
-        hf_batching.evict_cached_blocks(engine._manager)  # the served engine starts with an empty prefix cache
+        hf_batching.evict_cached_blocks(engine._batcher)  # the served engine starts with an empty prefix cache
 
 
 def _prompts(engine: Any, lengths: list[int]) -> list[list[int]]:
@@ -121,7 +121,7 @@ async def _aborted(engine: Any, prompt: list[int], params: dict) -> TokenOutput:
     if output.finish_reason not in ("abort", "length"):
         raise AssertionError(f"an aborted request ended with finish_reason {output.finish_reason!r}")
     deadline = time.monotonic() + 30
-    while hf_batching.has_pending_requests(engine._manager):
+    while hf_batching.has_pending_requests(engine._batcher):
         if time.monotonic() > deadline:
             raise AssertionError("an aborted request was still in the batch 30 s later")
         await asyncio.sleep(0.01)
