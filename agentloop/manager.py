@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import time
 import uuid
 from typing import Any, Iterator, Mapping
 
-import numpy as np
 import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
-from ray.exceptions import RayActorError
 
 from agentloop.batch import RolloutBatch
 from agentloop.metrics import rollout_metrics
@@ -23,17 +19,15 @@ from agentloop.router import RouterStats
 from agentloop.rows import check_row, verl_row_fields
 from agentloop.server_pool import ServerPool
 from agentloop.server.weights import PackedWeights
-from agentloop.streaming import GroupStream
-from agentloop.waiting import wait_for
-from agentloop.worker import AgentLoopWorker
+from agentloop.streaming import GroupStream, Prepared
+from agentloop.worker_pool import WorkerPool
 
 ROW_FIELDS = ("prompt", "agent_name", "data_source", "reward_model", "extra_info")
 
-logger = logging.getLogger(__name__)
-
 
 class AgentLoopManager:
-    """Data-parallel rollout servers plus ``agent.num_workers`` workers on the current Ray cluster.
+    """Data-parallel rollout servers (``pool``) plus ``agent.num_workers`` workers (``workers``) on the current Ray
+    cluster.
 
     Starts a local Ray instance when none is connected; to use a cluster, call
     ``ray.init(address=...)`` first. ``server_addresses`` lists each server's HTTP base URL
@@ -52,14 +46,13 @@ class AgentLoopManager:
         self.default_agent_loop = default_agent_loop(self.rollout)
         check_agent_names({self.default_agent_loop}, self._agent_loops())
 
-        self._workers_lock = threading.RLock()  # the stream's thread and the caller's both replace dead workers
-        self.pool = ServerPool(config, self._give_workers)
-        self.worker_restarts = 0
+        # a replacement server is handed to every worker (the workers start second: they are given the servers)
+        self.pool = ServerPool(config, lambda rank, server: self.workers.give_server(rank, server))
         # the workers load their tokenizers while the servers load their engines
-        self.workers = [self._start_worker() for _ in range(int(self.rollout.agent.num_workers))]
+        self.workers = WorkerPool(config, self.pool)
         try:
             self.pool.wait_until_serving()
-            wait_for([worker.__ray_ready__.remote() for worker in self.workers], timeout, "agent loop workers to start")
+            self.workers.wait_until_ready(timeout)
         except BaseException:  # a server or worker that failed to start: none of them is left running
             self.shutdown(graceful=False)
             raise
@@ -74,25 +67,6 @@ class AgentLoopManager:
         """Each server's HTTP base URL (``rollout.http``; empty when off)."""
         return self.pool.addresses
 
-    def _start_worker(self) -> ray.actor.ActorHandle:
-        return AgentLoopWorker.options(num_cpus=0).remote(self.config, self.servers)
-
-    def replace_worker(self, index: int, dead: ray.actor.ActorHandle) -> ray.actor.ActorHandle:
-        """Worker ``index``'s successor: started now if ``dead`` (the handle that failed) still holds the slot,
-        else the one another thread started for it (the stream and a validation rollout may both see it die)."""
-        with self._workers_lock:
-            if self.workers[index] is dead:
-                self.workers[index] = self._start_worker()
-                self.worker_restarts += 1
-            return self.workers[index]
-
-    def _give_workers(self, rank: int, server: ray.actor.ActorHandle) -> None:
-        # a replacement server is handed to every router; a worker that died meanwhile is replaced later, and a
-        # successor being started meanwhile reads the new server list (the lock orders the two)
-        with self._workers_lock:
-            for worker in self.workers:
-                worker.replace_server.remote(rank, server)
-
     # ------------------------------------------------------------------ rollout
 
     def generate_sequences(self, rows: list[dict[str, Any]], validate: bool = False) -> RolloutBatch:
@@ -105,21 +79,21 @@ class AgentLoopManager:
         """
         if not rows:
             raise ValueError("generate_sequences needs at least one row")
-        samples, agent_loops, params = self.prepare(rows, validate)
+        samples, agent_loops, params = self._prepare(rows, validate)
 
         self.pool.check()  # a server that died since the last call is replaced before this one starts
         start = time.perf_counter()
-        chunks = [[samples[i] for i in chunk] for chunk in np.array_split(np.arange(len(samples)), min(len(self.workers), len(samples)))]
         # Each trajectory's turns are individually bounded by request_timeout_s; the batch as a whole
         # is bounded by generate_timeout_s.
-        parts = self._run_chunks(chunks, params, agent_loops, time.monotonic() + float(self.rollout.generate_timeout_s))
+        deadline = time.monotonic() + float(self.rollout.generate_timeout_s)
+        parts = self.workers.run_chunks(self.workers.split(samples), params, agent_loops, deadline)
         stats = RouterStats.merge([part_stats for _, part_stats in parts])
         # servers that died or hung during the rollout (their sessions were re-homed) are replaced now
         self.pool.check(unhealthy=stats.unhealthy_ranks)
         elapsed = time.perf_counter() - start
-        return self.finish_batch(RolloutBatch.concat([part for part, _ in parts]), stats, elapsed)
+        return self._finish_batch(RolloutBatch.concat([part for part, _ in parts]), stats, elapsed)
 
-    def finish_batch(self, batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -> RolloutBatch:
+    def _finish_batch(self, batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -> RolloutBatch:
         """Fail on too many failed samples (``_check_failures``), else give ``batch`` its rollout metrics and the
         supervision so far (cumulative: replaced and given-up servers, replaced workers)."""
         self._check_failures(batch)
@@ -127,11 +101,11 @@ class AgentLoopManager:
             **rollout_metrics(batch, stats, elapsed_s),
             "supervision/server_restarts": sum(event.kind == "restarted" for event in self.pool.events),
             "supervision/servers_given_up": len(self.pool.given_up),
-            "supervision/worker_restarts": self.worker_restarts,
+            "supervision/worker_restarts": self.workers.restarts,
         }
         return batch
 
-    def prepare(self, rows: list[dict[str, Any]], validate: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    def _prepare(self, rows: list[dict[str, Any]], validate: bool = False) -> Prepared:
         """Rows checked and expanded into samples (``n`` per row, consecutive, one ``uid`` each), the specs of the
         agent loops they name, and the sampling params."""
         samples = self._expand(rows, validate)
@@ -144,7 +118,9 @@ class AgentLoopManager:
     def stream(self, steps: Iterator[list[dict[str, Any]]], groups_per_batch: int, max_staleness: int, capacity: int, version: int = 0) -> GroupStream:
         """Roll out continuously: each item of ``steps`` is one training step's rows; finished GRPO groups wait
         in a bounded buffer for ``GroupStream.take`` (see ``agentloop.streaming``)."""
-        return GroupStream(self, steps, groups_per_batch, max_staleness, capacity, version)
+        return GroupStream(
+            self.workers, self.pool, self._prepare, self._finish_batch, steps, groups_per_batch, max_staleness, capacity, version
+        )
 
     def _check_failures(self, batch: RolloutBatch) -> None:
         """Raise with the first traceback when more than ``rollout.max_failed_sample_ratio`` of the samples failed."""
@@ -155,41 +131,6 @@ class AgentLoopManager:
                 f"{len(failures)} of {len(batch)} samples failed, more than actor_rollout_ref.rollout.max_failed_sample_ratio"
                 f"={limit:g} allows; the first failure:\n{failures[0]['traceback']}"
             )
-
-    def _run_chunks(
-        self, chunks: list[list[dict[str, Any]]], sampling_params: dict[str, Any], agent_loops: dict[str, Any], deadline: float
-    ) -> list[tuple[RolloutBatch, RouterStats]]:
-        """Each chunk on its worker; a worker that dies has its chunk rerun on a replacement (twice at most)."""
-        used: dict[int, ray.actor.ActorHandle] = {}  # the worker each chunk was last sent to
-
-        def submit(index: int) -> ray.ObjectRef:
-            used[index] = self.workers[index]
-            return used[index].generate_sequences.remote(chunks[index], sampling_params, agent_loops)
-
-        pending = {submit(index): index for index in range(len(chunks))}
-        results: dict[int, tuple[RolloutBatch, RouterStats]] = {}
-        reruns = 0
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                for ref in pending:
-                    ray.cancel(ref)
-                total = sum(len(chunk) for chunk in chunks)
-                raise TimeoutError(
-                    f"timed out after {self.rollout.generate_timeout_s}s waiting for {total} trajectories to finish "
-                    "(actor_rollout_ref.rollout.generate_timeout_s)"
-                )
-            index = pending.pop(ready[0])
-            try:
-                results[index] = ray.get(ready[0])
-            except RayActorError as error:
-                reruns += 1
-                if reruns > 2 * len(chunks):
-                    raise
-                logger.warning("agent-loop worker %d died (%s); rerunning its %d samples on a replacement", index, error, len(chunks[index]))
-                self.replace_worker(index, used[index])
-                pending[submit(index)] = index
-        return [results[index] for index in range(len(chunks))]
 
     def _agent_loops(self) -> dict[str, dict[str, Any]]:
         # Resolved per call, so loops registered after the manager started are found too.
@@ -242,8 +183,7 @@ class AgentLoopManager:
     def shutdown(self, graceful: bool = True) -> None:
         """Stop workers and servers and release their resources (a server's engine is asked to stop first, when
         ``graceful``)."""
-        for worker in self.workers:
-            ray.kill(worker)
+        self.workers.shutdown()
         self.pool.shutdown(graceful)
 
 

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import ray
 import torch
@@ -33,11 +33,17 @@ from ray.exceptions import RayActorError
 
 from agentloop.batch import RolloutBatch, object_array
 from agentloop.router import RouterStats
+from agentloop.server_pool import ServerPool
+from agentloop.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how long a worker holds a poll for finished groups
 MAX_GROUP_RESTARTS = 2  # a group whose worker dies more often than this is taken to be what kills it
+
+# Rows prepared for the workers: their samples (a row's ``n`` consecutive, sharing a ``uid``), the specs of the
+# agent loops they name, and the sampling params.
+Prepared = tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]
 
 
 @dataclass
@@ -58,13 +64,16 @@ class Group:
 class GroupStream:
     """Continuous rollouts over a manager's workers (``AgentLoopManager.stream`` builds one).
 
-    ``steps`` yields one training step's rows at a time; ``take`` returns the next ``groups_per_batch``-sized
-    batch of finished groups; ``set_version`` tells the stream which policy the servers hold.
+    ``steps`` yields one training step's rows at a time, which ``prepare`` turns into samples; ``take`` returns
+    the next ``groups_per_batch``-sized batch of finished groups, given its failure check and metrics by
+    ``finish_batch(batch, stats, elapsed_s)``; ``set_version`` tells the stream which policy the servers hold.
+    A dead worker is replaced through ``workers``, a dead server through ``servers``.
     """
 
     def __init__(
-        self, manager: Any, steps: Iterator[list[dict[str, Any]]], groups_per_batch: int, max_staleness: int,
-        capacity: int, version: int = 0,
+        self, workers: WorkerPool, servers: ServerPool, prepare: Callable[[list[dict[str, Any]]], Prepared],
+        finish_batch: Callable[[RolloutBatch, RouterStats, float], RolloutBatch], steps: Iterator[list[dict[str, Any]]],
+        groups_per_batch: int, max_staleness: int, capacity: int, version: int = 0,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
@@ -73,7 +82,10 @@ class GroupStream:
                 f"a stream buffer of {capacity} groups cannot hold one batch of {groups_per_batch} groups "
                 "(async_training.buffer_groups must be at least data.train_batch_size)"
             )
-        self.manager = manager
+        self.workers = workers
+        self.servers = servers
+        self._prepare = prepare
+        self._finish_batch = finish_batch
         self.groups_per_batch = groups_per_batch
         self.max_staleness = max_staleness
         self.capacity = capacity
@@ -102,7 +114,7 @@ class GroupStream:
     def take(self, min_version: int, timeout_s: float) -> RolloutBatch:
         """The next batch: ``groups_per_batch`` finished groups, in the order they finished, none with a token
         older than ``min_version`` (older ones are dropped and regenerated); waits up to ``timeout_s``."""
-        self.manager.pool.check()  # a server that died is replaced (its sessions were re-homed already)
+        self.servers.check()  # a server that died is replaced (its sessions were re-homed already)
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
@@ -125,7 +137,7 @@ class GroupStream:
             buffered = len(self._buffer)
             self._changed.notify_all()
         now = time.perf_counter()
-        batch = self.manager.finish_batch(RolloutBatch.concat([group_batch for _, group_batch in taken]), stats, now - self._last_take)
+        batch = self._finish_batch(RolloutBatch.concat([group_batch for _, group_batch in taken]), stats, now - self._last_take)
         batch.meta_info.update({"async/regenerated_groups": regenerated, "async/buffered_groups": buffered})
         self._last_take = now
         return batch
@@ -172,7 +184,7 @@ class GroupStream:
             self._changed.notify_all()
         self._thread.join(timeout_s)
         with contextlib.suppress(Exception):
-            ray.get([worker.cancel_groups.remote() for worker in self.manager.workers], timeout=timeout_s)
+            ray.get([worker.cancel_groups.remote() for worker in self.workers.handles], timeout=timeout_s)
 
     # ------------------------------------------------------------------ the thread
 
@@ -183,7 +195,7 @@ class GroupStream:
                 self._start_groups()
                 busy = {group.worker for group in self._in_flight.values()} - {index for index, _ in polls.values()}
                 for index in busy:
-                    worker = self.manager.workers[index]
+                    worker = self.workers.handles[index]
                     polls[worker.finished_groups.remote(POLL_S)] = (index, worker)
                 if not polls:
                     with self._changed:
@@ -205,16 +217,14 @@ class GroupStream:
                 group = self._next_group()
                 if group is None:
                     break
-                counts = [0] * len(self.manager.workers)
-                for other in self._in_flight.values():
-                    counts[other.worker] += 1
-                group.worker, group.version = counts.index(min(counts)), self.version
+                group.worker = self.workers.least_busy(other.worker for other in self._in_flight.values())
+                group.version = self.version
                 self._started += group.new
                 group.new = False
                 self._in_flight[group.id] = group
                 starting.append(group)
         for group in starting:
-            self.manager.workers[group.worker].start_group.remote(group.id, group.samples, group.sampling_params, group.agent_loops)
+            self.workers.handles[group.worker].start_group.remote(group.id, group.samples, group.sampling_params, group.agent_loops)
 
     def _next_group(self) -> Group | None:
         """The next group allowed to start: a regeneration, or a new one the staleness gate admits."""
@@ -228,7 +238,7 @@ class GroupStream:
             if rows is None:
                 self._steps_left = False
             else:
-                samples, agent_loops, params = self.manager.prepare(rows)
+                samples, agent_loops, params = self._prepare(rows)
                 self._pulled += 1  # after prepare: a step whose rows failed there is not checkpointed as taken
                 for row, uid in zip(rows, dict.fromkeys(sample["uid"] for sample in samples)):  # a row's samples are consecutive
                     self._queued.append(Group(self._next_id, row, [s for s in samples if s["uid"] == uid], agent_loops, params))
@@ -249,7 +259,7 @@ class GroupStream:
                         f"{group.restarts} times: something in its samples kills the worker process (a tool or reward "
                         f"exhausting memory, a crashing native library); see the worker's log. Last error: {error}"
                     )
-            successor = self.manager.replace_worker(worker, handle)
+            successor = self.workers.replace(worker, handle)
             for group in lost:
                 successor.start_group.remote(group.id, group.samples, group.sampling_params, group.agent_loops)
             return

@@ -22,7 +22,7 @@ LAYERS = [
     ["trainer", "agentloop.tasks", "agentloop.viewer"],
     ["agentloop", "agentloop.config", "agentloop.testing"],
     ["agentloop.manager"],
-    ["agentloop.worker", "agentloop.streaming", "agentloop.metrics", "agentloop.dumps", "agentloop.registry", "agentloop.postprocess", "agentloop.server_pool", "agentloop.preflight"],
+    ["agentloop.worker", "agentloop.worker_pool", "agentloop.streaming", "agentloop.metrics", "agentloop.dumps", "agentloop.registry", "agentloop.postprocess", "agentloop.server_pool", "agentloop.preflight"],
     ["agentloop.agent_loop"],
     ["agentloop.router"],
     ["agentloop.server"],

@@ -39,7 +39,7 @@ def test_training_survives_a_killed_server_and_a_killed_worker(local_ray, coin_m
             assert len(records) == 64 and all(record["model_tokens"] > 0 for record in records)
         assert history[-1]["supervision/server_restarts"] == 1 and history[-1]["supervision/worker_restarts"] == 1
         manager = trainer.manager
-        assert manager.worker_restarts == 1
+        assert manager.workers.restarts == 1
         assert [event.kind for event in manager.pool.events] == ["restarted"]
         # the replacement (started right after step 2's rollout) holds the trained policy like the other server:
         # step 3's rollouts come from both, and the trainer scores every sampled token as the servers did

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import agentloop.testing  # noqa: F401  (registers fixed_length)
 from agentloop import AgentLoopManager
-from agentloop.streaming import GroupStream, oldest_versions
+from agentloop.streaming import oldest_versions
 from tests.support.config import small_config
 
 SLOW = (0, 0)  # step 0's first row waits this long before generating
@@ -93,11 +93,11 @@ def test_the_stream_runs_ahead_within_the_bound_and_regenerates_late_groups(mana
 
 
 def test_a_worker_that_dies_mid_stream_is_replaced_and_its_groups_run_again(manager):
-    restarts = manager.worker_restarts
+    restarts = manager.workers.restarts
     stream = manager.stream(iter([[row(0, 0), row(0, 1)]]), groups_per_batch=2, max_staleness=0, capacity=2, version=0)
     try:
         time.sleep(1.0)  # the slow group (the first, on worker 0) is waiting out its delay
-        ray.kill(manager.workers[0])
+        ray.kill(manager.workers.handles[0])
         batch = stream.take(min_version=0, timeout_s=120)
         assert sorted(name for name, _, _ in groups_of(batch)) == ["0.0", "0.1"]  # the lost group ran again, once
         assert batch.meta_info["supervision/worker_restarts"] == restarts + 1
@@ -118,8 +118,8 @@ def test_a_group_that_kills_its_worker_every_time_fails_the_stream_with_the_caus
         stream.stop()
 
 
-def test_a_buffer_smaller_than_a_batch_is_refused():
+def test_a_buffer_smaller_than_a_batch_is_refused(manager):
     with pytest.raises(ValueError, match="cannot hold one batch of 4 groups .*buffer_groups"):
-        GroupStream(None, iter([]), groups_per_batch=4, max_staleness=1, capacity=3)
+        manager.stream(iter([]), groups_per_batch=4, max_staleness=1, capacity=3)
     with pytest.raises(ValueError, match="max_staleness must be >= 0"):
-        GroupStream(None, iter([]), groups_per_batch=4, max_staleness=-1, capacity=8)
+        manager.stream(iter([]), groups_per_batch=4, max_staleness=-1, capacity=8)

@@ -81,7 +81,7 @@ def test_a_worker_that_dies_mid_batch_has_its_samples_rerun(local_ray, tmp_path)
             for i in range(4)
         ]
         batch = manager.generate_sequences(rows)
-        assert marker.exists() and manager.worker_restarts == 1
+        assert marker.exists() and manager.workers.restarts == 1
         assert len(batch) == 4 and sorted(batch.non_tensor_batch["index"]) == [0, 1, 2, 3]
         assert all(batch.batch["response_mask"][i].sum() > 0 for i in range(4))
         assert len(manager.generate_sequences(rows)) == 4  # the replacement keeps serving
