@@ -7,16 +7,19 @@ half of a step.
 
 Columns per sample: verl's ``step``, ``input``, ``output`` and ``score``; the sample's position, GRPO
 group (``uid``), dataset ``index`` and row fields (``row``, JSON); the ``policy_version`` that generated it
-(updates applied; set by the trainer); ``finish_reason``, ``num_turns`` and
+(updates applied; set by the trainer); ``finish_reason`` (the trajectory's ``end_reason``), ``num_turns`` and
 counts for tables; the exact ``prompt_ids``, ``response_ids``, ``response_mask``, one decoded string per
 response token (``token_text``) and per-token float arrays (``rollout_log_probs``, plus what the caller
 adds: the trainer adds ``old_log_probs``, ``advantages`` and, when computed, ``ref_log_probs``);
 ``turns`` (JSON: role, token span, text and tool calls with arguments, result, latency and error per
-turn); ``reward_parts`` and ``extra`` (JSON).
+turn); ``reward_parts`` (JSON: the reward, its source, its parts by source, the interaction's turn scores and
+what a reward function returned) and ``extra`` (JSON: the loop's ``extra_fields``, its metrics, and its tool
+errors and env retries by kind, failure and missing rollout log-probs where it has them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -30,12 +33,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.batch import RolloutBatch
+from agentloop.protocol import BATCH_FIELDS, TurnRecord, env_retries_by_kind, tool_errors_by_kind, turn_scores
 
 FORMAT = "agentloop-rollouts/1"
 LEGACY_FORMAT = "verl-jsonl (text only)"
 STEP_FILE = re.compile(r"^step_(\d+)\.parquet$")
-# what the loops report about a trajectory's reward, shown apart from the rest of extra_fields
-REWARD_PARTS = ("reward_source", "reward_parts", "tool_rewards", "interaction_score", "env_reward", "turn_scores", "reward_extra_info")
 
 COLUMNS = pa.schema([
     ("step", pa.int64()), ("sample", pa.int32()), ("uid", pa.string()), ("index", pa.string()),
@@ -82,9 +84,7 @@ def _sample_record(
     length = int(attention[prompt_width:].sum())
     response_ids = tensors["responses"][i, :length].tolist()
     mask = tensors["response_mask"][i, :length].tolist()
-    extra = dict(_field(fields, "extra_fields", i) or {})
-    loop_turns = extra.pop("turns", None) or []
-    roles = extra.pop("observation_roles", None) or []
+    loop_turns: list[TurnRecord] = _field(fields, "turns", i) or []
     row = {key: _field(fields, key, i) for key in fields if key not in _PER_SAMPLE_OUTPUTS}
     arrays_i = {name: tensor[i, :length].float().tolist() for name, tensor in arrays.items()}
     advantage = None
@@ -102,12 +102,12 @@ def _sample_record(
         "output": tokenizer.decode(response_ids),
         "score": float(tensors["rm_scores"][i].sum()),
         "advantage": advantage,
-        "finish_reason": extra.get("finish_reason"),
+        "finish_reason": _field(fields, "end_reason", i),
         "num_turns": _field(fields, "num_turns", i),
         "response_length": length,
         "model_tokens": int(sum(mask)),
-        "tool_calls": sum(len(turn.get("calls") or []) for turn in loop_turns),
-        "tool_errors": sum(1 for turn in loop_turns for call in turn.get("calls") or [] if call.get("error")),
+        "tool_calls": sum(len(turn.calls) for turn in loop_turns),
+        "tool_errors": sum(turn.tool_errors for turn in loop_turns),
         "generate_time_s": _field(fields, "generate_time_s", i),
         "policy_version": _field(fields, "policy_version", i),
         "row": _json(row),
@@ -115,32 +115,57 @@ def _sample_record(
         "response_ids": response_ids,
         "response_mask": mask,
         "token_text": tokenizer.batch_decode([[token] for token in response_ids]),
-        "turns": _json(_turns(tokenizer, response_ids, mask, roles, loop_turns)),
-        "reward_parts": _json({"reward_score": _field(fields, "reward_score", i), **{k: extra.pop(k) for k in REWARD_PARTS if k in extra}}),
-        "extra": _json({**extra, "metrics": _field(fields, "metrics", i)}),
+        "turns": _json(_turns(tokenizer, response_ids, mask, _field(fields, "observation_roles", i) or [], loop_turns)),
+        "reward_parts": _json(_reward(fields, i, loop_turns)),
+        "extra": _json(_extra(fields, i, loop_turns)),
         **arrays_i,
     }
 
 
 # non_tensor_batch entries the worker adds; everything else there is a row field
-_PER_SAMPLE_OUTPUTS = {"num_turns", "reward_score", "metrics", "extra_fields", "generate_time_s", "policy_version"}
+_PER_SAMPLE_OUTPUTS = {*BATCH_FIELDS, "generate_time_s", "policy_version"}
+
+
+def _reward(fields: dict[str, np.ndarray], i: int, loop_turns: list[TurnRecord]) -> dict[str, Any]:
+    """The sample's reward, where it came from and what it was made of (what the sample has of it)."""
+    parts = _field(fields, "reward_parts", i)
+    reported = {
+        "reward_source": _field(fields, "reward_source", i),
+        "reward_parts": parts.by_source() if parts is not None else None,
+        "turn_scores": turn_scores(loop_turns),
+        "reward_extra_info": _field(fields, "reward_extra_info", i),
+    }
+    return {"reward_score": _field(fields, "reward_score", i), **{key: value for key, value in reported.items() if value}}
+
+
+def _extra(fields: dict[str, np.ndarray], i: int, loop_turns: list[TurnRecord]) -> dict[str, Any]:
+    """The loop's ``extra_fields`` and metrics, with the rest of its records that the sample has."""
+    failure = _field(fields, "failure", i)
+    reported = {
+        "tool_errors": tool_errors_by_kind(loop_turns),
+        "env_retries": env_retries_by_kind(loop_turns),
+        "failure": dataclasses.asdict(failure) if failure is not None else None,
+        "rollout_log_probs_missing": _field(fields, "rollout_log_probs_missing", i),
+    }
+    extra = dict(_field(fields, "extra_fields", i) or {})
+    return {**extra, **{key: value for key, value in reported.items() if value}, "metrics": _field(fields, "metrics", i)}
 
 
 def _turns(
-    tokenizer: PreTrainedTokenizerBase, ids: list[int], mask: list[int], roles: list[str], loop_turns: list[dict[str, Any]]
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], mask: list[int], roles: list[str], loop_turns: list[TurnRecord]
 ) -> list[dict[str, Any]]:
     """Split the response into runs of model tokens and of observation tokens, one turn each.
 
     Model runs take the loop's own record of that turn (tool calls) in order; observation runs take
     the roles the trajectory recorded (``tool``, ``user``), else ``observation``.
     """
-    model_turns = iter([turn for turn in loop_turns if turn.get("model_tokens", 1)])
+    model_turns = iter([turn for turn in loop_turns if turn.model_tokens])
     observation_roles = iter(roles)
     turns = []
     for value, start, end in mask_runs(mask):
         if value:
-            record = next(model_turns, {})
-            turn = {"role": "assistant", "tool_calls": record.get("calls") or []}
+            record = next(model_turns, None)
+            turn = {"role": "assistant", "tool_calls": [dataclasses.asdict(call) for call in record.calls] if record else []}
         else:
             turn = {"role": next(observation_roles, "observation"), "tool_calls": []}
         turns.append({**turn, "start": start, "end": end, "text": tokenizer.decode(ids[start:end])})

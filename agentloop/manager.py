@@ -13,7 +13,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from agentloop.batch import RolloutBatch
 from agentloop.metrics import rollout_metrics
-from agentloop.protocol import is_failed
 from agentloop.registry import check_agent_names, default_agent_loop, resolve_agent_loops
 from agentloop.router import RouterStats
 from agentloop.rows import check_row, verl_row_fields
@@ -124,12 +123,12 @@ class AgentLoopManager:
 
     def _check_failures(self, batch: RolloutBatch) -> None:
         """Raise with the first traceback when more than ``rollout.max_failed_sample_ratio`` of the samples failed."""
-        failures = [extra["failure"] for extra in batch.non_tensor_batch["extra_fields"] if is_failed(extra)]
+        failures = [failure for failure in batch.non_tensor_batch["failure"] if failure is not None]
         limit = float(self.rollout.max_failed_sample_ratio)
         if len(failures) > limit * len(batch):
             raise RuntimeError(
                 f"{len(failures)} of {len(batch)} samples failed, more than actor_rollout_ref.rollout.max_failed_sample_ratio"
-                f"={limit:g} allows; the first failure:\n{failures[0]['traceback']}"
+                f"={limit:g} allows; the first failure:\n{failures[0].traceback}"
             )
 
     def _agent_loops(self) -> dict[str, dict[str, Any]]:

@@ -12,17 +12,17 @@ from typing import Any
 import numpy as np
 
 from agentloop.batch import RolloutBatch
-from agentloop.protocol import is_failed
+from agentloop.protocol import env_retries_by_kind, tool_errors_by_kind, turn_scores
 from agentloop.router import RouterStats
 
 
 def rollout_metrics(batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -> dict[str, Any]:
     """The ``meta_info`` of a finished batch: what its trajectories and the routers report."""
-    extra_fields = batch.non_tensor_batch["extra_fields"]
-    tool_seconds = [sum(turn.get("tool_latency_s", 0.0) for turn in extra.get("turns") or []) for extra in extra_fields]
+    fields = batch.non_tensor_batch
+    tool_seconds = [sum(turn.tool_latency_s for turn in turns) for turns in fields["turns"]]
     return {
         "timing_s/generate_sequences": elapsed_s,
-        **spread("timing_s/agent_loop/generate_sequences", batch.non_tensor_batch["generate_time_s"]),
+        **spread("timing_s/agent_loop/generate_sequences", fields["generate_time_s"]),
         **spread("timing_s/agent_loop/tool_calls", tool_seconds),
         "rollout/requests_per_server": stats.requests_per_server,
         "rollout/cached_token_share": stats.cached_token_share,
@@ -31,33 +31,33 @@ def rollout_metrics(batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -
         "rollout/rehomed_requests": stats.rehomed_requests,
         "rollout/requests_per_call": stats.requests_per_call,
         "rollout/response_tokens": int(batch.batch["response_mask"].sum()),
-        "rollout/failed_samples": sum(is_failed(extra) for extra in extra_fields),
-        **turn_metrics(batch.non_tensor_batch["num_turns"], extra_fields),
+        "rollout/failed_samples": sum(failure is not None for failure in fields["failure"]),
+        **turn_metrics(fields["num_turns"], fields["end_reason"], fields["turns"]),
     }
 
 
-def turn_metrics(num_turns: np.ndarray, extra_fields: np.ndarray) -> dict[str, Any]:
-    """Aggregate a batch's per-trajectory fields: turns, tool calls, end reasons, retries and errors by kind, scores."""
-    calls = [sum(turn.get("tool_calls", 0) for turn in extra.get("turns") or []) for extra in extra_fields]
+def turn_metrics(num_turns: np.ndarray, end_reasons: np.ndarray, turns: np.ndarray) -> dict[str, Any]:
+    """Aggregate a batch's per-trajectory records: turns, tool calls, end reasons (None: ``unknown``), retries and
+    errors by kind, interaction scores."""
+    calls = [sum(turn.tool_calls for turn in record) for record in turns]
     metrics: dict[str, Any] = {
         **spread("num_turns", num_turns),
         "multi_turn/num_turns_histogram": dict(sorted(Counter(int(t) for t in num_turns).items())),
         **spread("tool_call_counts", calls),
     }
-    reasons: Counter[str] = Counter()
+    reasons = Counter(reason or "unknown" for reason in end_reasons)
     counted: dict[str, Counter[str]] = {"env_retries": Counter(), "tool_errors": Counter()}
     scores_by_turn: dict[int, list[float]] = defaultdict(list)
-    for extra in extra_fields:
-        reasons[extra.get("finish_reason", "unknown")] += 1
-        for key, counter in counted.items():
-            counter.update(extra.get(key) or {})
-        for turn, score in enumerate(extra.get("turn_scores") or []):
+    for record in turns:
+        counted["env_retries"].update(env_retries_by_kind(record))
+        counted["tool_errors"].update(tool_errors_by_kind(record))
+        for turn, score in enumerate(turn_scores(record)):
             scores_by_turn[turn].append(score)
     metrics.update({f"multi_turn/finish_reason/{reason}": count for reason, count in sorted(reasons.items())})
     for key, counter in counted.items():
         metrics.update({f"multi_turn/{key}/{kind}": count for kind, count in sorted(counter.items())})
     # calls the model made: those run plus those dropped past max_parallel_calls (each counted as an error)
-    made = sum(calls) + sum(turn.get("dropped_calls", 0) for extra in extra_fields for turn in extra.get("turns") or [])
+    made = sum(calls) + sum(turn.dropped_calls for record in turns for turn in record)
     metrics["multi_turn/tool_error_rate"] = sum(counted["tool_errors"].values()) / made if made else 0.0
     metrics.update(
         {f"multi_turn/interaction_score/turn_{turn}": float(np.mean(s)) for turn, s in sorted(scores_by_turn.items())}

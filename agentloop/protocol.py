@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import traceback
 import numbers
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Literal
 
@@ -17,6 +18,8 @@ FinishReason = Literal["stop", "length", "abort", "interrupted"]
 # would not fit in rollout.response_length; ``max_turns`` a turn limit; ``tool_error_budget`` too many
 # failed tool calls; ``env_error`` an env step kept failing; ``aborted`` the engine aborted the request;
 # ``failed`` the loop raised (the sample is kept, empty, and left out of training: see ``failed_output``).
+# ``AgentLoopOutput.end_reason`` holds it (an engine call's FinishReason says ``abort`` where this says ``aborted``);
+# the metrics ``multi_turn/finish_reason/*`` and the dumps' ``finish_reason`` column report it under verl's name.
 EndReason = Literal["stop", "done", "length", "max_turns", "tool_error_budget", "env_error", "aborted", "failed"]
 
 
@@ -170,19 +173,114 @@ async def generate_continued(
 
 
 @dataclass
+class ToolCallRecord:
+    """One tool call of a model turn: what the model asked for, the text that came back, the seconds it took and
+    its error kind (``agentloop.tools.toolset.ToolResult.error``; ``too_many_calls`` for a call not run), or None."""
+
+    name: str
+    arguments: Any
+    result: str
+    latency_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class TurnRecord:
+    """One model turn of a trajectory and what answered it; ``Trajectory`` keeps one per model turn (a turn aborted
+    before its first token too, with ``model_tokens`` 0) and the loops add what their turn steps did."""
+
+    model_tokens: int
+    observation_tokens: int = 0  # of the observation that answered it; 0: none (the last turn, or one taken back)
+    calls: list[ToolCallRecord] = field(default_factory=list)  # those run, then those dropped past max_parallel_calls
+    dropped_calls: int = 0
+    step_reward: float = 0.0  # the sum of its tools' step rewards
+    interaction_score: float | None = None  # the interaction's score of this turn, when the interaction answered it
+    env_retries: dict[str, int] = field(default_factory=dict)  # its failed env steps by kind
+
+    @property
+    def tool_calls(self) -> int:
+        """The calls run (those past ``max_parallel_calls`` are not)."""
+        return len(self.calls) - self.dropped_calls
+
+    @property
+    def tool_errors(self) -> int:
+        """The calls that failed, dropped ones included."""
+        return sum(call.error is not None for call in self.calls)
+
+    @property
+    def tool_latency_s(self) -> float:
+        """The seconds its tools took: its calls run in parallel."""
+        return max((call.latency_s for call in self.calls), default=0.0)
+
+
+def tool_errors_by_kind(turns: list[TurnRecord]) -> dict[str, int]:
+    """How many of these turns' tool calls failed, by kind."""
+    return dict(Counter(call.error for turn in turns for call in turn.calls if call.error is not None))
+
+
+def env_retries_by_kind(turns: list[TurnRecord]) -> dict[str, int]:
+    """How many of these turns' env steps failed, by kind."""
+    return dict(sum((Counter(turn.env_retries) for turn in turns), Counter()))
+
+
+def turn_scores(turns: list[TurnRecord]) -> list[float]:
+    """The interaction's score of each turn it answered, in order."""
+    return [turn.interaction_score for turn in turns if turn.interaction_score is not None]
+
+
+@dataclass
+class RewardParts:
+    """What a trajectory's own sources scored it; ``agentloop.rewards`` adds them up when no reward function scores
+    its row. None (or no tools): the trajectory had no such source."""
+
+    tools: dict[str, float] = field(default_factory=dict)  # each tool's calc_reward, by tool name
+    interaction: float | None = None  # the interaction's calculate_score
+    env: float | None = None  # the sum of the environment's info["reward"] values
+
+    def by_source(self) -> dict[str, float]:
+        """``tool/<name>``, ``interaction`` and ``env`` -> value, for the sources present (what a reward function
+        gets as ``extra_info["rollout_reward_scores"]``)."""
+        parts = {f"tool/{name}": float(value) for name, value in self.tools.items()}
+        for source, value in (("interaction", self.interaction), ("env", self.env)):
+            if value is not None:
+                parts[source] = float(value)
+        return parts
+
+
+@dataclass
+class Failure:
+    """Why a sample failed: its loop, or its scoring, raised ``error`` (``"Type: message"``) with ``traceback``."""
+
+    error: str
+    traceback: str
+
+
+# Where a sample's reward came from (``agentloop.rewards``): the loop set it, a reward function computed it, the
+# reward parts added up, or nothing scored it.
+RewardSource = Literal["agent_loop", "reward_function", "reward_parts", "none"]
+
+
+@dataclass
 class AgentLoopOutput:
     """One finished trajectory, ready to be padded into the trainer's batch.
 
     ``response_mask`` is 1 on tokens the model produced and 0 on observation tokens (tool results,
     user turns); ``response_logprobs`` is the engine's logprob on model tokens and 0.0 elsewhere, or
-    None when the loop did not keep them (as verl allows: the batch then has 0.0 there and
-    ``extra_fields["rollout_log_probs_missing"]``, and the trainer refuses to correct against them).
+    None when the loop did not keep them (as verl allows: the batch then has 0.0 there,
+    ``rollout_log_probs_missing`` is set, and the trainer refuses to correct against them).
     ``reward_score`` set by the loop is kept; otherwise the worker computes it (``agentloop.rewards``).
     ``multi_modal_inputs``: the processor's outputs for the trajectory's images, merged once at its end
     (``pixel_values [patches, dim]``, ``image_grid_thw [images, 3]``); None for text.
     ``multi_modal_data`` and ``routed_experts`` are accepted as verl's loops pass them.
     ``response_policy_versions`` is set by the worker, not the loop: the policy version of each model
     token (from the router's record of the session), -1 on observation tokens.
+
+    What the framework reads of a trajectory is in typed fields, which a loop sets (``Trajectory.to_output`` sets
+    ``turns``, ``observation_roles`` and ``num_turns``) and which default to "not reported": ``end_reason`` (None
+    counts as ``unknown``), ``turns`` (one ``TurnRecord`` per model turn), ``observation_roles`` (who spoke in each
+    masked span, in order) and ``reward_parts``. The worker sets ``reward_source`` and ``reward_extra_info`` (what
+    a reward function returned) when it scores the sample, and ``failure`` when its loop raised.
+    ``extra_fields`` is the loop's own: the framework carries it into the batch and the dumps and never reads it.
     """
 
     prompt_ids: list[int]
@@ -197,13 +295,21 @@ class AgentLoopOutput:
     multi_modal_inputs: dict[str, Any] | None = None
     routed_experts: Any = None
     response_policy_versions: list[int] | None = None
+    end_reason: EndReason | None = None
+    turns: list[TurnRecord] = field(default_factory=list)
+    observation_roles: list[str] = field(default_factory=list)
+    reward_parts: RewardParts = field(default_factory=RewardParts)
+    reward_source: RewardSource | None = None
+    reward_extra_info: dict[str, Any] = field(default_factory=dict)
+    failure: Failure | None = None
+    rollout_log_probs_missing: bool = False
 
     def __post_init__(self) -> None:
         if hasattr(self.metrics, "model_dump"):  # verl's AgentLoopMetrics
             self.metrics = self.metrics.model_dump()
         if self.response_logprobs is None:
             self.response_logprobs = [0.0] * len(self.response_ids)
-            self.extra_fields["rollout_log_probs_missing"] = True
+            self.rollout_log_probs_missing = True
         lengths = {len(self.response_ids), len(self.response_mask), len(self.response_logprobs)}
         if len(lengths) != 1:
             raise ValueError(
@@ -212,22 +318,22 @@ class AgentLoopOutput:
             )
 
 
+# The fields of AgentLoopOutput that the padded batch carries per sample, as non_tensor_batch columns of these names.
+BATCH_FIELDS = (
+    "num_turns", "reward_score", "metrics", "extra_fields", "end_reason", "turns", "observation_roles", "reward_parts",
+    "reward_source", "reward_extra_info", "failure", "rollout_log_probs_missing",
+)
+
+
 def failed_output(error: BaseException, pad_token_id: int) -> AgentLoopOutput:
     """The sample of a loop that raised: one pad token of prompt, no response (nothing to train on, no
-    reward), and the error with its traceback in ``extra_fields["failure"]``."""
+    reward), end reason ``failed`` and the error with its traceback in ``failure``."""
     return AgentLoopOutput(
         prompt_ids=[pad_token_id],
         response_ids=[],
         response_mask=[],
         response_logprobs=[],
         num_turns=1,
-        extra_fields={
-            "finish_reason": "failed",
-            "failure": {"error": f"{type(error).__name__}: {error}", "traceback": "".join(traceback.format_exception(error))},
-        },
+        end_reason="failed",
+        failure=Failure(f"{type(error).__name__}: {error}", "".join(traceback.format_exception(error))),
     )
-
-
-def is_failed(extra_fields: dict[str, Any]) -> bool:
-    """Whether a sample's ``extra_fields`` mark it failed (its loop raised)."""
-    return extra_fields.get("failure") is not None

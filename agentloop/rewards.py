@@ -9,15 +9,16 @@ The rule, in order:
    ``custom_reward_function.by_data_source[data_source]``, else ``custom_reward_function.path`` (a
    ``.py`` file or ``pkg://module``) with ``.name`` and ``.reward_kwargs``, else the built-in scorer for
    the data source (``agentloop.reward_score``).
-3. Otherwise the loop's own reward parts add up: the tools' ``calc_reward``, the interaction's
-   ``calculate_score`` and the environment's ``info["reward"]`` values (a task whose tools judge the
-   answer, such as the quick start's). With no parts either, the reward is 0.
+3. Otherwise the loop's own reward parts (``AgentLoopOutput.reward_parts``) add up: the tools'
+   ``calc_reward``, the interaction's ``calculate_score`` and the environment's ``info["reward"]`` values (a
+   task whose tools judge the answer, such as the quick start's). With no parts either, the reward is 0.
 
-The parts are always reported (``extra_fields["reward_parts"]``) and handed to the reward function in
-``extra_info["rollout_reward_scores"]``, with ``extra_info["num_turns"]``, so a function can combine
-them. A function is ``fn(data_source, solution_str, ground_truth, extra_info, **reward_kwargs) -> float |
-dict`` (a dict has the score under ``"score"``; every key goes to ``reward_extra_info``, and a plain
-float is recorded as ``acc``, as verl does), sync or ``async``. Sync functions run in a thread, off the
+The parts are handed to the reward function by source in ``extra_info["rollout_reward_scores"]``
+(``RewardParts.by_source``), with ``extra_info["num_turns"]``, so a function can combine them. Which rule
+gave the reward is recorded in ``AgentLoopOutput.reward_source``. A function is ``fn(data_source,
+solution_str, ground_truth, extra_info, **reward_kwargs) -> float | dict`` (a dict has the score under
+``"score"``; every key goes to ``AgentLoopOutput.reward_extra_info``, and a plain float is recorded as
+``acc``, as verl does), sync or ``async``. Sync functions run in a thread, off the
 worker's event loop; every call is bounded by ``custom_reward_function.timeout_s``, past which the
 sample fails (see ``rollout.max_failed_sample_ratio``).
 """
@@ -79,15 +80,6 @@ def reward_function_for(config: DictConfig, data_source: str | None) -> Callable
     return default_compute_score if has_scorer(data_source) else None
 
 
-def reward_parts(extra_fields: dict[str, Any]) -> dict[str, float]:
-    """The loop's own rewards by source: ``tool/<name>``, ``interaction`` and ``env``."""
-    parts = {f"tool/{name}": float(value) for name, value in (extra_fields.get("tool_rewards") or {}).items()}
-    for source, key in (("interaction", "interaction_score"), ("env", "env_reward")):
-        if extra_fields.get(key) is not None:
-            parts[source] = float(extra_fields[key])
-    return parts
-
-
 async def call_reward_function(function: Callable[..., Any], timeout_s: float, **arguments: Any) -> tuple[float, dict[str, Any]]:
     """Run a reward function off the event loop within ``timeout_s``; return ``(score, reward_extra_info)``."""
     target = function.func if isinstance(function, functools.partial) else function
@@ -110,16 +102,15 @@ async def call_reward_function(function: Callable[..., Any], timeout_s: float, *
 
 
 async def score_output(config: DictConfig, tokenizer: Any, row: dict[str, Any], output: AgentLoopOutput) -> None:
-    """Set ``output.reward_score`` (and ``reward_parts``, ``reward_source``, ``reward_extra_info`` in its
-    ``extra_fields``) for a finished sample, by the rule in this module's docstring."""
-    fields = output.extra_fields
-    parts = fields["reward_parts"] = reward_parts(fields)
+    """Set ``output.reward_score`` and ``reward_source`` (and, from a reward function, ``reward_extra_info``) for a
+    finished sample, by the rule in this module's docstring."""
+    parts = output.reward_parts.by_source()
     if output.reward_score is not None:
-        fields["reward_source"] = "agent_loop"
+        output.reward_source = "agent_loop"
         return
     function = reward_function_for(config, row.get("data_source"))
     if function is None:
-        fields["reward_source"] = "reward_parts" if parts else "none"
+        output.reward_source = "reward_parts" if parts else "none"
         output.reward_score = sum(parts.values()) if parts else None
         return
     # what the trainer sees of the response: cut to the batch's response length, as in the padded batch
@@ -133,4 +124,4 @@ async def score_output(config: DictConfig, tokenizer: Any, row: dict[str, Any], 
         extra_info={**(row.get("extra_info") or {}), "num_turns": output.num_turns, "rollout_reward_scores": parts},
     )
     output.reward_score = score
-    fields.update(reward_source="reward_function", reward_extra_info=extras)
+    output.reward_source, output.reward_extra_info = "reward_function", extras

@@ -16,7 +16,7 @@ from agentloop.agent_loop.base import DictConfigWrap
 from agentloop.batch import RolloutBatch, object_array
 from agentloop.models.loading import load_processor, structure
 from agentloop.postprocess import pad_outputs
-from agentloop.protocol import AgentLoopOutput, failed_output
+from agentloop.protocol import BATCH_FIELDS, AgentLoopOutput, failed_output
 from agentloop.registry import build_agent_loop
 from agentloop.rewards import score_output
 from agentloop.router import Router, RouterStats
@@ -96,10 +96,7 @@ class AgentLoopWorker:
         outputs = [output for output, _ in results]
         batch = pad_outputs(outputs, self.rollout.prompt_length, self.rollout.response_length, self._pad_id, self.vision_model)
         non_tensor = {key: object_array([row.get(key) for row in rows]) for key in rows[0]}
-        non_tensor["num_turns"] = object_array([output.num_turns for output in outputs])
-        non_tensor["reward_score"] = object_array([output.reward_score for output in outputs])
-        non_tensor["metrics"] = object_array([output.metrics for output in outputs])
-        non_tensor["extra_fields"] = object_array([output.extra_fields for output in outputs])
+        non_tensor.update({name: object_array([getattr(output, name) for output in outputs]) for name in BATCH_FIELDS})
         non_tensor["generate_time_s"] = object_array([seconds for _, seconds in results])
         return RolloutBatch(batch, non_tensor)
 

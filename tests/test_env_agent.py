@@ -12,6 +12,7 @@ from agentloop import AgentLoopManager
 from agentloop.agent_loop.env_agent import EnvAgentLoop
 from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
+from agentloop.protocol import env_retries_by_kind, turn_scores
 from agentloop.rewards import score_output
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
@@ -90,24 +91,24 @@ def assert_exact(output, tokenizer, observations):
 
 def test_env_done_at_turn_two(server, tokenizer, ok_model, interactions_yaml):
     output = run_env(server, tokenizer, ok_model, interactions_yaml, "DoneAtTurn2Env")
-    assert output.extra_fields["finish_reason"] == "done"
+    assert output.end_reason == "done"
     assert output.metrics["env_steps"] == 2 and output.num_turns == 4
-    assert output.extra_fields["env_reward"] == 1.0  # two steps of info["reward"] = 0.5
+    assert output.reward_parts.env == 1.0  # two steps of info["reward"] = 0.5
     # without a reward function for the row's data source, the env's rewards are the reward
     asyncio.run(score_output(config(ok_model, interactions_yaml), tokenizer, {"data_source": "games"}, output))
-    assert output.reward_score == 1.0 and output.extra_fields["reward_parts"] == {"env": 1.0}
+    assert output.reward_score == 1.0 and output.reward_parts.by_source() == {"env": 1.0} and output.reward_source == "reward_parts"
     assert_exact(output, tokenizer, ["observation 1"])
 
 
 def test_env_that_never_finishes_stops_at_max_turns(server, tokenizer, ok_model, interactions_yaml):
     output = run_env(server, tokenizer, ok_model, interactions_yaml, "NeverDoneEnv")
-    assert output.extra_fields["finish_reason"] == "max_turns" and output.metrics["env_steps"] == 4
+    assert output.end_reason == "max_turns" and output.metrics["env_steps"] == 4
     assert_exact(output, tokenizer, ["keep going"] * 3)
 
 
 def test_observations_exhausting_the_budget_truncate_without_overflow(server, tokenizer, ok_model, interactions_yaml):
     output = run_env(server, tokenizer, ok_model, interactions_yaml, "BigObservationEnv", "data.max_response_length=200")
-    assert output.extra_fields["finish_reason"] == "length"
+    assert output.end_reason == "length"
     assert len(output.response_ids) <= 200 and output.response_mask[-1] == 1
     assert len(output.response_ids) + len(observation_delta(tokenizer, [{"role": "user", "content": "lots of text " * 40}])) > 200
     assert_exact(output, tokenizer, ["lots of text " * 40] * (output.metrics["env_steps"] - 1).__int__())
@@ -115,15 +116,15 @@ def test_observations_exhausting_the_budget_truncate_without_overflow(server, to
 
 def test_env_failing_every_other_step_is_retried_with_its_recovery_hook(server, tokenizer, ok_model, interactions_yaml):
     output = run_env(server, tokenizer, ok_model, interactions_yaml, "FlakyEnv")
-    assert output.extra_fields["finish_reason"] == "done" and output.metrics["env_steps"] == 3
-    assert output.extra_fields["env_retries"] == {"ConnectionError": 2}
+    assert output.end_reason == "done" and output.metrics["env_steps"] == 3
+    assert env_retries_by_kind(output.turns) == {"ConnectionError": 2} and output.metrics["env_retries"] == 2
     assert_exact(output, tokenizer, ["step 1", "step 2"])
 
 
 def test_failed_step_is_retried_after_reset_and_replay(server, tokenizer, ok_model, interactions_yaml):
     output = run_env(server, tokenizer, ok_model, interactions_yaml, "FailsOnceEnv")
-    assert output.extra_fields["finish_reason"] == "done"
-    assert output.extra_fields["env_retries"] == {"RuntimeError": 1}
+    assert output.end_reason == "done"
+    assert [turn.env_retries for turn in output.turns] == [{}, {"RuntimeError": 1}]  # the second turn's step failed once
     assert_exact(output, tokenizer, ["history 1 after 1 resets"])
 
 
@@ -131,8 +132,8 @@ def test_failed_step_is_retried_after_reset_and_replay(server, tokenizer, ok_mod
 def test_exhausted_retry_budget_ends_cleanly(server, tokenizer, ok_model, interactions_yaml, env, kind):
     # SlowEnv takes 5 s a step: a 0.5 s step timeout makes each try time out
     output = run_env(server, tokenizer, ok_model, interactions_yaml, env, "actor_rollout_ref.rollout.env.step_timeout_s=0.5")
-    assert output.extra_fields["finish_reason"] == "env_error"
-    assert output.extra_fields["env_retries"] == {kind: 3}  # first try + max_env_retries_per_turn (2)
+    assert output.end_reason == "env_error"
+    assert env_retries_by_kind(output.turns) == {kind: 3}  # first try + max_env_retries_per_turn (2)
     assert_exact(output, tokenizer, [])
 
 
@@ -144,9 +145,9 @@ def test_interaction_terminates_after_k_turns(server, tokenizer, ok_model, inter
         "extra_info": {"interaction_kwargs": {"name": "counter"}},
     }
     output = asyncio.run(loop.run(dict(GREEDY), **row))
-    assert output.extra_fields["finish_reason"] == "stop"
-    assert output.extra_fields["turn_scores"] == [0.5, 0.5, 1.0]
-    assert output.extra_fields["interaction_score"] == 3.0 and output.num_turns == 6
+    assert output.end_reason == "stop"
+    assert turn_scores(output.turns) == [0.5, 0.5, 1.0]
+    assert output.reward_parts.interaction == 3.0 and output.num_turns == 6
     assert_exact(output, tokenizer, ["try again (1)", "try again (2)"])
     with pytest.raises(KeyError, match=r"interaction_kwargs.name='nope' is not among .*\['counter'\]"):
         asyncio.run(loop.run(dict(GREEDY), **{**row, "extra_info": {"interaction_kwargs": {"name": "nope"}}}))

@@ -27,7 +27,7 @@ from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.dumps import mask_runs
 from agentloop.dumps import write_rollout_dump
-from agentloop.protocol import AgentLoopOutput
+from agentloop.protocol import AgentLoopOutput, tool_errors_by_kind
 from agentloop.router import Router
 from agentloop.server.engine import Engine
 from agentloop.server.rollout_server import RolloutServer
@@ -179,8 +179,8 @@ def expected_fault(call, tool_set) -> str | None:
 def check_trajectory(case: HostileOutput, output: AgentLoopOutput, tokenizer, tool_set, bounds) -> list[str]:
     """What is wrong with one trajectory (nothing, ideally)."""
     problems = []
-    mask, ids, extra = output.response_mask, output.response_ids, output.extra_fields
-    turns = extra["turns"]
+    mask, ids, turns = output.response_mask, output.response_ids, output.turns
+    errors = tool_errors_by_kind(turns)
     if len(ids) > RESPONSE_LENGTH or (mask and mask[-1] != 1):
         problems.append(f"{len(ids)} response tokens, ending on mask {mask[-1:]}")
     if any(lp != (LOG_PROB if m else 0.0) for lp, m in zip(output.response_logprobs, mask)):
@@ -188,38 +188,38 @@ def check_trajectory(case: HostileOutput, output: AgentLoopOutput, tokenizer, to
     # observations: one span per turn that ran tools, each within the limit per tool message
     spans = mask_runs(mask)
     observed = [end - start for value, start, end in spans if value == 0]
-    with_observation = [turn for turn in turns if "observation_tokens" in turn]
-    if observed != [turn["observation_tokens"] for turn in with_observation]:
-        problems.append(f"observation spans {observed} vs turns {[t['observation_tokens'] for t in with_observation]}")
+    with_observation = [turn for turn in turns if turn.observation_tokens]
+    if observed != [turn.observation_tokens for turn in with_observation]:
+        problems.append(f"observation spans {observed} vs turns {[t.observation_tokens for t in with_observation]}")
     for length, turn in zip(observed, with_observation):
-        messages = turn["tool_calls"] + (1 if turn.get("dropped_calls") else 0)
+        messages = turn.tool_calls + (1 if turn.dropped_calls else 0)
         if length > bounds(messages):
             problems.append(f"observation of {length} tokens for {messages} tool messages (bound {bounds(messages)})")
     # calls: what the parser finds in the first model turn, capped, each counted under its kind
     first = ids[spans[0][1] : spans[0][2]] if spans else []
     stopped = bool(first) and first[-1] == tokenizer.eos_token_id
     calls = get_parser("hermes")(tokenizer.decode(first[:-1] if stopped else first, skip_special_tokens=False))[1]
-    ran = "calls" in turns[0]
+    ran = bool(turns[0].calls)
     if ran != (stopped and bool(calls)):
         problems.append(f"tools ran: {ran}, turn stopped: {stopped}, calls parsed: {len(calls)}")
     if ran:
-        records = turns[0]["calls"]
+        records = turns[0].calls
         executed, dropped = calls[:MAX_CALLS], max(0, len(calls) - MAX_CALLS)
-        if turns[0]["tool_calls"] != len(executed) or turns[0].get("dropped_calls", 0) != dropped or len(records) != len(calls):
-            problems.append(f"{len(calls)} calls: {turns[0]['tool_calls']} run, {turns[0].get('dropped_calls')} dropped")
+        if turns[0].tool_calls != len(executed) or turns[0].dropped_calls != dropped or len(records) != len(calls):
+            problems.append(f"{len(calls)} calls: {turns[0].tool_calls} run, {turns[0].dropped_calls} dropped")
         for call, record in zip(executed, records):
             meant = expected_fault(call, tool_set)
-            if record["error"] != meant and not (meant is None and record["error"] in (None, "exception", "timeout")):
-                problems.append(f"call {call.name!r:.40} counted as {record['error']}, expected {meant}")
-        if any(record["error"] != "too_many_calls" for record in records[len(executed) :]):
+            if record.error != meant and not (meant is None and record.error in (None, "exception", "timeout")):
+                problems.append(f"call {call.name!r:.40} counted as {record.error}, expected {meant}")
+        if any(record.error != "too_many_calls" for record in records[len(executed) :]):
             problems.append("dropped calls not counted as too_many_calls")
         if stopped and case.faults is not None:
             meant = Counter(f for f in case.faults[:MAX_CALLS] if f) + Counter(too_many_calls=max(0, len(case.faults) - MAX_CALLS))
-            if Counter(extra["tool_errors"]) != meant:
-                problems.append(f"tool_errors {extra['tool_errors']}, the generator meant {dict(meant)}")
-    counted = Counter(record["error"] for turn in turns for record in turn.get("calls", []) if record["error"])
-    if Counter(extra["tool_errors"]) != counted or output.metrics["tool_errors"] != sum(counted.values()):
-        problems.append(f"tool_errors {extra['tool_errors']} vs per-call records {dict(counted)}")
+            if Counter(errors) != meant:
+                problems.append(f"tool_errors {errors}, the generator meant {dict(meant)}")
+    counted = Counter(record.error for turn in turns for record in turn.calls if record.error)
+    if Counter(errors) != counted or output.metrics["tool_errors"] != sum(counted.values()):
+        problems.append(f"tool_errors {errors} vs per-call records {dict(counted)}")
     return problems
 
 
@@ -244,8 +244,8 @@ def test_tool_loop_survives_every_hostile_output(replay_server, tokenizer, model
         else:
             problems += [(index, case.category, problem) for problem in check_trajectory(case, output, tokenizer, tool_set, bounds)]
     outputs = [output for output, _ in results if isinstance(output, AgentLoopOutput)]
-    faults = sum((Counter(output.extra_fields["tool_errors"]) for output in outputs), Counter())
-    reasons = Counter(output.extra_fields["finish_reason"] for output in outputs)
+    faults = sum((Counter(tool_errors_by_kind(output.turns)) for output in outputs), Counter())
+    reasons = Counter(output.end_reason for output in outputs)
     print(
         f"\nfuzz: {len(CASES)} hostile outputs through ToolAgentLoop in {elapsed:.1f}s; crashes {len(crashes)}, "
         f"hangs {len(hangs)}, slowest {max(seconds for _, seconds in results):.1f}s; "
@@ -274,12 +274,13 @@ def test_an_abort_before_the_model_answers_an_observation_takes_it_back(replay_s
     outputs = asyncio.run(run_cases())
     ran_tools = 0
     for index, output in zip(indices, outputs):
-        turns = output.extra_fields["turns"]
-        assert output.response_mask and set(output.response_mask) == {1}, (index, output.extra_fields)
-        assert output.metrics["observation_tokens"] == 0 and output.extra_fields["observation_roles"] == []
-        if "calls" in turns[0]:  # a second turn was asked for, and aborted
+        turns = output.turns
+        assert output.response_mask and set(output.response_mask) == {1}, (index, output.end_reason, turns)
+        assert output.metrics["observation_tokens"] == 0 and output.observation_roles == []
+        if turns[0].calls:  # a second turn was asked for, and aborted
             ran_tools += 1
-            assert output.extra_fields["finish_reason"] == "aborted" and turns[1]["model_tokens"] == 0
+            assert output.end_reason == "aborted" and turns[1].model_tokens == 0
+            assert turns[0].observation_tokens == 0  # the observation was taken back
             assert output.num_turns == 3  # the prompt and two model turns; no tool turn
         assert check_trajectory(CASES[index], output, tokenizer, tool_set, lambda messages: RESPONSE_LENGTH) == []
     assert ran_tools >= 10
@@ -298,9 +299,10 @@ def test_hostile_batch_crosses_ray_pads_and_dumps(local_ray, model_path, tokeniz
         batch = manager.generate_sequences([{"prompt": fuzz_prompt(index), "agent_name": "tool_agent"} for index in picked])
     finally:
         manager.shutdown()
-    extra_fields = batch.non_tensor_batch["extra_fields"]
-    faults = sum((Counter(extra["tool_errors"]) for extra in extra_fields), Counter())
+    faults = sum((Counter(tool_errors_by_kind(turns)) for turns in batch.non_tensor_batch["turns"]), Counter())
     assert len(batch) == len(picked) and faults["too_many_calls"] > 0 and faults["parse_error"] > 0
     assert {kind: batch.meta_info[f"multi_turn/tool_errors/{kind}"] for kind in faults} == dict(faults)
     table = pq.read_table(write_rollout_dump(tmp_path, 0, batch, tokenizer))
     assert table.num_rows == len(picked) and sum(table.column("tool_errors").to_pylist()) == sum(faults.values())
+    dumped = sum((Counter(json.loads(extra).get("tool_errors", {})) for extra in table.column("extra").to_pylist()), Counter())
+    assert dumped == faults

@@ -95,12 +95,12 @@ def chat(url: str, messages: list[dict], **fields) -> dict:
 def test_only_calls_after_the_reasoning_are_made_by_the_tool_loop(server, tokenizer, config, name):
     calls = EXPECTED[name][2]
     output = run_tool_loop(server, tokenizer, config, name)
-    first = output.extra_fields["turns"][0]
-    made = [(record["name"], record["arguments"]) for record in first.get("calls", [])]
-    assert made == calls and first["tool_calls"] == len(calls)
-    assert output.extra_fields["finish_reason"] == "stop"
+    first = output.turns[0]
+    made = [(record.name, record.arguments) for record in first.calls]
+    assert made == calls and first.tool_calls == len(calls)
+    assert output.end_reason == "stop"
     if calls:
-        assert first["calls"][0]["result"] == "5" and first["calls"][0]["error"] is None
+        assert first.calls[0].result == "5" and first.calls[0].error is None
     # the records render back to the sampled tokens, but for a turn cut off inside its reasoning: the
     # template closes every reasoning it renders, and the sanity check reports that turn
     assert (output.metrics["tokenization_mismatch"] > 0) == (name == "cut_off_while_reasoning")

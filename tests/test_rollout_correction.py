@@ -254,10 +254,10 @@ def test_samples_without_rollout_log_probs_fail_a_correction_and_otherwise_log_n
     from agentloop.batch import RolloutBatch, object_array
     from trainer.main_ppo import _has_rollout_log_probs
 
-    fields = {"agent_name": object_array(["mine", "from_verl"]), "extra_fields": object_array([{}, {"rollout_log_probs_missing": True}])}
+    fields = {"agent_name": object_array(["mine", "from_verl"]), "rollout_log_probs_missing": object_array([False, True])}
     rollout = RolloutBatch(TensorDict({}, batch_size=[2]), fields)
     assert not _has_rollout_log_probs(rollout, required=False)  # the step trains, without rollout_corr/* metrics
     with pytest.raises(ValueError, match=r"agent loops \['from_verl'\] returned no response_logprobs"):
         _has_rollout_log_probs(rollout, required=True)
-    fields["extra_fields"] = object_array([{}, {}])
+    fields["rollout_log_probs_missing"] = object_array([False, False])
     assert _has_rollout_log_probs(rollout, required=True)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from agentloop import AgentLoopManager
+from agentloop.protocol import Failure
 from tests.support.config import small_config
 from trainer import algorithms
 from trainer.main_ppo import grpo_groups
@@ -31,16 +32,19 @@ def rows(*fail: bool) -> list[dict]:
 def test_a_failing_sample_comes_back_marked_and_empty(manager):
     batch = manager.generate_sequences(rows(False, True))
     assert len(batch) == 4
-    extras = batch.non_tensor_batch["extra_fields"]
-    failed = [i for i, extra in enumerate(extras) if extra.get("failure")]
+    fields = batch.non_tensor_batch
+    failed = [i for i, failure in enumerate(fields["failure"]) if failure is not None]
     assert failed == [2, 3]  # both samples of row 1, in row order
     for i in failed:
-        assert extras[i]["finish_reason"] == "failed"
-        assert extras[i]["failure"]["error"] == "ValueError: probe bug on dataset index 1"
-        assert "Traceback" in extras[i]["failure"]["traceback"] and "probe_loops.py" in extras[i]["failure"]["traceback"]
+        assert fields["end_reason"][i] == "failed"
+        assert fields["failure"][i].error == "ValueError: probe bug on dataset index 1"
+        assert "Traceback" in fields["failure"][i].traceback and "probe_loops.py" in fields["failure"][i].traceback
         assert batch.batch["response_mask"][i].sum() == 0 and batch.batch["rm_scores"][i].sum() == 0
     assert batch.batch["response_mask"][:2].sum() > 0
     assert batch.meta_info["rollout/failed_samples"] == 2 and batch.meta_info["multi_turn/finish_reason/failed"] == 2
+    # the probe is a user loop that reports no end reason and no turns: the defaults, counted as unknown
+    assert list(fields["end_reason"][:2]) == [None, None] and list(fields["turns"][:2]) == [[], []]
+    assert batch.meta_info["multi_turn/finish_reason/unknown"] == 2 and batch.meta_info["tool_call_counts/max"] == 0
 
 
 def test_past_the_ratio_the_call_fails_with_the_first_traceback(manager):
@@ -53,7 +57,7 @@ def test_a_failed_sample_leaves_its_grpo_group(manager):
 
     batch = manager.generate_sequences(rows(False, False))
     # one sample of group 0 fails (marked as the worker marks it); its partner is alone in the group now
-    batch.non_tensor_batch["extra_fields"][1] = {"finish_reason": "failed", "failure": {"error": "x", "traceback": "x"}}
+    batch.non_tensor_batch["end_reason"][1], batch.non_tensor_batch["failure"][1] = "failed", Failure("x", "x")
     batch.non_tensor_batch["uid"][:] = [str(uuid.uuid4())] * 4  # one group of four: three left after the failure
     groups = grpo_groups(batch)
     assert len(set(groups)) == 2 and groups[1] not in (groups[0], groups[2]) and groups[0] == groups[2] == groups[3]

@@ -13,6 +13,7 @@ from agentloop import AgentLoopManager
 from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.dumps import mask_runs
+from agentloop.protocol import tool_errors_by_kind
 from agentloop.rewards import score_output
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
@@ -63,8 +64,7 @@ def test_multi_turn_tokens_mask_and_reward_through_the_manager(local_ray, script
     manager = AgentLoopManager(tool_config(scripted))
     try:
         batch = manager.generate_sequences([script_row("multi", data_source="tools")], validate=True)
-        extra = batch.non_tensor_batch["extra_fields"][0]
-        assert extra["finish_reason"] == "stop"
+        assert batch.non_tensor_batch["end_reason"][0] == "stop"
         assert batch.non_tensor_batch["num_turns"][0] == 6
         length = int(batch.batch["attention_mask"][0, 768:].sum())
         response = batch.batch["responses"][0, :length].tolist()
@@ -116,23 +116,25 @@ def test_reward_function_by_data_source(server, tokenizer, scripted):
     output = run_loop(server, tokenizer, scripted, "multi", reward, **fields)
     assert output.reward_score is None  # the loop leaves the reward to the worker's scoring step
     asyncio.run(score_output(tool_config(scripted, reward), tokenizer, script_row("multi", **fields), output))
-    assert output.reward_score == 1.0 and output.extra_fields["reward_source"] == "reward_function"
-    assert output.extra_fields["reward_extra_info"] == {"score": 1.0, "answer_found": 1.0}
+    assert output.reward_score == 1.0 and output.reward_source == "reward_function"
+    assert output.reward_extra_info == {"score": 1.0, "answer_found": 1.0}
+    assert output.extra_fields == {}  # the loop's own: the framework writes nothing there
 
 
 def test_calls_inside_think_are_not_executed(server, tokenizer, scripted):
     output = run_loop(server, tokenizer, scripted, "think")
-    assert output.extra_fields["finish_reason"] == "stop"
+    assert output.end_reason == "stop"
     assert output.metrics["tool_calls"] == 0 and set(output.response_mask) == {1}
 
 
 def test_parallel_calls_and_their_limit(server, tokenizer, scripted):
     output = run_loop(server, tokenizer, scripted, "parallel")
-    assert output.extra_fields["turns"][0]["tool_calls"] == 2
+    assert output.turns[0].tool_calls == 2 and output.turns[0].dropped_calls == 0
     observation = tokenizer.decode([t for t, m in zip(output.response_ids, output.response_mask) if m == 0])
     assert observation.count("<tool_response>") == 2 and "\n2\n" in observation and "\n9\n" in observation
     limited = run_loop(server, tokenizer, scripted, "parallel", "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=1")
-    assert limited.extra_fields["turns"][0]["tool_calls"] == 1
+    assert limited.turns[0].tool_calls == 1 and limited.turns[0].dropped_calls == 1
+    assert [call.error for call in limited.turns[0].calls] == [None, "too_many_calls"]
 
 
 @pytest.mark.parametrize(
@@ -147,15 +149,15 @@ def test_parallel_calls_and_their_limit(server, tokenizer, scripted):
 )
 def test_faults_become_observations(server, tokenizer, scripted, script, kind, text):
     output = run_loop(server, tokenizer, scripted, script)
-    assert output.extra_fields["tool_errors"] == {kind: 1} and output.metrics["tool_errors"] == 1
+    assert tool_errors_by_kind(output.turns) == {kind: 1} and output.metrics["tool_errors"] == 1
     observation = tokenizer.decode([t for t, m in zip(output.response_ids, output.response_mask) if m == 0])
     assert text in observation
-    assert output.extra_fields["finish_reason"] == "stop" and output.response_mask[-1] == 1
+    assert output.end_reason == "stop" and output.response_mask[-1] == 1
 
 
 def test_error_budget_ends_cleanly_on_a_model_token(server, tokenizer, scripted):
     output = run_loop(server, tokenizer, scripted, "unknown", "actor_rollout_ref.rollout.multi_turn.tool_error_budget=0")
-    assert output.extra_fields["finish_reason"] == "tool_error_budget"
+    assert output.end_reason == "tool_error_budget"
     assert set(output.response_mask) == {1} and output.num_turns == 2
 
 
@@ -169,14 +171,14 @@ def test_error_budget_ends_cleanly_on_a_model_token(server, tokenizer, scripted)
 )
 def test_turn_and_token_limits(server, tokenizer, scripted, override, reason, assistant_turns):
     output = run_loop(server, tokenizer, scripted, "loop", override)
-    assert output.extra_fields["finish_reason"] == reason
+    assert output.end_reason == reason
     assert output.response_mask[-1] == 1, "a trajectory never ends on an observation"
     if assistant_turns is not None:
         assert output.metrics["assistant_turns"] == assistant_turns
     else:
         assert len(output.response_ids) <= 60
     full = run_loop(server, tokenizer, scripted, "loop")
-    assert full.extra_fields["finish_reason"] == "stop" and full.metrics["assistant_turns"] == 4
+    assert full.end_reason == "stop" and full.metrics["assistant_turns"] == 4
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from omegaconf import open_dict
 from transformers import AutoTokenizer
 
 from agentloop.agent_loop import AgentLoopBase, DictConfigWrap
-from agentloop.protocol import AgentLoopOutput
+from agentloop.protocol import AgentLoopOutput, RewardParts
 from agentloop.reward_score import default_compute_score, gsm8k, math_reward
 from agentloop.rewards import score_output
 from agentloop.rows import verl_row_fields, write_rows
@@ -88,14 +88,19 @@ def test_reward_rule_for_every_loop(tokenizer, tmp_path):
 
     # a plain single-turn sample gets the built-in scorer for its data source, on the decoded response
     plain = scored(small_config(), tokenizer, gsm8k_row, output())
-    assert plain.reward_score == 1.0 and plain.extra_fields["reward_extra_info"] == {"acc": 1.0}
+    assert plain.reward_score == 1.0 and plain.reward_extra_info == {"acc": 1.0} and plain.reward_source == "reward_function"
+    # verl's loops may keep no log-probs; the record says so, and the loop's own extra_fields stay its own
+    assert plain.rollout_log_probs_missing and plain.extra_fields == {}
     # a loop's own parts (here a tool's calc_reward) do not change a data-source reward; they are reported
-    with_tool = scored(small_config(), tokenizer, gsm8k_row, output(extra_fields={"tool_rewards": {"calc": 0.25}}))
-    assert with_tool.reward_score == 1.0 and with_tool.extra_fields["reward_parts"] == {"tool/calc": 0.25}
+    with_tool = scored(small_config(), tokenizer, gsm8k_row, output(reward_parts=RewardParts(tools={"calc": 0.25})))
+    assert with_tool.reward_score == 1.0 and with_tool.reward_parts.by_source() == {"tool/calc": 0.25}
     # without a reward function the parts add up; a loop that set its reward keeps it
     unknown = {"data_source": "mine"}
-    parts = scored(small_config(), tokenizer, unknown, output(extra_fields={"tool_rewards": {"a": 0.5}, "interaction_score": 1.0}))
-    assert parts.reward_score == 1.5 and parts.extra_fields["reward_source"] == "reward_parts"
+    parts = scored(small_config(), tokenizer, unknown, output(reward_parts=RewardParts(tools={"a": 0.5}, interaction=1.0)))
+    assert parts.reward_score == 1.5 and parts.reward_source == "reward_parts"
+    # a loop's own key in extra_fields is carried, never read as a reward part
+    own = scored(small_config(), tokenizer, unknown, output(extra_fields={"tool_rewards": {"a": 0.5}}))
+    assert own.reward_score is None and own.reward_source == "none" and own.extra_fields == {"tool_rewards": {"a": 0.5}}
     assert scored(small_config(), tokenizer, gsm8k_row, output(reward_score=-2.0)).reward_score == -2.0
     assert scored(small_config(), tokenizer, unknown, output()).reward_score is None
 
@@ -112,14 +117,14 @@ def test_reward_rule_for_every_loop(tokenizer, tmp_path):
     """))
     custom = small_config(f"custom_reward_function.path={tmp_path / 'my_reward.py'}", "custom_reward_function.name=judge",
                           "+custom_reward_function.reward_kwargs.scale=2.0")
-    judged = scored(custom, tokenizer, gsm8k_row, output(num_turns=4, extra_fields={"tool_rewards": {"a": 0.5}}))
+    judged = scored(custom, tokenizer, gsm8k_row, output(num_turns=4, reward_parts=RewardParts(tools={"a": 0.5})))
     assert judged.reward_score == 2.0 * len("#### 7")  # special tokens are skipped, as verl decodes
-    assert judged.extra_fields["reward_extra_info"] == {"score": 12.0, "turns": 4, "parts": {"tool/a": 0.5}, "index": 3}
+    assert judged.reward_extra_info == {"score": 12.0, "turns": 4, "parts": {"tool/a": 0.5}, "index": 3}
     # by_data_source wins over path
     routed = small_config(f"custom_reward_function.path={tmp_path / 'my_reward.py'}", "custom_reward_function.name=judge")
     with open_dict(routed):
         routed.custom_reward_function.by_data_source["openai/gsm8k"] = "agentloop.tasks.arithmetic.reward.arithmetic_score"
-    assert scored(routed, tokenizer, gsm8k_row, output()).extra_fields["reward_extra_info"]["answer_found"] == 1.0
+    assert scored(routed, tokenizer, gsm8k_row, output()).reward_extra_info["answer_found"] == 1.0
     bounded = small_config(f"custom_reward_function.path={tmp_path / 'my_reward.py'}", "custom_reward_function.name=slow",
                            "custom_reward_function.timeout_s=0.2")
     with pytest.raises(TimeoutError, match="custom_reward_function.timeout_s=0.2"):

@@ -57,7 +57,7 @@ def test_image_trajectories_are_exact_and_train_on_two_ranks(setup, vlm_path, tm
     manager, actors = setup
     output = manager.generate_sequences(rows(tmp_path))
     batch = output.batch
-    assert not any("failure" in extra for extra in output.non_tensor_batch["extra_fields"])
+    assert all(failure is None for failure in output.non_tensor_batch["failure"])
     assert batch["position_ids"].shape == (4, 4, 64 + 96)  # M-RoPE: [B, 4, P+R]
     pad = AutoTokenizer.from_pretrained(vlm_path).convert_tokens_to_ids("<|image_pad|>")
     grids = batch["image_grid_thw"]
@@ -103,7 +103,7 @@ def test_bad_images_fail_their_own_row_only(setup, tmp_path):
     ]
     good = {"prompt": [{"role": "user", "content": "<image>"}], "images": [picture("green")]}
     output = manager.generate_sequences([*({**row, "extra_info": {"index": i}} for i, row in enumerate(bad)), good])
-    errors = [(extra.get("failure") or {}).get("error", "") for extra in output.non_tensor_batch["extra_fields"]]
+    errors = [failure.error if failure is not None else "" for failure in output.non_tensor_batch["failure"]]
     assert "no image file" in errors[0] and "row 0" in errors[0]
     assert "more image placeholders than the 1 image(s)" in errors[1]
     assert "2 image(s) given but only 1 placeholder" in errors[2]

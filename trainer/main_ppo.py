@@ -40,7 +40,6 @@ from agentloop.batch import RolloutBatch, object_array
 from agentloop.config import CONFIG_PACKAGE, composition_message
 from agentloop.metrics import spread
 from agentloop.preflight import check_job
-from agentloop.protocol import is_failed
 from agentloop.streaming import GroupStream
 from agentloop.tools.toolset import load_tool_set
 from agentloop.waiting import wait_for
@@ -400,13 +399,13 @@ def grpo_groups(rollout: RolloutBatch) -> list[str]:
     """Each sample's GRPO group: its ``uid``, except that a failed sample leaves its group (a group of one,
     advantage 0) so the others are normalised among themselves."""
     fields = rollout.non_tensor_batch
-    return [f"{uid}/failed/{i}" if is_failed(extra) else uid for i, (uid, extra) in enumerate(zip(fields["uid"], fields["extra_fields"]))]
+    return [f"{uid}/failed/{i}" if failure is not None else uid for i, (uid, failure) in enumerate(zip(fields["uid"], fields["failure"]))]
 
 
 def _has_rollout_log_probs(rollout: RolloutBatch, required: bool) -> bool:
     """Whether every sample has its rollout log-probs (a loop may return none, as verl allows); an error if ``required``."""
     fields = rollout.non_tensor_batch
-    missing = sorted({str(name) for name, extra in zip(fields["agent_name"], fields["extra_fields"]) if extra.get("rollout_log_probs_missing")})
+    missing = sorted({str(name) for name, missing in zip(fields["agent_name"], fields["rollout_log_probs_missing"]) if missing})
     if missing and required:
         raise ValueError(
             f"agent loops {missing} returned no response_logprobs, which algorithm.rollout_correction (or bypass_mode) "

@@ -19,7 +19,7 @@ from hydra.utils import get_class
 
 from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.envs import BaseEnv
-from agentloop.protocol import AgentLoopOutput, EndReason
+from agentloop.protocol import AgentLoopOutput, EndReason, RewardParts
 
 
 async def _call(function: Any, *args: Any) -> Any:
@@ -60,7 +60,6 @@ class EnvAgentLoop(AgentLoopBase):
         trajectory = self.start_trajectory(row)
         budget = int(self.rollout.response_length)
         actions: list[str] = []
-        retries: dict[str, int] = {}
         env_reward = 0.0
         reason: EndReason
         while True:
@@ -68,7 +67,7 @@ class EnvAgentLoop(AgentLoopBase):
             if end is not None:
                 reason = end
                 break
-            stepped = await self._step_with_retries(env, text, actions, retries)
+            stepped = await self._step_with_retries(env, text, actions, trajectory.turns[-1].env_retries)
             if stepped is None:
                 reason = "env_error"
                 break
@@ -87,20 +86,21 @@ class EnvAgentLoop(AgentLoopBase):
 
         # the reward is the worker's (agentloop.rewards): the row's reward function, else env_reward
         return trajectory.to_output(
-            num_turns=1 + len(trajectory.messages) - len(row["prompt"]),  # prompt + model turns + observations
+            end_reason=reason,
+            reward_parts=RewardParts(env=env_reward),
             metrics={
                 "env_steps": float(len(actions)),
-                "env_retries": float(sum(retries.values())),
+                "env_retries": float(sum(sum(turn.env_retries.values()) for turn in trajectory.turns)),
                 "model_tokens": float(sum(trajectory.response_mask)),
                 "observation_tokens": float(len(trajectory.response_mask) - sum(trajectory.response_mask)),
             },
-            extra_fields={"finish_reason": reason, "env_retries": retries, "env_reward": env_reward},
         )
 
     async def _step_with_retries(
         self, env: BaseEnv, text: str, actions: list[str], retries: dict[str, int]
     ) -> tuple[Any, bool, dict[str, Any]] | None:
-        """Step the env; on failure recover (hook, or reset and replay) and retry. None: budget spent."""
+        """Step the env; on failure recover (hook, or reset and replay) and retry, counting failures by kind in
+        ``retries`` (the turn's record). None: budget spent."""
         timeout = float(self.rollout.env.step_timeout_s)
         for attempt in range(int(self.rollout.env.max_env_retries_per_turn) + 1):
             try:

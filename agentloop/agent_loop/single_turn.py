@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from agentloop.agent_loop.base import AgentLoopBase
-from agentloop.protocol import AgentLoopOutput, end_after
+from agentloop.protocol import AgentLoopOutput, TurnRecord, end_after
 
 
 class SingleTurnAgentLoop(AgentLoopBase):
@@ -21,6 +21,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_logprobs=output.log_probs,
             num_turns=2,
             metrics={"cached_tokens": float(output.cached_tokens)},
-            extra_fields={"finish_reason": end_after(output.finish_reason) or "stop"},
+            end_reason=end_after(output.finish_reason) or "stop",
+            turns=[TurnRecord(model_tokens=len(output.token_ids))],
             multi_modal_inputs=trajectory.multi_modal_inputs,
         )

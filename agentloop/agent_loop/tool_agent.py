@@ -13,14 +13,17 @@ had not begun to answer is taken back). It never ends on an observation, so the 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentloop.agent_loop.base import AgentLoopBase
+from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.interactions import BaseInteraction, load_interactions
-from agentloop.protocol import AgentLoopOutput, EndReason
+from agentloop.protocol import AgentLoopOutput, EndReason, RewardParts, ToolCallRecord, TurnRecord
 from agentloop.rows import verl_row_fields
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.reasoning import prompt_opens_reasoning, split_reasoning
+from agentloop.tools.schemas import ToolCall
 from agentloop.tools.toolset import ToolResult, load_tool_set
 
 # Far more characters than any token spans: a window of limit x this many characters holds more than
@@ -36,6 +39,7 @@ class ToolAgentLoop(AgentLoopBase):
         self.multi_turn = self.rollout.multi_turn
         self.tool_set = load_tool_set(self.multi_turn.tool_config_path)
         self.parse = get_parser(self.multi_turn.format)
+        self.response_length = int(self.rollout.response_length)  # the budget of model turns and observations together
 
     def _interaction(self, kwargs: dict[str, Any]) -> BaseInteraction | None:
         # verl's preprocessing writes interaction_kwargs for tool-only jobs too: without an interaction
@@ -51,125 +55,106 @@ class ToolAgentLoop(AgentLoopBase):
         return available[kwargs["name"]]
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
-        request_id = row["request_id"]
-        # top-level as verl's dataset passes them; rows handed to run() directly may keep them in extra_info
-        verl_fields = verl_row_fields(row)
-        create_kwargs = {name: (spec or {}).get("create_kwargs", {}) for name, spec in verl_fields["tools_kwargs"].items()}
-        tools = self.tool_set.schemas or None
-        trajectory = self.start_trajectory(row, tools)
-        budget = int(self.rollout.response_length)
-        max_assistant = self.multi_turn.max_assistant_turns
-        max_user = self.multi_turn.max_user_turns
-        error_budget = self.multi_turn.tool_error_budget
-        interaction_kwargs = dict(verl_fields["interaction_kwargs"])
-        interaction = self._interaction(interaction_kwargs)
-        if interaction is not None:
-            await interaction.start_interaction(request_id, **interaction_kwargs)
-        interaction_score = None
-        turn_scores: list[float] = []
-        created: dict[str, asyncio.Future] = {}
-        turns: list[dict[str, Any]] = []
-        errors_by_kind: dict[str, int] = {}
-        assistant_turns = user_turns = 0
-        reason: EndReason
-
+        session = await self._start(row)
         try:
-            while True:
-                # Qwen3's thinking template opens the reasoning in the generation prompt: the turn starts inside it
-                opened = prompt_opens_reasoning(self.tokenizer, trajectory.ids)
-                output, text, end = await trajectory.generate_turn(self.server_manager, request_id, sampling_params, budget)
-                assistant_turns += 1
-                turn = {"model_tokens": len(output.token_ids), "tool_calls": 0, "tool_errors": 0, "tool_latency_s": 0.0}
-                turns.append(turn)
-                if end is not None:
-                    reason = end
-                    # aborted before answering the last observation: that is gone (the empty turn stays on record,
-                    # as the model turn that was asked for)
-                    if trajectory.withdrawn is not None:
-                        del turns[-2]["observation_tokens"]
-                        user_turns -= 1
-                    break
-                _, calls = self.parse(split_reasoning(text, opened=opened).content)
-                if not calls and interaction is None:
-                    reason = "stop"
-                    break
-                if (max_assistant and assistant_turns >= max_assistant) or (max_user and user_turns >= max_user):
-                    reason = "max_turns"
-                    break
-                if not calls:
-                    done, reply, turn_score, _ = await interaction.generate_response(
-                        request_id, trajectory.messages, **interaction_kwargs
-                    )
-                    turn_scores.append(float(turn_score))
-                    turn["interaction_score"] = float(turn_score)
-                    if done:
-                        reason = "stop"
-                        break
-                    added = trajectory.add_observation_within([{"role": "user", "content": reply}], budget)
-                    if added is None:
-                        reason = "length"
-                        break
-                    turn["observation_tokens"] = added
-                    user_turns += 1
-                    continue
-                max_calls = int(self.multi_turn.max_parallel_calls)
-                calls, dropped = calls[:max_calls], calls[max_calls:]
-                results: list[ToolResult] = await asyncio.gather(
-                    *(self.tool_set.call(call, request_id, created, create_kwargs) for call in calls)
-                )
-                # Calls past the limit are not run, but the model made them: each is a counted fault, and
-                # one tool message (not one per call: a turn can hold hundreds) tells the model.
-                notice = ToolResult(
-                    f"Error: {len(dropped)} more tool call(s) were not run: at most {max_calls} run per turn",
-                    error="too_many_calls",
-                )
-                outcomes = results + [notice] * len(dropped)
-                turn.update(
-                    tool_calls=len(calls),
-                    dropped_calls=len(dropped),
-                    tool_errors=sum(result.error is not None for result in outcomes),
-                    tool_latency_s=max((result.latency_s for result in results), default=0.0),
-                    step_reward=sum(result.step_reward for result in results),
-                    calls=[
-                        {"name": call.name, "arguments": call.arguments, "result": result.text,
-                         "latency_s": result.latency_s, "error": result.error}
-                        for call, result in zip(calls + dropped, outcomes)
-                    ],
-                )
-                for result in outcomes:
-                    if result.error:
-                        errors_by_kind[result.error] = errors_by_kind.get(result.error, 0) + 1
-                if error_budget is not None and sum(errors_by_kind.values()) > int(error_budget):
-                    reason = "tool_error_budget"
-                    break
-                shown = results + ([notice] if dropped else [])
-                messages = [{"role": "tool", "content": result.content(self._truncate(result.text))} for result in shown]
-                added = trajectory.add_observation_within(messages, budget)
-                if added is None:
-                    reason = "length"  # no room left for a model turn after this observation
-                    break
-                turn["observation_tokens"] = added
-                user_turns += 1
+            reason = await self._roll_out(session, sampling_params)
         finally:
-            tool_rewards = await self.tool_set.finish(request_id, created)
-            if interaction is not None:
-                interaction_score = float(await interaction.calculate_score(request_id, **interaction_kwargs))
-                await interaction.finalize_interaction(request_id, **interaction_kwargs)
-
+            reward_parts = await self._finish(session)
+        trajectory = session.trajectory
         mismatches = trajectory.sanity_check(self.multi_turn.tokenization_sanity_check_mode)
         # the reward is the worker's (agentloop.rewards): the row's reward function, else these parts
         return trajectory.to_output(
-            num_turns=1 + assistant_turns + user_turns,  # the prompt counts as a turn, as in verl
-            metrics=self._metrics(turns, errors_by_kind, mismatches),
-            extra_fields={
-                "finish_reason": reason,
-                "turns": turns,
-                "tool_rewards": tool_rewards,
-                "tool_errors": errors_by_kind,
-                "turn_scores": turn_scores,
-                "interaction_score": interaction_score,
-            },
+            end_reason=reason, reward_parts=reward_parts, metrics=self._metrics(trajectory.turns, mismatches)
         )
+
+    async def _start(self, row: dict[str, Any]) -> _Session:
+        """The row's trajectory (its prompt with the tools' schemas), and its interaction started, if it names one."""
+        # top-level as verl's dataset passes them; rows handed to run() directly may keep them in extra_info
+        verl_fields = verl_row_fields(row)
+        create_kwargs = {name: (spec or {}).get("create_kwargs", {}) for name, spec in verl_fields["tools_kwargs"].items()}
+        trajectory = self.start_trajectory(row, self.tool_set.schemas or None)
+        interaction_kwargs = dict(verl_fields["interaction_kwargs"])
+        interaction = self._interaction(interaction_kwargs)
+        if interaction is not None:
+            await interaction.start_interaction(row["request_id"], **interaction_kwargs)
+        return _Session(row["request_id"], trajectory, create_kwargs, interaction, interaction_kwargs)
+
+    async def _roll_out(self, session: _Session, sampling_params: dict[str, Any]) -> EndReason:
+        """Model turns, each answered by its tool calls or else the interaction, until one of them ends the trajectory."""
+        trajectory = session.trajectory
+        while True:
+            # Qwen3's thinking template opens the reasoning in the generation prompt: the turn starts inside it
+            opened = prompt_opens_reasoning(self.tokenizer, trajectory.ids)
+            _, text, end = await trajectory.generate_turn(
+                self.server_manager, session.request_id, sampling_params, self.response_length
+            )
+            if end is not None:
+                return end
+            _, calls = self.parse(split_reasoning(text, opened=opened).content)
+            if not calls and session.interaction is None:
+                return "stop"
+            if self._turn_limit_reached(trajectory):
+                return "max_turns"
+            end = await (self._run_tools(session, calls) if calls else self._ask_interaction(session))
+            if end is not None:
+                return end
+
+    def _turn_limit_reached(self, trajectory: Trajectory) -> bool:
+        max_assistant, max_user = self.multi_turn.max_assistant_turns, self.multi_turn.max_user_turns
+        return bool(
+            (max_assistant and len(trajectory.turns) >= max_assistant)
+            or (max_user and len(trajectory.observation_roles) >= max_user)
+        )
+
+    async def _ask_interaction(self, session: _Session) -> EndReason | None:
+        """The interaction answers the model's turn as a user turn: ``stop`` when it ends the conversation."""
+        trajectory = session.trajectory
+        done, reply, turn_score, _ = await session.interaction.generate_response(
+            session.request_id, trajectory.messages, **session.interaction_kwargs
+        )
+        trajectory.turns[-1].interaction_score = float(turn_score)
+        if done:
+            return "stop"
+        return self._observe(trajectory, [{"role": "user", "content": reply}])
+
+    async def _run_tools(self, session: _Session, calls: list[ToolCall]) -> EndReason | None:
+        """Run the turn's calls (up to ``max_parallel_calls``, in parallel) and show the model their results."""
+        max_calls = int(self.multi_turn.max_parallel_calls)
+        calls, dropped = calls[:max_calls], calls[max_calls:]
+        results: list[ToolResult] = await asyncio.gather(
+            *(self.tool_set.call(call, session.request_id, session.created, session.create_kwargs) for call in calls)
+        )
+        # Calls past the limit are not run, but the model made them: each is a counted fault, and
+        # one tool message (not one per call: a turn can hold hundreds) tells the model.
+        notice = ToolResult(
+            f"Error: {len(dropped)} more tool call(s) were not run: at most {max_calls} run per turn",
+            error="too_many_calls",
+        )
+        turns = session.trajectory.turns
+        turns[-1].calls = [
+            ToolCallRecord(call.name, call.arguments, result.text, result.latency_s, result.error)
+            for call, result in zip(calls + dropped, results + [notice] * len(dropped))
+        ]
+        turns[-1].dropped_calls = len(dropped)
+        turns[-1].step_reward = sum(result.step_reward for result in results)
+        error_budget = self.multi_turn.tool_error_budget
+        if error_budget is not None and sum(turn.tool_errors for turn in turns) > int(error_budget):
+            return "tool_error_budget"
+        shown = results + ([notice] if dropped else [])
+        return self._observe(session.trajectory, [{"role": "tool", "content": r.content(self._truncate(r.text))} for r in shown])
+
+    def _observe(self, trajectory: Trajectory, messages: list[dict[str, Any]]) -> EndReason | None:
+        """Append the observation, or end the trajectory (``length``) when no model turn would fit after it."""
+        return None if trajectory.add_observation_within(messages, self.response_length) is not None else "length"
+
+    async def _finish(self, session: _Session) -> RewardParts:
+        """Release the trajectory's tools and interaction; what they scored it."""
+        tool_rewards = await self.tool_set.finish(session.request_id, session.created)
+        interaction_score = None
+        if session.interaction is not None:
+            interaction_score = float(await session.interaction.calculate_score(session.request_id, **session.interaction_kwargs))
+            await session.interaction.finalize_interaction(session.request_id, **session.interaction_kwargs)
+        return RewardParts(tools=tool_rewards, interaction=interaction_score)
 
     def _truncate(self, text: str) -> str:
         """Cut a tool response to ``max_tool_response_length`` tokens on ``tool_response_truncate_side``."""
@@ -214,16 +199,28 @@ class ToolAgentLoop(AgentLoopBase):
         return self.tokenizer.decode(ids)  # a tokenizer whose decoding is not byte-exact: keep what it gives
 
     @staticmethod
-    def _metrics(turns: list[dict[str, Any]], errors: dict[str, int], mismatches: int) -> dict[str, float]:
-        calls = sum(turn["tool_calls"] for turn in turns)
-        latencies = [turn["tool_latency_s"] for turn in turns if turn["tool_calls"]]
+    def _metrics(turns: list[TurnRecord], mismatches: int) -> dict[str, float]:
+        latencies = [turn.tool_latency_s for turn in turns if turn.tool_calls]
         return {
             "assistant_turns": float(len(turns)),
-            "tool_calls": float(calls),
-            "tool_errors": float(sum(errors.values())),
+            "tool_calls": float(sum(turn.tool_calls for turn in turns)),
+            "tool_errors": float(sum(turn.tool_errors for turn in turns)),
             "tool_latency_s_mean": sum(latencies) / len(latencies) if latencies else 0.0,
             "tool_latency_s_max": max(latencies, default=0.0),
-            "model_tokens": float(sum(turn["model_tokens"] for turn in turns)),
-            "observation_tokens": float(sum(turn.get("observation_tokens", 0) for turn in turns)),
+            "model_tokens": float(sum(turn.model_tokens for turn in turns)),
+            "observation_tokens": float(sum(turn.observation_tokens for turn in turns)),
             "tokenization_mismatch": float(mismatches),
         }
+
+
+@dataclass
+class _Session:
+    """One trajectory's rollout: its request, its trajectory, the tools' create kwargs and the instances created so
+    far, and its interaction (None without one) with the row's interaction kwargs."""
+
+    request_id: str
+    trajectory: Trajectory
+    create_kwargs: dict[str, Any]
+    interaction: BaseInteraction | None
+    interaction_kwargs: dict[str, Any]
+    created: dict[str, asyncio.Future] = field(default_factory=dict)

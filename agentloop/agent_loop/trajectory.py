@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.images import ProcessedImage, expand_image_pads, image_inputs, process_images, split_images
-from agentloop.protocol import AgentLoopOutput, EndReason, TokenOutput, end_after
+from agentloop.protocol import AgentLoopOutput, EndReason, TokenOutput, TurnRecord, end_after
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ class Observation(NamedTuple):
 
 
 class Trajectory:
-    """Prompt, exact response tokens with mask and logprobs, and the chat messages they stand for.
+    """Prompt, exact response tokens with mask and logprobs, the chat messages they stand for, and a record of
+    each model turn (``turns``) with the observation that answered it (``observation_roles``: who spoke in each).
 
     With a vision-language ``processor``, ``images`` holds every image of the conversation in order (the
     prompt's first), each processed once when it arrived; ``messages`` keep them as ``{"type": "image"}`` parts.
@@ -94,6 +95,7 @@ class Trajectory:
         self.response_ids: list[int] = []
         self.response_mask: list[int] = []
         self.response_logprobs: list[float] = []
+        self.turns: list[TurnRecord] = []  # one per model turn; the loops add what their turn steps did
         self.observation_roles: list[str] = []  # per observation span, for readers of the trajectory
         self.unanswered: Observation | None = None  # the last observation while no model token follows it
         self.withdrawn: Observation | None = None  # an observation taken back: the model never got to answer it
@@ -102,6 +104,11 @@ class Trajectory:
     def ids(self) -> list[int]:
         """What the model conditions on next: prompt and everything appended so far."""
         return self.prompt_ids + self.response_ids
+
+    @property
+    def num_turns(self) -> int:
+        """The prompt, each model turn and each observation, as verl counts turns."""
+        return 1 + len(self.turns) + len(self.observation_roles)
 
     @property
     def final_reply(self) -> str:
@@ -115,20 +122,24 @@ class Trajectory:
 
         Returns the engine's output, the turn's text, and the trajectory's end when this turn forces one
         (``aborted`` or ``length``), else None. A turn aborted before its first token takes back the observation
-        it was to answer (``withdrawn``): a trajectory ends on a model token, where its reward sits.
+        it was to answer (``withdrawn``): a trajectory ends on a model token, where its reward sits. The empty turn
+        stays on record, as the model turn that was asked for.
         """
         params = {**sampling_params, "max_new_tokens": budget - len(self.response_ids)}
         output = await router.generate(request_id, self.ids, params, image_data=self.images or None)
         if not output.token_ids and output.finish_reason == "abort" and self.unanswered is not None:
             self._withdraw(self.unanswered)
+            self.turns.append(TurnRecord(model_tokens=0))
             return output, "", "aborted"
         return output, self.add_model_turn(output), end_after(output.finish_reason)
 
     def add_model_turn(self, output: TokenOutput) -> str:
-        """Append the engine's tokens exactly; return the turn's text (without the end-of-turn token)."""
+        """Append the engine's tokens exactly, and a record of the turn; return the turn's text (without the
+        end-of-turn token)."""
         self.response_ids += output.token_ids
         self.response_mask += [1] * len(output.token_ids)
         self.response_logprobs += output.log_probs
+        self.turns.append(TurnRecord(model_tokens=len(output.token_ids)))
         self.unanswered = None
         ids = output.token_ids
         # its end-of-turn token, or another stop id of the model's (Qwen's <|endoftext|>), is no part of the text
@@ -168,7 +179,8 @@ class Trajectory:
         return len(observation.ids)
 
     def add_observation(self, observation: Observation) -> None:
-        """Append an observation's ids (mask 0, logprob 0.0) and images, and the messages they render."""
+        """Append an observation's ids (mask 0, logprob 0.0) and images, and the messages they render; the last
+        model turn's record counts its tokens."""
         ids = observation.ids
         self.response_ids += ids
         self.response_mask += [0] * len(ids)
@@ -176,6 +188,8 @@ class Trajectory:
         self.images += observation.images
         self.messages += observation.messages
         self.observation_roles.append(",".join(dict.fromkeys(message["role"] for message in observation.messages)))
+        if self.turns:
+            self.turns[-1].observation_tokens += len(ids)
         self.unanswered = observation
 
     def _withdraw(self, observation: Observation) -> None:
@@ -185,6 +199,8 @@ class Trajectory:
         del self.images[len(self.images) - len(observation.images) :]
         del self.messages[len(self.messages) - len(observation.messages) :]
         self.observation_roles.pop()
+        if self.turns:
+            self.turns[-1].observation_tokens -= len(observation.ids)
         self.unanswered, self.withdrawn = None, observation
 
     def sanity_check(self, mode: str) -> int:
@@ -236,17 +252,19 @@ class Trajectory:
     def _image_pad_id(self) -> int:
         return self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
 
-    def to_output(self, extra_fields: dict[str, Any] | None = None, **fields: Any) -> AgentLoopOutput:
-        """The finished trajectory; ``extra_fields`` also gets ``observation_roles`` (who spoke in each masked span).
-        Its images' processor outputs are merged here, once (``multi_modal_inputs``)."""
+    def to_output(self, **fields: Any) -> AgentLoopOutput:
+        """The finished trajectory with its ``turns``, ``observation_roles`` and ``num_turns``; ``fields`` set the
+        rest of ``AgentLoopOutput`` (``end_reason``, ``reward_parts``, ...). Its images' processor outputs are merged
+        here, once (``multi_modal_inputs``)."""
         return AgentLoopOutput(
             multi_modal_inputs=self.multi_modal_inputs,
             prompt_ids=self.prompt_ids,
             response_ids=self.response_ids,
             response_mask=self.response_mask,
             response_logprobs=self.response_logprobs,
-            extra_fields={"observation_roles": self.observation_roles, **(extra_fields or {})},
-            **fields,
+            turns=self.turns,
+            observation_roles=self.observation_roles,
+            **{"num_turns": self.num_turns, **fields},
         )
 
 

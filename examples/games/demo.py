@@ -62,10 +62,10 @@ def main(overrides: list[str]) -> None:
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     manager = AgentLoopManager(config)
     batch = manager.generate_sequences(make_rows(4))
-    for name, reward, extra in zip(
-        batch.non_tensor_batch["agent_name"], batch.non_tensor_batch["reward_score"], batch.non_tensor_batch["extra_fields"]
+    for name, reward, end_reason in zip(
+        batch.non_tensor_batch["agent_name"], batch.non_tensor_batch["reward_score"], batch.non_tensor_batch["end_reason"]
     ):
-        print(f"{name:<14} finish={extra['finish_reason']:<10} reward={reward}")
+        print(f"{name:<14} finish={end_reason:<10} reward={reward}")
     print({key: value for key, value in batch.meta_info.items() if key.startswith("multi_turn/")})
     manager.shutdown()
     ray.shutdown()
