@@ -54,8 +54,8 @@ def pad_outputs(
             response_attention[row, :n_response] = 1
             response_mask[row, :n_response] = torch.tensor(output.response_mask[:n_response])
             log_probs[row, :n_response] = torch.tensor(output.response_logprobs[:n_response])
-            if output.response_policy_versions is not None:
-                versions[row, :n_response] = torch.tensor(output.response_policy_versions[:n_response])
+            if output.policy_versions is not None:
+                versions[row, :n_response] = torch.tensor(output.policy_versions[:n_response])
             if output.reward_score is not None:
                 scores[row, n_response - 1] = output.reward_score
 

@@ -9,6 +9,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Literal
 
+from agentloop.policy_versions import VersionRuns
+
 # Why one engine call stopped. ``interrupted``: new weights were loaded mid-request; the tokens so far
 # come back and the router continues the request under the new weights (loops never see it).
 FinishReason = Literal["stop", "length", "abort", "interrupted"]
@@ -126,49 +128,37 @@ class TokenOutput:
     log_probs: list[float]
     finish_reason: FinishReason
     cached_tokens: int = 0
-    # the policy version (weight pushes applied, as the trainer numbers them) that sampled these tokens,
-    # set by the rollout server; a request the router continued after an interruption reports its last part's
-    weight_version: int | None = None
+    # the policy version (``agentloop.policy_versions``) that sampled these tokens, set by the rollout server; a
+    # request the router continued after an interruption reports its last part's
+    policy_version: int | None = None
     # verl's TokenOutput fields that loops written for verl read; not produced by these engines
     num_preempted: int | None = None
     routed_experts: Any = None
 
 
-def add_version_run(runs: list[list[int]], version: int | None, count: int) -> None:
-    """Append ``count`` tokens of policy ``version`` (None: unknown, -1) to ``runs``, ``[version, count]`` pairs in
-    token order, merged with the last pair when it has the same version."""
-    version = -1 if version is None else version
-    if not count:
-        return
-    if runs and runs[-1][0] == version:
-        runs[-1][1] += count
-    else:
-        runs.append([version, count])
-
-
 async def generate_continued(
     generate: Callable[[list[int], dict[str, Any]], Awaitable[TokenOutput]], prompt_ids: list[int], sampling_params: dict[str, Any]
-) -> tuple[TokenOutput, list[list[int]], int]:
+) -> tuple[TokenOutput, VersionRuns, int]:
     """One turn through ``generate(ids, params)``, continued after each interruption by new weights: resubmitted
     with the tokens it has, for the tokens it has left, until it ends. Returns the whole turn, its tokens'
-    policy versions as ``[version, count]`` runs (``add_version_run``) and how many times it was interrupted."""
+    policy versions and how many times it was interrupted."""
     budget = int(sampling_params.get("max_new_tokens", SAMPLING_DEFAULTS["max_new_tokens"]))
     tokens: list[int] = []
     log_probs: list[float] = []
-    versions: list[list[int]] = []
+    versions = VersionRuns()
     interruptions = 0
     while True:
         output = await generate(prompt_ids + tokens, {**sampling_params, "max_new_tokens": budget - len(tokens)})
         tokens += output.token_ids
         log_probs += output.log_probs
-        add_version_run(versions, output.weight_version, len(output.token_ids))
+        versions.add(output.policy_version, len(output.token_ids))
         if output.finish_reason != "interrupted":
             break
         interruptions += 1
         if len(tokens) >= budget:  # interrupted right after its last token
             output.finish_reason = "length"
             break
-    whole = TokenOutput(tokens, log_probs, output.finish_reason, output.cached_tokens, weight_version=output.weight_version)
+    whole = TokenOutput(tokens, log_probs, output.finish_reason, output.cached_tokens, policy_version=output.policy_version)
     return whole, versions, interruptions
 
 
@@ -272,7 +262,7 @@ class AgentLoopOutput:
     ``multi_modal_inputs``: the processor's outputs for the trajectory's images, merged once at its end
     (``pixel_values [patches, dim]``, ``image_grid_thw [images, 3]``); None for text.
     ``multi_modal_data`` and ``routed_experts`` are accepted as verl's loops pass them.
-    ``response_policy_versions`` is set by the worker, not the loop: the policy version of each model
+    ``policy_versions`` is set by the worker, not the loop: the policy version of each model
     token (from the router's record of the session), -1 on observation tokens.
 
     What the framework reads of a trajectory is in typed fields, which a loop sets (``Trajectory.to_output`` sets
@@ -294,7 +284,7 @@ class AgentLoopOutput:
     multi_modal_data: dict[str, Any] | None = None
     multi_modal_inputs: dict[str, Any] | None = None
     routed_experts: Any = None
-    response_policy_versions: list[int] | None = None
+    policy_versions: list[int] | None = None
     end_reason: EndReason | None = None
     turns: list[TurnRecord] = field(default_factory=list)
     observation_roles: list[str] = field(default_factory=list)

@@ -15,11 +15,23 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from agentloop.protocol import BATCH_FIELDS
+
+# the non_tensor_batch columns a rollout fills per sample; a row field of one of these names would be overwritten
+OUTPUT_COLUMNS = (*BATCH_FIELDS, "generate_time_s", "policy_version")
+
 
 def check_row(row: Any, where: str) -> None:
-    """A row must be a mapping whose ``prompt`` is a non-empty list of ``{role, content}`` messages."""
+    """A row must be a mapping whose ``prompt`` is a non-empty list of ``{role, content}`` messages, with no field
+    that the rollout fills per sample (``OUTPUT_COLUMNS``)."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a mapping, got {type(row).__name__}")
+    taken = [key for key in OUTPUT_COLUMNS if key in row]
+    if taken:
+        raise ValueError(
+            f"{where}: field {taken[0]!r} is a column the rollout fills for each sample ({', '.join(OUTPUT_COLUMNS)}), "
+            "so the batch would lose the row's value: rename it, or move it under extra_info"
+        )
     prompt = row.get("prompt")
     if not isinstance(prompt, list) or not prompt:
         raise ValueError(f"{where}: 'prompt' must be a non-empty list of chat messages, got {prompt!r:.200}")

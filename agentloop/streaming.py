@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import ray
-import torch
 from ray.exceptions import RayActorError
 
 from agentloop.batch import RolloutBatch, object_array
+from agentloop.policy_versions import oldest_versions
 from agentloop.router import RouterStats
 from agentloop.server_pool import ServerPool
 from agentloop.worker_pool import WorkerPool
@@ -282,13 +282,3 @@ class GroupStream:
             self._queued.appendleft(group)
         self._buffer = [entry for entry in self._buffer if all(entry is not old for old in stale)]
         self._regenerated += len(stale)
-
-
-def oldest_versions(batch: RolloutBatch) -> torch.Tensor:
-    """Each sample's oldest policy version: its oldest model token's (``rollout_policy_versions``), or the
-    batch's ``policy_version`` stamp where no token's version is known."""
-    versions = batch.batch["rollout_policy_versions"]
-    known = versions >= 0
-    stamped = torch.tensor([int(version) for version in batch.non_tensor_batch["policy_version"]])
-    oldest = versions.masked_fill(~known, torch.iinfo(versions.dtype).max).min(-1).values
-    return torch.where(known.any(-1), oldest, stamped)

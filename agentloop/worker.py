@@ -12,6 +12,7 @@ import ray
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
+from agentloop import policy_versions
 from agentloop.agent_loop.base import DictConfigWrap
 from agentloop.batch import RolloutBatch, object_array
 from agentloop.models.loading import load_processor, structure
@@ -125,13 +126,5 @@ class AgentLoopWorker:
             logger.warning("agent loop %r failed on sample %s (dataset index %s): %s: %s",
                            row["agent_name"], row["request_id"], row["index"], type(error).__name__, error)
             output = failed_output(error, self._pad_id)
-        output.response_policy_versions = token_versions(output.response_mask, self.router.take_versions(row["request_id"]))
+        output.policy_versions = policy_versions.on_response(output.response_mask, self.router.take_versions(row["request_id"]))
         return output, time.perf_counter() - start
-
-
-def token_versions(response_mask: list[int], generated: list[int]) -> list[int]:
-    """Each response token's policy version: the sample's generated tokens' versions (``Router.take_versions``), in
-    order, on the model tokens (mask 1), -1 on observation tokens. A loop keeps its model tokens in the order they
-    were generated and may cut the last ones (response length); model tokens beyond what was recorded get -1."""
-    remaining = iter(generated)
-    return [next(remaining, -1) if mask else -1 for mask in response_mask]

@@ -27,7 +27,7 @@ LAYERS = [
     ["agentloop.router"],
     ["agentloop.server"],
     ["agentloop.tools", "agentloop.interactions", "agentloop.envs", "agentloop.rewards", "agentloop.reward_score", "agentloop.models"],
-    ["agentloop.protocol", "agentloop.batch", "agentloop.rows", "agentloop.waiting", "agentloop.yaml_entries", "agentloop.config_keys", "agentloop.images", "agentloop.allocator"],
+    ["agentloop.protocol", "agentloop.policy_versions", "agentloop.batch", "agentloop.rows", "agentloop.waiting", "agentloop.yaml_entries", "agentloop.config_keys", "agentloop.images", "agentloop.allocator"],
 ]
 
 

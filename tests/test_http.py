@@ -88,7 +88,7 @@ def test_generate_request_and_response_follow_sglangs_contract(url, manager):
     assert [entry[1] for entry in logprobs] == body["output_ids"] and all(entry[0] < 0 for entry in logprobs)
     assert body["meta_info"]["prompt_tokens"] == 9 and body["meta_info"]["completion_tokens"] == 5
     # SGLang's weight-version report: one span of the weights loaded, over every output token
-    version = str(ray.get(manager.servers[0].generate.remote([5], {"max_new_tokens": 1}, "version-probe"), timeout=60).weight_version)
+    version = str(ray.get(manager.servers[0].generate.remote([5], {"max_new_tokens": 1}, "version-probe"), timeout=60).policy_version)
     assert body["meta_info"]["weight_version"] == version
     assert body["meta_info"]["weight_versions"] == [{"version": version, "start": 0, "end": 5}]
 

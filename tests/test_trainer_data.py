@@ -24,6 +24,7 @@ def test_parquet_and_jsonl_round_trip(tmp_path):
         ('{"prompt": [{"role": "user", "content": "a"}]}\n{"prompt": [{"text": "b"}]}\n', r"row 1: prompt\[0\] must be a \{role, content\}"),
         ('{"prompt": [{"role": "user", "content": "a"}]}\n{oops\n', r"line 2 is not valid JSON"),
         ("[1, 2]\n", r"row 0: expected a mapping"),
+        ('{"prompt": [{"role": "user", "content": "a"}], "turns": 3}\n', r"row 0: field 'turns' is a column the rollout fills .* move it under extra_info"),
     ],
 )
 def test_bad_data_names_file_and_row(tmp_path, content, message):

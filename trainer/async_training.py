@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from agentloop.batch import RolloutBatch
-from agentloop.streaming import oldest_versions
+from agentloop.policy_versions import oldest_versions
 from trainer.rollout_correction import RolloutCorrection
 
 logger = logging.getLogger(__name__)

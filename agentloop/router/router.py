@@ -22,7 +22,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from agentloop.images import ProcessedImage
-from agentloop.protocol import TokenOutput, add_version_run, generate_continued
+from agentloop.protocol import TokenOutput, generate_continued
 from agentloop.router.batching import CallBatcher, settle
 from agentloop.router.placement import Placement, ServerSlot
 from agentloop.router.stats import RouterStats
@@ -122,8 +122,7 @@ class Router:
         output, versions, interruptions = await generate_continued(
             lambda ids, params: self._generate_once(request_id, ids, params, image_data or None, sample), prompt_ids, sampling_params
         )
-        for version, count in versions:
-            add_version_run(runs, version, count)
+        runs.extend(versions)
         self.stats.interrupted_requests += interruptions
         return output
 

@@ -43,7 +43,7 @@ class RolloutServer:
         # flight, a sleep) take milliseconds instead of a quarter second each.
         gc.freeze()
         self.http_server: Any = None
-        self.weight_version = 0  # the trainer's number for the weights loaded (pushes applied)
+        self.policy_version = 0  # the trainer's number for the weights loaded (pushes applied)
         # Set while no weight update is under way. An engine that yields during its update (SGLang's pause and
         # HTTP calls) gets the interrupted requests back before the update ends; their continuations must wait
         # here, or they would be stamped with the old version and then sampled by the new weights.
@@ -66,7 +66,7 @@ class RolloutServer:
         # a weight update interrupts the requests in flight: the tokens returned were sampled by the weights
         # loaded when the request started
         await self._weights_settled.wait()
-        version = self.weight_version
+        version = self.policy_version
         self._requests += 1
         if self._requests == 1:
             self._busy_since = time.perf_counter()
@@ -79,7 +79,7 @@ class RolloutServer:
             self._requests -= 1
             if not self._requests:
                 self._busy_s += time.perf_counter() - self._busy_since
-        output.weight_version = version
+        output.policy_version = version
         return output
 
     async def generate_many(self, requests: list[tuple[Any, ...]]) -> AsyncIterator[list[tuple[int, TokenOutput | BaseException]]]:
@@ -132,7 +132,7 @@ class RolloutServer:
         self._weights_settled.clear()
         try:
             yield
-            self.weight_version = self.weight_version + 1 if version is None else int(version)
+            self.policy_version = self.policy_version + 1 if version is None else int(version)
         finally:
             self._weights_settled.set()
 

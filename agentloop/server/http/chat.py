@@ -129,7 +129,7 @@ def chat_routes(
             },
             "prompt_token_ids": prompt,
             # which weights sampled which tokens (a reply continued across a weight push has two spans)
-            "metadata": weight_versions_json(versions, output.weight_version),
+            "metadata": weight_versions_json(versions, output.policy_version),
         }
 
     return router

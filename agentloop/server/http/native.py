@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.images import ProcessedImage, expand_image_pads, load_image, process_images
+from agentloop.policy_versions import VersionRuns
 from agentloop.protocol import SAMPLING_DEFAULTS, TokenOutput
 
 # SGLang sampling keys accepted here; the text-only ones have no effect on token ids.
@@ -147,13 +148,13 @@ def finish_reason_json(output: TokenOutput) -> dict[str, Any]:
     return {"type": "abort", "message": "aborted"}
 
 
-def weight_versions_json(runs: list[list[int]], version: int | None) -> dict[str, Any]:
+def weight_versions_json(runs: VersionRuns, version: int | None) -> dict[str, Any]:
     """SGLang's report of the weights that sampled a reply (``meta_info`` of ``/generate``, ``metadata`` of a
     chat completion): ``weight_versions``, one ``{version, start, end}`` span per run of tokens from one
-    version (``runs``: ``[version, count]`` pairs, as ``generate_continued`` returns them), and
+    version (``runs``, as ``generate_continued`` returns them), and
     ``weight_version``, the last; versions as strings, as SGLang's."""
     spans: list[dict[str, Any]] = []
-    for run_version, count in runs:
+    for run_version, count in runs.runs:
         start = spans[-1]["end"] if spans else 0
         spans.append({"version": str(run_version), "start": start, "end": start + count})
     spans = spans or [{"version": str(version), "start": 0, "end": 0}]  # no tokens: the weights loaded
@@ -232,7 +233,7 @@ def add_generation_routes(
             "finish_reason": finish_reason_json(output),
             "cached_tokens": output.cached_tokens,
             "e2e_latency": time.perf_counter() - start,
-            **weight_versions_json([[output.weight_version, len(output.token_ids)]], output.weight_version),
+            **weight_versions_json(VersionRuns([[output.policy_version, len(output.token_ids)]]), output.policy_version),
         }
         if body.return_logprob:
             meta["output_token_logprobs"] = [[lp, token, None] for lp, token in zip(output.log_probs, output.token_ids)]
