@@ -19,6 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 # fixture -> the model it needs, built before the first test by one bounded subprocess
 MODEL_FIXTURES = {"model_path": "tiny", "scripted_model": "scripted", "ok_model": "ok", "coin_model": "coin", "vlm_path": "vlm"}
 BUILD_TIMEOUT_S = float(os.environ.get("AGENTLOOP_TEST_BUILD_TIMEOUT_S", 1800))
+# Every Ray instance the tests and the jobs they start make is their own: ray.init() would otherwise join one that
+# other work on this machine started (a second suite, a training run), and fail or disturb it. A test that
+# means to join one (the trainer runs of the async tests) names its address.
+os.environ["RAY_ADDRESS"] = "local"
 RAY_MODULES: set[str] = set()  # modules whose local_ray fixture is up (their managers may still be alive)
 
 
