@@ -33,7 +33,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.batch import RolloutBatch
-from agentloop.protocol import BATCH_FIELDS, TurnRecord, env_retries_by_kind, tool_errors_by_kind, turn_scores
+from agentloop.protocol import TurnRecord, env_retries_by_kind, tool_errors_by_kind, turn_scores
+from agentloop.rows import OUTPUT_COLUMNS  # what the rollout adds per sample; everything else is a row field
 
 FORMAT = "agentloop-rollouts/1"
 LEGACY_FORMAT = "verl-jsonl (text only)"
@@ -85,7 +86,7 @@ def _sample_record(
     response_ids = tensors["responses"][i, :length].tolist()
     mask = tensors["response_mask"][i, :length].tolist()
     loop_turns: list[TurnRecord] = _field(fields, "turns", i) or []
-    row = {key: _field(fields, key, i) for key in fields if key not in _PER_SAMPLE_OUTPUTS}
+    row = {key: _field(fields, key, i) for key in fields if key not in OUTPUT_COLUMNS}
     arrays_i = {name: tensor[i, :length].float().tolist() for name, tensor in arrays.items()}
     advantage = None
     if "advantages" in arrays_i and sum(mask):
@@ -120,10 +121,6 @@ def _sample_record(
         "extra": _json(_extra(fields, i, loop_turns)),
         **arrays_i,
     }
-
-
-# non_tensor_batch entries the worker adds; everything else there is a row field
-_PER_SAMPLE_OUTPUTS = {*BATCH_FIELDS, "generate_time_s", "policy_version"}
 
 
 def _reward(fields: dict[str, np.ndarray], i: int, loop_turns: list[TurnRecord]) -> dict[str, Any]:

@@ -9,10 +9,12 @@ sample's ``policy_version`` stamp (the version its group started under). Only th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from agentloop.batch import RolloutBatch
+if TYPE_CHECKING:  # the records a server imports (protocol) must not pull in tensordict through the batch
+    from agentloop.batch import RolloutBatch
 
 UNKNOWN = -1
 

@@ -4,7 +4,8 @@ while that one is not much busier (the group's shared prompt is prefilled there 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
 import ray
 from cachetools import LRUCache
@@ -17,8 +18,13 @@ class ServerSlot:
 
     rank: int
     handle: ray.actor.ActorHandle
-    in_flight: int = 0
     alive: bool = True
+    waiting: set[asyncio.Future] = field(default_factory=set)  # the answers of the requests in flight on it
+    watcher: asyncio.Task | None = None  # the router's probes of it (``Router._watch``)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.waiting)
 
 
 class Placement:

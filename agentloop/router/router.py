@@ -73,8 +73,6 @@ class Router:
         self.batcher = CallBatcher()
         self.versions = VersionBook(max_sessions)
         self.stats = RouterStats([0] * len(servers))
-        self._waiting: dict[ServerSlot, set[asyncio.Future[TokenOutput]]] = {}  # per slot: the answers awaited
-        self._watchers: dict[ServerSlot, asyncio.Task] = {}
 
     @property
     def servers(self) -> list[ray.actor.ActorHandle]:
@@ -169,28 +167,20 @@ class Router:
                     f"{self.request_timeout_s}s (actor_rollout_ref.rollout.request_timeout_s); it was aborted"
                 ) from None
             finally:
-                slot.in_flight -= 1
-                self._settled(slot, answer)
+                slot.waiting.discard(answer)
             self.stats.prompt_tokens += len(prompt_ids)
             self.stats.cached_tokens += output.cached_tokens
             return output
 
     def _dispatch(self, slot: ServerSlot, request: tuple[Any, ...]) -> asyncio.Future[TokenOutput]:
-        slot.in_flight += 1
+        answer = self.batcher.call(slot, request)
+        slot.waiting.add(answer)  # in flight on it from now on
         self.stats.requests_per_server[slot.rank] += 1
         if (imbalance := self.placement.imbalance()) is not None:
             self.stats.imbalance_samples.append(imbalance)
-        answer = self.batcher.call(slot, request)
-        self._waiting.setdefault(slot, set()).add(answer)
-        if self.health_timeout_s is not None and slot not in self._watchers:
-            self._watchers[slot] = asyncio.ensure_future(self._watch(slot))
+        if self.health_timeout_s is not None and slot.watcher is None:
+            slot.watcher = asyncio.ensure_future(self._watch(slot))
         return answer
-
-    def _settled(self, slot: ServerSlot, answer: asyncio.Future[TokenOutput]) -> None:
-        waiting = self._waiting.get(slot, set())
-        waiting.discard(answer)
-        if not waiting and slot not in self._watchers:
-            self._waiting.pop(slot, None)
 
     async def _watch(self, slot: ServerSlot) -> None:
         """Probe ``slot``'s server while turns wait on it, or while it is suspected (hung once, not yet answering
@@ -199,7 +189,7 @@ class Router:
         timeout = float(self.health_timeout_s)
         suspected = False
         try:
-            while slot in self.placement.slots and (self._waiting.get(slot) or suspected):
+            while slot in self.placement.slots and (slot.waiting or suspected):
                 try:
                     await asyncio.wait_for(slot.handle.in_flight.remote(), timeout)
                 except RayActorError:
@@ -211,7 +201,7 @@ class Router:
                     suspected, slot.alive = True, False
                     hung = ServerHung(f"rollout server {slot.rank} answered no probe within {timeout:g}s "
                                       "(actor_rollout_ref.rollout.supervision.health_timeout_s)")
-                    for answer in list(self._waiting.get(slot, ())):
+                    for answer in list(slot.waiting):
                         settle(answer, hung)
                     continue
                 if suspected:
@@ -219,6 +209,4 @@ class Router:
                     suspected, slot.alive = False, True
                 await asyncio.sleep(timeout / 4)
         finally:
-            del self._watchers[slot]
-            if not self._waiting.get(slot):
-                self._waiting.pop(slot, None)
+            slot.watcher = None
