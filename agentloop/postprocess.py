@@ -1,8 +1,11 @@
 """Pad finished trajectories into the trainer's tensor layout (README.md, "How a rollout flows": **Batch**).
 
-prompts are left-padded to P, responses right-padded to R; ``input_ids`` is prompts ‖ responses;
+One row per segment (``AgentLoopOutput.all_segments``; one per trajectory unless its context was rewritten), a
+trajectory's rows consecutive and oldest first; ``segment_index [B]`` numbers them (0 starts a trajectory).
+prompts are left-padded to P (``rollout.prompt_length``, or the longest rewritten context when that is longer),
+responses right-padded to R; ``input_ids`` is prompts ‖ responses;
 ``position_ids`` count attended tokens (0 on padding); ``response_mask`` is 1 only on model tokens;
-``rm_scores`` holds each trajectory's reward on its last response token (0 without one: every batch has
+``rm_scores`` holds each trajectory's reward on its last segment's last response token (0 without one: every batch has
 the same keys, so the parts of different workers always concatenate).
 
 A vision-language model's batch also carries its images, dense-padded per sample so that ``split``,
@@ -20,15 +23,25 @@ import torch
 from tensordict import TensorDict
 
 from agentloop.images import mrope_positions
-from agentloop.protocol import AgentLoopOutput
+from agentloop.protocol import AgentLoopOutput, Segment
 
 
 def pad_outputs(
     outputs: list[AgentLoopOutput], prompt_length: int, response_length: int, pad_token_id: int, vision_model: Any = None
 ) -> TensorDict:
-    """Build the padded ``TensorDict`` for a list of trajectories (B = len(outputs)); with ``vision_model`` (a
+    """Build the padded ``TensorDict`` for a list of trajectories (one row per segment); with ``vision_model`` (a
     VLM's structure, ``agentloop.models.loading.structure``), its images and M-RoPE positions too."""
-    size = len(outputs)
+    rows: list[tuple[int, Segment, float | None]] = []  # (segment index, segment, the reward on its last token)
+    for output in outputs:
+        segments = output.all_segments()
+        rows += [(index, segment, output.reward_score if segment is segments[-1] else None) for index, segment in enumerate(segments)]
+    for position, (index, segment, _) in enumerate(rows):
+        if index == 0 and len(segment.prompt_ids) > prompt_length:
+            raise ValueError(
+                f"row {position}: prompt has {len(segment.prompt_ids)} tokens, more than prompt_length={prompt_length}"
+            )
+    prompt_length = max([prompt_length, *(len(segment.prompt_ids) for _, segment, _ in rows)])
+    size = len(rows)
     prompts = torch.full((size, prompt_length), pad_token_id, dtype=torch.long)
     prompt_attention = torch.zeros((size, prompt_length), dtype=torch.long)
     responses = torch.full((size, response_length), pad_token_id, dtype=torch.long)
@@ -38,26 +51,22 @@ def pad_outputs(
     scores = torch.zeros((size, response_length), dtype=torch.float32)
     versions = torch.full((size, response_length), -1, dtype=torch.long)
 
-    for row, output in enumerate(outputs):
-        if len(output.prompt_ids) > prompt_length:
-            raise ValueError(
-                f"sample {row}: prompt has {len(output.prompt_ids)} tokens, more than prompt_length={prompt_length}"
-            )
-        n_prompt = len(output.prompt_ids)
+    for row, (_, segment, reward) in enumerate(rows):
+        n_prompt = len(segment.prompt_ids)
         if n_prompt:
-            prompts[row, -n_prompt:] = torch.tensor(output.prompt_ids)
+            prompts[row, -n_prompt:] = torch.tensor(segment.prompt_ids)
             prompt_attention[row, -n_prompt:] = 1
         # A loop that overshoots the response budget is cut, never allowed to shift the layout.
-        n_response = min(len(output.response_ids), response_length)
+        n_response = min(len(segment.response_ids), response_length)
         if n_response:
-            responses[row, :n_response] = torch.tensor(output.response_ids[:n_response])
+            responses[row, :n_response] = torch.tensor(segment.response_ids[:n_response])
             response_attention[row, :n_response] = 1
-            response_mask[row, :n_response] = torch.tensor(output.response_mask[:n_response])
-            log_probs[row, :n_response] = torch.tensor(output.response_logprobs[:n_response])
-            if output.policy_versions is not None:
-                versions[row, :n_response] = torch.tensor(output.policy_versions[:n_response])
-            if output.reward_score is not None:
-                scores[row, n_response - 1] = output.reward_score
+            response_mask[row, :n_response] = torch.tensor(segment.response_mask[:n_response])
+            log_probs[row, :n_response] = torch.tensor(segment.response_logprobs[:n_response])
+            if segment.policy_versions is not None:
+                versions[row, :n_response] = torch.tensor(segment.policy_versions[:n_response])
+            if reward is not None:
+                scores[row, n_response - 1] = reward
 
     attention_mask = torch.cat([prompt_attention, response_attention], dim=1)
     position_ids = (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0) * attention_mask
@@ -72,22 +81,23 @@ def pad_outputs(
         # the policy version that sampled each model token (-1: observation, padding, or unknown)
         "rollout_policy_versions": versions,
         "rm_scores": scores,
+        "segment_index": torch.tensor([index for index, _, _ in rows], dtype=torch.long),
     }
     if vision_model is not None:
-        tensors.update(_images(outputs, vision_model, tensors["input_ids"], attention_mask))
+        tensors.update(_images([segment for _, segment, _ in rows], vision_model, tensors["input_ids"], attention_mask))
     return TensorDict(tensors, batch_size=[size])
 
 
 def _images(
-    outputs: list[AgentLoopOutput], vision_model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    segments: list[Segment], vision_model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     vision = vision_model.config.vision_config
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    inputs = [output.multi_modal_inputs or {} for output in outputs]
+    inputs = [segment.multi_modal_inputs or {} for segment in segments]
     grids = [part.get("image_grid_thw", torch.zeros((0, 3), dtype=torch.long)) for part in inputs]
     pixels = [part.get("pixel_values", torch.zeros((0, patch_dim))) for part in inputs]
-    pixel_values = torch.zeros((len(outputs), max(len(p) for p in pixels), patch_dim))
-    image_grid_thw = torch.zeros((len(outputs), max(len(g) for g in grids), 3), dtype=torch.long)
+    pixel_values = torch.zeros((len(segments), max(len(p) for p in pixels), patch_dim))
+    image_grid_thw = torch.zeros((len(segments), max(len(g) for g in grids), 3), dtype=torch.long)
     for row, (grid, pixel) in enumerate(zip(grids, pixels)):
         pixel_values[row, : len(pixel)] = pixel
         image_grid_thw[row, : len(grid)] = grid

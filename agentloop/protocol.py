@@ -19,10 +19,14 @@ FinishReason = Literal["stop", "length", "abort", "interrupted"]
 # conversation; ``done`` the environment ended the episode; ``length`` the next turn or observation
 # would not fit in rollout.response_length; ``max_turns`` a turn limit; ``tool_error_budget`` too many
 # failed tool calls; ``env_error`` an env step kept failing; ``aborted`` the engine aborted the request;
-# ``failed`` the loop raised (the sample is kept, empty, and left out of training: see ``failed_output``).
+# ``context_length`` the next context (a context strategy's rewrite) would leave no room for a model turn within
+# rollout.max_model_len; ``failed`` the loop raised (the sample is kept, empty, and left out of training: see
+# ``failed_output``).
 # ``AgentLoopOutput.end_reason`` holds it (an engine call's FinishReason says ``abort`` where this says ``aborted``);
 # the metrics ``multi_turn/finish_reason/*`` and the dumps' ``finish_reason`` column report it under verl's name.
-EndReason = Literal["stop", "done", "length", "max_turns", "tool_error_budget", "env_error", "aborted", "failed"]
+EndReason = Literal[
+    "stop", "done", "length", "context_length", "max_turns", "tool_error_budget", "env_error", "aborted", "failed"
+]
 
 
 def finish_reason_of(tokens: list[int], stop_ids: list[int], max_new_tokens: int, otherwise: FinishReason) -> FinishReason:
@@ -245,6 +249,23 @@ class Failure:
     traceback: str
 
 
+@dataclass
+class Segment:
+    """One context a trajectory's model turns were sampled under, and what followed it: ``prompt_ids`` the exact
+    context of its first model turn, then the response (model tokens with their logprobs, mask 1; observations,
+    mask 0) as far as each next context extended it exactly. ``rewritten_by`` names what made this context (the
+    context strategy, ``agentloop.agent_loop.context``); None for a trajectory's first segment, which starts at the
+    row's prompt. ``multi_modal_inputs``: the processor's outputs for exactly the images its ids show."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+    multi_modal_inputs: dict[str, Any] | None = None
+    policy_versions: list[int] | None = None
+    rewritten_by: str | None = None
+
+
 # Where a sample's reward came from (``agentloop.rewards``): the loop set it, a reward function computed it, the
 # reward parts added up, or nothing scored it.
 RewardSource = Literal["agent_loop", "reward_function", "reward_parts", "none"]
@@ -271,6 +292,11 @@ class AgentLoopOutput:
     masked span, in order) and ``reward_parts``. The worker sets ``reward_source`` and ``reward_extra_info`` (what
     a reward function returned) when it scores the sample, and ``failure`` when its loop raised.
     ``extra_fields`` is the loop's own: the framework carries it into the batch and the dumps and never reads it.
+
+    A trajectory whose context was rewritten (a context strategy, or a loop that sends contexts that are not exact
+    extensions of each other) has several segments: ``segments`` holds the earlier ones, oldest first, and the
+    fields above (``prompt_ids`` ... ``policy_versions``, ``multi_modal_inputs``; ``rewritten_by``) are its last,
+    on which its reward sits. ``all_segments()`` lists them all; each becomes one row of the batch.
     """
 
     prompt_ids: list[int]
@@ -293,6 +319,8 @@ class AgentLoopOutput:
     reward_extra_info: dict[str, Any] = field(default_factory=dict)
     failure: Failure | None = None
     rollout_log_probs_missing: bool = False
+    segments: list[Segment] = field(default_factory=list)
+    rewritten_by: str | None = None
 
     def __post_init__(self) -> None:
         if hasattr(self.metrics, "model_dump"):  # verl's AgentLoopMetrics
@@ -306,6 +334,14 @@ class AgentLoopOutput:
                 "AgentLoopOutput: response_ids, response_mask and response_logprobs must have the same "
                 f"length, got {len(self.response_ids)}, {len(self.response_mask)}, {len(self.response_logprobs)}"
             )
+
+    def all_segments(self) -> list[Segment]:
+        """Every segment of the trajectory, oldest first: ``segments`` and the last one (this output's own fields)."""
+        last = Segment(
+            self.prompt_ids, self.response_ids, self.response_mask, self.response_logprobs, self.multi_modal_inputs,
+            self.policy_versions, self.rewritten_by,
+        )
+        return [*self.segments, last]
 
 
 # The fields of AgentLoopOutput that the padded batch carries per sample, as non_tensor_batch columns of these names.

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from agentloop.protocol import BATCH_FIELDS
 
 # the non_tensor_batch columns a rollout fills per sample; a row field of one of these names would be overwritten
-OUTPUT_COLUMNS = (*BATCH_FIELDS, "generate_time_s", "policy_version")
+OUTPUT_COLUMNS = (*BATCH_FIELDS, "generate_time_s", "policy_version", "rewritten_by")
 
 
 def check_row(row: Any, where: str) -> None:

@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 import ray
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
@@ -94,12 +95,20 @@ class AgentLoopWorker:
         return cancelled
 
     def _pad(self, rows: list[dict[str, Any]], results: list[tuple[AgentLoopOutput, float]]) -> RolloutBatch:
+        """One row per segment; a trajectory's per-sample columns repeat on each of its rows."""
         outputs = [output for output, _ in results]
         batch = pad_outputs(outputs, self.rollout.prompt_length, self.rollout.response_length, self._pad_id, self.vision_model)
-        non_tensor = {key: object_array([row.get(key) for row in rows]) for key in rows[0]}
-        non_tensor.update({name: object_array([getattr(output, name) for output in outputs]) for name in BATCH_FIELDS})
-        non_tensor["generate_time_s"] = object_array([seconds for _, seconds in results])
-        return RolloutBatch(batch, non_tensor)
+        segments = [output.all_segments() for output in outputs]
+        repeats = [len(parts) for parts in segments]
+
+        def column(values: list[Any]) -> np.ndarray:
+            return object_array([value for value, count in zip(values, repeats) for _ in range(count)])
+
+        non_tensor = {key: column([row.get(key) for row in rows]) for key in rows[0]}
+        non_tensor.update({name: column([getattr(output, name) for output in outputs]) for name in BATCH_FIELDS})
+        non_tensor["generate_time_s"] = column([seconds for _, seconds in results])
+        non_tensor["rewritten_by"] = object_array([segment.rewritten_by for parts in segments for segment in parts])
+        return RolloutBatch(batch, non_tensor, {"pad_token_id": self._pad_id})
 
     def replace_server(self, rank: int, server: ray.actor.ActorHandle) -> None:
         """Route to ``server`` for ``rank`` from now on (the manager replaced a dead one)."""
@@ -126,5 +135,5 @@ class AgentLoopWorker:
             logger.warning("agent loop %r failed on sample %s (dataset index %s): %s: %s",
                            row["agent_name"], row["request_id"], row["index"], type(error).__name__, error)
             output = failed_output(error, self._pad_id)
-        output.policy_versions = policy_versions.on_response(output.response_mask, self.router.take_versions(row["request_id"]))
+        policy_versions.set_on_segments(output, self.router.take_versions(row["request_id"]))
         return output, time.perf_counter() - start
