@@ -123,11 +123,11 @@ class AgentLoopManager:
 
     def _check_failures(self, batch: RolloutBatch) -> None:
         """Raise with the first traceback when more than ``rollout.max_failed_sample_ratio`` of the samples failed."""
-        failures = [failure for failure in batch.non_tensor_batch["failure"] if failure is not None]
-        limit = float(self.rollout.max_failed_sample_ratio)
-        if len(failures) > limit * len(batch):
+        failures = [failure for failure in batch.non_tensor_batch["failure"][batch.last_segments()] if failure is not None]
+        limit, samples = float(self.rollout.max_failed_sample_ratio), batch.num_trajectories
+        if len(failures) > limit * samples:
             raise RuntimeError(
-                f"{len(failures)} of {len(batch)} samples failed, more than actor_rollout_ref.rollout.max_failed_sample_ratio"
+                f"{len(failures)} of {samples} samples failed, more than actor_rollout_ref.rollout.max_failed_sample_ratio"
                 f"={limit:g} allows; the first failure:\n{failures[0].traceback}"
             )
 

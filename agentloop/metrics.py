@@ -17,8 +17,11 @@ from agentloop.router import RouterStats
 
 
 def rollout_metrics(batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -> dict[str, Any]:
-    """The ``meta_info`` of a finished batch: what its trajectories and the routers report."""
-    fields = batch.non_tensor_batch
+    """The ``meta_info`` of a finished batch: what its trajectories (one row each: their last segment's) and the
+    routers report."""
+    last = batch.last_segments()
+    fields = {key: column[last] for key, column in batch.non_tensor_batch.items()}
+    segments = np.diff(np.flatnonzero(np.append(batch.batch["segment_index"].numpy() == 0, True)))
     tool_seconds = [sum(turn.tool_latency_s for turn in turns) for turns in fields["turns"]]
     return {
         "timing_s/generate_sequences": elapsed_s,
@@ -32,6 +35,7 @@ def rollout_metrics(batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -
         "rollout/requests_per_call": stats.requests_per_call,
         "rollout/response_tokens": int(batch.batch["response_mask"].sum()),
         "rollout/failed_samples": sum(failure is not None for failure in fields["failure"]),
+        **spread("rollout/segments_per_trajectory", segments),
         **turn_metrics(fields["num_turns"], fields["end_reason"], fields["turns"]),
     }
 

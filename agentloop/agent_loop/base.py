@@ -14,6 +14,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
+from agentloop.agent_loop.context import context_strategy, max_model_len
 from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.images import expand_image_pads, process_images, split_images
 from agentloop.protocol import AgentLoopOutput
@@ -113,7 +114,8 @@ class AgentLoopBase:
     def start_trajectory(self, row: dict[str, Any], tools: list[dict] | None = None) -> Trajectory:
         """A trajectory holding the row's prompt (``encode_prompt``) and, for a vision-language model, its images:
         those in the messages' content parts and the row's ``images`` column (one per ``<image>`` placeholder or
-        bare image part), each processed once, their pads expanded in the prompt ids."""
+        bare image part), each processed once, their pads expanded in the prompt ids; its contexts follow
+        ``multi_turn.context`` within ``rollout.max_model_len``."""
         messages, images = row["prompt"], []
         if self.processor is not None or row.get("images") is not None:
             where = f"row {row.get('index')} (request {row.get('request_id')})"
@@ -122,7 +124,10 @@ class AgentLoopBase:
             ids = self.encode_prompt(messages, tools=tools, images=processed)
         else:
             processed, ids = [], self.encode_prompt(messages, tools=tools)
-        return Trajectory(self.tokenizer, messages, ids, tools, self.apply_chat_template_kwargs, self.processor, processed)
+        return Trajectory(
+            self.tokenizer, messages, ids, tools, self.apply_chat_template_kwargs, self.processor, processed,
+            context=context_strategy(self.rollout.multi_turn), max_model_len=max_model_len(self.rollout),
+        )
 
     def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, images: list[Any] | None = None) -> list[int]:
         """Render chat messages with the generation prompt (and ``data.apply_chat_template_kwargs``) and fit

@@ -4,7 +4,8 @@ The environment class is named per row (``extra_info.env_kwargs.class_name``) or
 (``rollout.env.class_name``) and built per sample with the row's ``env_kwargs``. A trajectory ends
 with ``done`` (the env says so), ``max_turns`` (``rollout.env.max_turns`` model turns),
 ``length`` (the next turn or observation would not fit in ``rollout.response_length``: it never
-overflows), ``env_error`` (a step kept failing after ``max_env_retries_per_turn`` retries) or
+overflows), ``context_length`` (a rewritten context would leave no room for a turn in ``rollout.max_model_len``),
+``env_error`` (a step kept failing after ``max_env_retries_per_turn`` retries) or
 ``aborted``. A failed step is retried after the env's ``recover()`` hook, or after ``reset()`` and a
 replay of the actions so far; a turn counts only once its step succeeds.
 """
@@ -81,7 +82,7 @@ class EnvAgentLoop(AgentLoopBase):
                 reason = "max_turns"
                 break
             if trajectory.add_observation_within([env.format_observation(observation)], budget) is None:
-                reason = "length"
+                reason = trajectory.overflow
                 break
 
         # the reward is the worker's (agentloop.rewards): the row's reward function, else env_reward
@@ -91,8 +92,8 @@ class EnvAgentLoop(AgentLoopBase):
             metrics={
                 "env_steps": float(len(actions)),
                 "env_retries": float(sum(sum(turn.env_retries.values()) for turn in trajectory.turns)),
-                "model_tokens": float(sum(trajectory.response_mask)),
-                "observation_tokens": float(len(trajectory.response_mask) - sum(trajectory.response_mask)),
+                "model_tokens": float(sum(turn.model_tokens for turn in trajectory.turns)),
+                "observation_tokens": float(sum(turn.observation_tokens for turn in trajectory.turns)),
             },
         )
 

@@ -5,7 +5,7 @@ When the model makes no tool call and the row names an interaction (``extra_info
 One trajectory is one session on one server (the router keeps it there). It ends when the model
 answers without calling a tool and no interaction continues the conversation (``stop``), at ``multi_turn.max_assistant_turns`` /
 ``max_user_turns`` (``max_turns``), when the next turn or observation would not fit in
-``rollout.response_length`` (``length``), when tool errors exceed ``multi_turn.tool_error_budget``
+``rollout.response_length`` (``length``) or a rewritten context in ``rollout.max_model_len`` (``context_length``), when tool errors exceed ``multi_turn.tool_error_budget``
 (``tool_error_budget``), or when the engine aborts the request (``aborted``; an observation the model
 had not begun to answer is taken back). It never ends on an observation, so the reward sits on a model token.
 """
@@ -144,8 +144,9 @@ class ToolAgentLoop(AgentLoopBase):
         return self._observe(session.trajectory, [{"role": "tool", "content": r.content(self._truncate(r.text))} for r in shown])
 
     def _observe(self, trajectory: Trajectory, messages: list[dict[str, Any]]) -> EndReason | None:
-        """Append the observation, or end the trajectory (``length``) when no model turn would fit after it."""
-        return None if trajectory.add_observation_within(messages, self.response_length) is not None else "length"
+        """Append the observation, or end the trajectory (``length``, ``context_length``) when no model turn would
+        fit after it."""
+        return None if trajectory.add_observation_within(messages, self.response_length) is not None else trajectory.overflow
 
     async def _finish(self, session: _Session) -> RewardParts:
         """Release the trajectory's tools and interaction; what they scored it."""

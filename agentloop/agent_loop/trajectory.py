@@ -5,10 +5,16 @@ and re-encoded. Observations (tool results, user turns) are tokenized as a *delt
 conversation is rendered with and without the new messages and only the suffix is kept, so the
 system/tools preamble is never repeated and templates that rewrite earlier turns (``<think>``
 stripping) cannot shift tokens already in the trajectory.
+
+With a context strategy other than ``append`` (``agentloop.agent_loop.context``), each observation is followed by
+a re-render of the conversation the strategy keeps. A render that extends the current context exactly is appended
+like an observation; any other starts a new segment (``Segment``): the exact context the next turn is sampled
+under, its images exactly those the context shows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -19,7 +25,8 @@ from typing import Any, NamedTuple
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.images import ProcessedImage, expand_image_pads, image_inputs, process_images, split_images
-from agentloop.protocol import AgentLoopOutput, EndReason, TokenOutput, TurnRecord, end_after
+from agentloop.agent_loop.context import ContextStrategy
+from agentloop.protocol import AgentLoopOutput, EndReason, Segment, TokenOutput, TurnRecord, end_after
 
 logger = logging.getLogger(__name__)
 
@@ -60,19 +67,25 @@ def observation_delta(
 
 class Observation(NamedTuple):
     """The ids an observation adds (image pads expanded), the images it brings (processed) and its messages
-    with those images as bare ``{"type": "image"}`` parts."""
+    with those images as bare ``{"type": "image"}`` parts; ``closed``: the segment its re-rendered context closed
+    (None: it extended the current one)."""
 
     ids: list[int]
     images: list[ProcessedImage]
     messages: list[dict[str, Any]]
+    closed: tuple[Segment, list[ProcessedImage]] | None = None
 
 
 class Trajectory:
     """Prompt, exact response tokens with mask and logprobs, the chat messages they stand for, and a record of
     each model turn (``turns``) with the observation that answered it (``observation_roles``: who spoke in each).
 
-    With a vision-language ``processor``, ``images`` holds every image of the conversation in order (the
+    With a vision-language ``processor``, ``images`` holds every image of the current context in order (the
     prompt's first), each processed once when it arrived; ``messages`` keep them as ``{"type": "image"}`` parts.
+
+    ``prompt_ids``, ``response_*``, ``images`` and ``rewritten_by`` describe the current segment; ``context`` (default
+    ``append``) decides each next context and ``max_model_len`` bounds it. ``messages``, ``turns`` and
+    ``observation_roles`` span the whole conversation.
     """
 
     def __init__(
@@ -84,6 +97,8 @@ class Trajectory:
         template_kwargs: dict[str, Any] | None = None,
         processor: Any = None,
         images: list[ProcessedImage] | None = None,
+        context: ContextStrategy = ContextStrategy("append"),
+        max_model_len: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
@@ -99,6 +114,15 @@ class Trajectory:
         self.observation_roles: list[str] = []  # per observation span, for readers of the trajectory
         self.unanswered: Observation | None = None  # the last observation while no model token follows it
         self.withdrawn: Observation | None = None  # an observation taken back: the model never got to answer it
+        self.context = context
+        self.max_model_len = max_model_len
+        self.rewritten_by: str | None = None  # what made the current segment's context (None: the row's prompt)
+        self.closed: list[tuple[Segment, list[ProcessedImage]]] = []  # earlier segments, with their images
+        self.overflow: EndReason = "length"  # why the last observation did not fit, when it did not
+        # the processed images each message brought, by the message's identity (a rewritten context shows
+        # exactly the images of the messages it keeps)
+        self._message_images: dict[int, list[ProcessedImage]] = {}
+        self._remember_images(self.messages, self.images)
 
     @property
     def ids(self) -> list[int]:
@@ -125,7 +149,10 @@ class Trajectory:
         it was to answer (``withdrawn``): a trajectory ends on a model token, where its reward sits. The empty turn
         stays on record, as the model turn that was asked for.
         """
-        params = {**sampling_params, "max_new_tokens": budget - len(self.response_ids)}
+        room = budget - len(self.response_ids)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - len(self.ids))
+        params = {**sampling_params, "max_new_tokens": room}
         output = await router.generate(request_id, self.ids, params, image_data=self.images or None)
         if not output.token_ids and output.finish_reason == "abort" and self.unanswered is not None:
             self._withdraw(self.unanswered)
@@ -167,51 +194,119 @@ class Trajectory:
         return Observation(ids, processed, messages)
 
     def add_observation_within(self, messages: list[dict[str, Any]], budget: int) -> int | None:
-        """Append the messages' delta if a model turn still fits after it in ``budget`` response tokens.
+        """Append the messages' delta if a model turn still fits after it in ``budget`` response tokens (of the
+        current segment), or, when the context strategy's next context is no extension of the current one, start a
+        new segment with it if a model turn fits after it within ``max_model_len``.
 
-        Returns the number of observation tokens added, or None (nothing added) when they do not fit:
-        a trajectory never ends on an observation and never exceeds its budget.
+        Returns the number of observation tokens added to the response (0: a new segment), or None (nothing added)
+        when they do not fit, with the end this forces in ``overflow`` (``length``, or ``context_length`` for a new
+        context): a trajectory never ends on an observation and never exceeds its budget.
         """
         observation = self.observation(messages)
-        if len(self.response_ids) + len(observation.ids) >= budget:
+        if self.context.rewrite is not None:
+            observation = self._rendered(observation)
+        if observation.closed is not None:
+            if self.max_model_len is not None and len(observation.ids) >= self.max_model_len:
+                self.overflow = "context_length"
+                return None
+        elif len(self.response_ids) + len(observation.ids) >= budget:
+            self.overflow = "length"
             return None
         self.add_observation(observation)
-        return len(observation.ids)
+        return 0 if observation.closed is not None else len(observation.ids)
+
+    def _rendered(self, observation: Observation) -> Observation:
+        """The observation as the context strategy shows it: the conversation it keeps, rendered; the tail of that
+        render when it extends the current context exactly, else the whole render as a new segment's context."""
+        conversation = self.messages + observation.messages
+        self._remember_images(observation.messages, observation.images)
+        kept = self.context.messages(conversation)
+        ids = _render(self.tokenizer, kept, tools=self.tools, add_generation_prompt=True, **self.template_kwargs)
+        images = [image for message in kept for image in self._images_of(message)]
+        if self.processor is not None:
+            ids = expand_image_pads(ids, images, self._image_pad_id, f"the context {self.context.name} rendered")
+        current = self.ids
+        same_images = len(images) >= len(self.images) and all(a is b for a, b in zip(images, self.images))
+        if ids[: len(current)] == current and same_images:
+            return Observation(ids[len(current) :], images[len(self.images) :], observation.messages)
+        closed = (self._segment(), list(self.images))
+        return Observation(ids, images, observation.messages, closed)
+
+    def _remember_images(self, messages: list[dict[str, Any]], images: list[ProcessedImage]) -> None:
+        """Note which of ``images`` (in order) each message's image parts show."""
+        remaining = iter(images)
+        for message in messages:
+            parts = message.get("content") if isinstance(message.get("content"), list) else []
+            count = sum(isinstance(part, dict) and part.get("type") == "image" for part in parts)
+            if count:
+                self._message_images[id(message)] = [next(remaining) for _ in range(count)]
+
+    def _images_of(self, message: dict[str, Any]) -> list[ProcessedImage]:
+        if id(message) in self._message_images:
+            return self._message_images[id(message)]
+        parts = message.get("content") if isinstance(message.get("content"), list) else []
+        if any(isinstance(part, dict) and part.get("type") == "image" for part in parts):
+            raise ValueError(
+                f"context strategy {self.context.name!r} returned a new message with an image part: a rewritten "
+                "context can show only images of the conversation's own messages (keep those message objects)"
+            )
+        return []
+
+    def _segment(self) -> Segment:
+        """The current segment, as it stands (its images' processor outputs are merged at the end, ``to_output``)."""
+        return Segment(
+            list(self.prompt_ids), list(self.response_ids), list(self.response_mask), list(self.response_logprobs),
+            rewritten_by=self.rewritten_by,
+        )
 
     def add_observation(self, observation: Observation) -> None:
         """Append an observation's ids (mask 0, logprob 0.0) and images, and the messages they render; the last
-        model turn's record counts its tokens."""
+        model turn's record counts its tokens. An observation that closed the current segment starts the next one
+        with its ids as the context instead."""
         ids = observation.ids
-        self.response_ids += ids
-        self.response_mask += [0] * len(ids)
-        self.response_logprobs += [0.0] * len(ids)
-        self.images += observation.images
+        if observation.closed is not None:
+            self.closed.append(observation.closed)
+            self.prompt_ids, self.images, self.rewritten_by = list(ids), list(observation.images), self.context.name
+            self.response_ids, self.response_mask, self.response_logprobs = [], [], []
+        else:
+            self.response_ids += ids
+            self.response_mask += [0] * len(ids)
+            self.response_logprobs += [0.0] * len(ids)
+            self.images += observation.images
+            if self.turns:
+                self.turns[-1].observation_tokens += len(ids)
         self.messages += observation.messages
         self.observation_roles.append(",".join(dict.fromkeys(message["role"] for message in observation.messages)))
-        if self.turns:
-            self.turns[-1].observation_tokens += len(ids)
         self.unanswered = observation
 
     def _withdraw(self, observation: Observation) -> None:
-        """Undo ``add_observation(observation)``, the last thing appended."""
-        end = len(self.response_ids) - len(observation.ids)
-        del self.response_ids[end:], self.response_mask[end:], self.response_logprobs[end:]
-        del self.images[len(self.images) - len(observation.images) :]
+        """Undo ``add_observation(observation)``, the last thing appended (reopening the segment it closed)."""
+        if observation.closed is not None:
+            segment, self.images = self.closed.pop()
+            self.prompt_ids, self.rewritten_by = segment.prompt_ids, segment.rewritten_by
+            self.response_ids, self.response_mask, self.response_logprobs = (
+                segment.response_ids, segment.response_mask, segment.response_logprobs
+            )
+        else:
+            end = len(self.response_ids) - len(observation.ids)
+            del self.response_ids[end:], self.response_mask[end:], self.response_logprobs[end:]
+            del self.images[len(self.images) - len(observation.images) :]
+            if self.turns:
+                self.turns[-1].observation_tokens -= len(observation.ids)
         del self.messages[len(self.messages) - len(observation.messages) :]
         self.observation_roles.pop()
-        if self.turns:
-            self.turns[-1].observation_tokens -= len(observation.ids)
         self.unanswered, self.withdrawn = None, observation
 
     def sanity_check(self, mode: str) -> int:
         """Compare the incremental ids with one full re-render; return the number of mismatching spans.
 
         ``strict`` counts every difference, ``ignore_strippable`` ignores differences that vanish once
-        whitespace and ``<think>`` blocks are removed, ``disable`` skips the check. Never alters ids.
+        whitespace and ``<think>`` blocks are removed, ``disable`` skips the check. Never alters ids. Only ``append``
+        contexts are checked: a strategy's contexts are renders already.
         """
         if mode not in SANITY_CHECK_MODES:
             raise ValueError(f"multi_turn.tokenization_sanity_check_mode={mode!r}; choose one of {SANITY_CHECK_MODES}")
-        if mode == "disable":
+        if mode == "disable" or self.context.rewrite is not None:
             return 0
         incremental = self.ids
         full = _render(self.tokenizer, self.messages, tools=self.tools, **self.template_kwargs)
@@ -256,6 +351,10 @@ class Trajectory:
         """The finished trajectory with its ``turns``, ``observation_roles`` and ``num_turns``; ``fields`` set the
         rest of ``AgentLoopOutput`` (``end_reason``, ``reward_parts``, ...). Its images' processor outputs are merged
         here, once (``multi_modal_inputs``)."""
+        segments = [
+            dataclasses.replace(segment, multi_modal_inputs=image_inputs(images) if images else None)
+            for segment, images in self.closed
+        ]
         return AgentLoopOutput(
             multi_modal_inputs=self.multi_modal_inputs,
             prompt_ids=self.prompt_ids,
@@ -264,6 +363,8 @@ class Trajectory:
             response_logprobs=self.response_logprobs,
             turns=self.turns,
             observation_roles=self.observation_roles,
+            segments=segments,
+            rewritten_by=self.rewritten_by,
             **{"num_turns": self.num_turns, **fields},
         )
 
