@@ -205,12 +205,12 @@ class Trajectory:
         observation = self.observation(messages)
         if self.context.rewrite is not None:
             observation = self._rendered(observation)
-        if observation.closed is not None:
-            if self.max_model_len is not None and len(observation.ids) >= self.max_model_len:
-                self.overflow = "context_length"
-                return None
-        elif len(self.response_ids) + len(observation.ids) >= budget:
+        extends = observation.closed is None
+        if extends and len(self.response_ids) + len(observation.ids) >= budget:
             self.overflow = "length"
+            return None
+        if self.max_model_len is not None and (len(self.ids) if extends else 0) + len(observation.ids) >= self.max_model_len:
+            self.overflow = "context_length"
             return None
         self.add_observation(observation)
         return 0 if observation.closed is not None else len(observation.ids)

@@ -1,0 +1,169 @@
+"""Context strategies and segments (``multi_turn.context``): every model turn is sampled under the exact context its
+segment records, on a real engine; ``append`` is today's trajectory; Qwen3's template drops earlier reasoning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from agentloop import AgentLoopManager
+from agentloop.agent_loop.context import ContextStrategy, context_strategy, sliding_window
+from agentloop.agent_loop.trajectory import Trajectory
+from agentloop.dumps import mask_runs
+from agentloop.protocol import TokenOutput
+from tests.support.models import script_row
+from tests.support.thinking_model import QWEN3_CONFIG, with_qwen3_template
+from tests.test_tool_agent import GREEDY, run_loop, scripted, server, tokenizer, tool_config  # noqa: F401 (fixtures)
+
+SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+STRATEGY = "actor_rollout_ref.rollout.multi_turn.context.strategy"
+
+
+def conversation(turns: int) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    for turn in range(turns):
+        messages += [{"role": "assistant", "content": f"a{turn}"}, {"role": "tool", "content": f"t{turn}"}]
+    return messages
+
+
+def test_sliding_window_keeps_the_prompt_and_the_last_turns_with_their_observations():
+    messages = conversation(4)
+    assert sliding_window(messages, 2) == messages[:2] + messages[6:]
+    assert sliding_window(messages, 4) == messages
+    user_turns = messages[:2] + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}, {"role": "user", "content": "v"}]
+    assert sliding_window(user_turns + [{"role": "assistant", "content": "b"}], 1) == messages[:2] + [{"role": "assistant", "content": "b"}]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"use_inference_chat_template": True, "context": {"strategy": "sliding_window"}}, "contradict each other"),
+        ({"context": {"strategy": "sliding_window", "window_turns": 0}}, "keeps at least 1 turn"),
+        ({"context": {"strategy": "slidingwindow"}}, "neither one of"),
+        ({"context": {"strategy": "no_such_module.rewrite"}}, "cannot be imported"),
+    ],
+)
+def test_bad_strategy_settings_name_the_key_and_the_fix(settings, message):
+    with pytest.raises(ValueError, match=message):
+        context_strategy(OmegaConf.create(settings))
+
+
+def test_a_strategy_that_returns_no_message_list_names_itself():
+    strategy = context_strategy(OmegaConf.create({"context": {"strategy": "tests.support.contexts.returns_text"}}))
+    with pytest.raises(ValueError, match="'tests.support.contexts.returns_text' returned 'not a message list'"):
+        strategy.messages(conversation(1))
+    assert context_strategy(OmegaConf.create({"use_inference_chat_template": True})).name == "inference_template"
+
+
+def teacher_forced(model, segment) -> torch.Tensor:
+    ids = torch.tensor([segment.prompt_ids + segment.response_ids])
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(ids).logits[0].float(), -1)
+    start = len(segment.prompt_ids)
+    return log_probs[start - 1 : -1].gather(-1, torch.tensor(segment.response_ids)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("strategy", ["append", "inference_template", "sliding_window", "tests.support.contexts.last_message_only"])
+def test_every_segment_scores_as_sampled_under_its_exact_context(server, tokenizer, scripted, strategy):  # noqa: F811
+    output = run_loop(
+        server, tokenizer, scripted, "loop", f"{STRATEGY}={strategy}",
+        "actor_rollout_ref.rollout.multi_turn.context.window_turns=1", sampling=SAMPLED,
+    )
+    model = AutoModelForCausalLM.from_pretrained(scripted[1], dtype=torch.float32)
+    segments = output.all_segments()
+    for segment in segments:
+        mask = torch.tensor(segment.response_mask).bool()
+        rollout = torch.tensor(segment.response_logprobs)
+        assert torch.allclose(rollout[mask], teacher_forced(model, segment)[mask], atol=1e-4)
+        assert torch.all(rollout[~mask] == 0)
+    assert [segment.rewritten_by for segment in segments] == [None] + [strategy] * (len(segments) - 1)
+    if strategy in ("append", "inference_template"):  # our template re-renders the conversation as it was appended
+        assert len(segments) == 1
+    else:
+        assert len(segments) >= 2
+
+
+def test_append_is_todays_trajectory_and_a_window_starts_segments_that_drop_old_turns(server, tokenizer, scripted):  # noqa: F811
+    default = run_loop(server, tokenizer, scripted, "loop")
+    append = run_loop(server, tokenizer, scripted, "loop", f"{STRATEGY}=append")
+    assert (append.prompt_ids, append.response_ids, append.response_mask, append.response_logprobs) == (
+        default.prompt_ids, default.response_ids, default.response_mask, default.response_logprobs
+    )
+    assert not default.segments and default.end_reason == "stop"
+
+    window = run_loop(server, tokenizer, scripted, "loop", f"{STRATEGY}=sliding_window", "actor_rollout_ref.rollout.multi_turn.context.window_turns=1")
+    segments = window.all_segments()
+    assert len(segments) >= 2  # (without its earlier turns, the scripted model may call tools up to max_turns)
+    assert segments[0].prompt_ids == default.prompt_ids
+    prompt_text = tokenizer.decode(default.prompt_ids)
+    for segment in segments[1:]:
+        context = tokenizer.decode(segment.prompt_ids)
+        assert context.startswith(prompt_text)  # the prompt is kept
+        assert context.count("<tool_response>") == 1  # and one turn with its observation: the older ones are dropped
+        assert segment.response_mask[0] == 1  # a new context starts with the model's turn
+    # the first context grows by one turn before the window drops one; each later context holds one turn
+    assert len(window.turns) == len(segments) + 1
+    assert window.num_turns == 1 + len(window.turns) + len(window.observation_roles)
+    assert sum(turn.model_tokens for turn in window.turns) == sum(sum(segment.response_mask) for segment in segments)
+
+
+def test_a_context_that_does_not_fit_ends_the_trajectory_on_a_model_token(server, tokenizer, scripted):  # noqa: F811
+    output = run_loop(server, tokenizer, scripted, "loop", f"{STRATEGY}=tests.support.contexts.long_note")
+    assert output.end_reason == "context_length"
+    assert not output.segments and output.response_mask[-1] == 1  # the turn before the note is the last
+
+
+def test_a_failing_user_strategy_fails_its_sample_only(local_ray, scripted):  # noqa: F811
+    manager = AgentLoopManager(tool_config(
+        scripted, f"{STRATEGY}=tests.support.contexts.fails_on_loop", "actor_rollout_ref.rollout.max_failed_sample_ratio=0.5"
+    ))
+    try:
+        batch = manager.generate_sequences([script_row("multi"), script_row("loop")], validate=True)
+    finally:
+        manager.shutdown()
+    fields = batch.non_tensor_batch
+    assert fields["end_reason"].tolist() == ["stop", "failed"]
+    assert fields["failure"][0] is None
+    assert "context strategy 'tests.support.contexts.fails_on_loop' raised RuntimeError: cannot rewrite" in fields["failure"][1].error
+
+
+def think_turn(tokenizer, text: str) -> TokenOutput:
+    ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return TokenOutput(ids, [-0.5] * len(ids), "stop")
+
+
+@pytest.mark.skipif(not QWEN3_CONFIG.exists(), reason="../shared/fixtures/qwen3 is not present")
+def test_qwen3s_template_drops_earlier_reasoning_and_that_starts_a_segment(model_path, tmp_path):
+    """With Qwen3's real template, ``inference_template`` renders what production renders: a tool result extends the
+    context (reasoning in the current tool chain is kept), a new user message drops the earlier turns' reasoning,
+    so the next context is a new segment; ``append`` keeps the exact tokens in one segment."""
+    tokenizer = AutoTokenizer.from_pretrained(with_qwen3_template(model_path, tmp_path / "qwen3"))
+    prompt = [{"role": "user", "content": "What is 2 + 3?"}]
+
+    def rolled_out(strategy: str) -> Trajectory:
+        ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=False)
+        trajectory = Trajectory(tokenizer, prompt, list(ids), None, context=ContextStrategy(strategy, (lambda m: m) if strategy != "append" else None))
+        generation_prompt_thinks = tokenizer.decode(ids).endswith("<think>\n")
+        opening = "" if generation_prompt_thinks else "<think>\n"
+        trajectory.add_model_turn(think_turn(tokenizer, opening + "Add them.\n</think>\n\nI will check with the tool."))
+        trajectory.add_observation_within([{"role": "tool", "content": "5"}], 512)
+        trajectory.add_model_turn(think_turn(tokenizer, opening + "It says 5.\n</think>\n\nThe answer is 5."))
+        trajectory.add_observation_within([{"role": "user", "content": "And 2 + 4?"}], 512)
+        return trajectory
+
+    rendered = rolled_out("inference_template")
+    output = rendered.to_output()
+    segments = output.all_segments()
+    assert len(segments) == 2 and segments[1].rewritten_by == "inference_template"
+    expected = tokenizer.apply_chat_template(rendered.messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert segments[1].prompt_ids == list(expected)
+    context = tokenizer.decode(segments[1].prompt_ids)
+    assert "Add them." not in context and "It says 5." not in context and "The answer is 5." in context
+    assert "Add them." in tokenizer.decode(segments[0].response_ids)  # the first segment keeps the sampled reasoning
+    assert [value for value, _, _ in mask_runs(segments[0].response_mask)] == [1, 0, 1]  # turn, tool result, turn
+
+    appended = rolled_out("append").to_output()
+    assert not appended.segments
+    assert appended.response_ids[: len(segments[0].response_ids)] == segments[0].response_ids
