@@ -3,6 +3,8 @@ segment records, on a real engine; ``append`` is today's trajectory; Qwen3's tem
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -12,9 +14,13 @@ from agentloop import AgentLoopManager
 from agentloop.agent_loop.context import ContextStrategy, context_strategy, sliding_window
 from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.dumps import mask_runs
-from agentloop.protocol import TokenOutput
+from agentloop.images import expand_image_pads, process_images, split_images
+from agentloop.models.loading import load_processor
+from agentloop.policy_versions import set_on_segments
+from agentloop.protocol import AgentLoopOutput, Segment, TokenOutput
 from tests.support.models import script_row
 from tests.support.thinking_model import QWEN3_CONFIG, with_qwen3_template
+from tests.support.vision import picture, picture_message
 from tests.test_tool_agent import GREEDY, run_loop, scripted, server, tokenizer, tool_config  # noqa: F401 (fixtures)
 
 SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
@@ -115,18 +121,33 @@ def test_a_context_that_does_not_fit_ends_the_trajectory_on_a_model_token(server
     assert not output.segments and output.response_mask[-1] == 1  # the turn before the note is the last
 
 
-def test_a_failing_user_strategy_fails_its_sample_only(local_ray, scripted):  # noqa: F811
+def test_a_batch_has_a_row_per_segment_and_a_failing_strategy_fails_its_sample_only(local_ray, scripted):  # noqa: F811
     manager = AgentLoopManager(tool_config(
-        scripted, f"{STRATEGY}=tests.support.contexts.fails_on_loop", "actor_rollout_ref.rollout.max_failed_sample_ratio=0.5"
+        scripted, f"{STRATEGY}=tests.support.contexts.window_failing_on_loop", "actor_rollout_ref.rollout.max_failed_sample_ratio=0.5"
     ))
     try:
-        batch = manager.generate_sequences([script_row("multi"), script_row("loop")], validate=True)
+        batch = manager.generate_sequences([script_row("multi", data_source="tools"), script_row("loop")], validate=True)
     finally:
         manager.shutdown()
-    fields = batch.non_tensor_batch
-    assert fields["end_reason"].tolist() == ["stop", "failed"]
-    assert fields["failure"][0] is None
-    assert "context strategy 'tests.support.contexts.fails_on_loop' raised RuntimeError: cannot rewrite" in fields["failure"][1].error
+    fields, tensors = batch.non_tensor_batch, batch.batch
+    rows = len(batch)
+    assert rows >= 3 and batch.num_trajectories == 2  # "multi" submits in its second turn: a new context follows
+    assert tensors["segment_index"].tolist() == list(range(rows - 1)) + [0]
+    assert fields["rewritten_by"].tolist() == [None] + [fields["rewritten_by"][1]] * (rows - 2) + [None]
+    assert fields["rewritten_by"][1] == "tests.support.contexts.window_failing_on_loop"
+    assert len(set(fields["uid"][: rows - 1])) == 1 and fields["uid"][0] != fields["uid"][-1]  # repeated per row
+    # the reward sits on the trajectory's last row only; every row's context is its own
+    assert tensors["rm_scores"][: rows - 2].sum() == 0 and tensors["rm_scores"][rows - 2].sum() == fields["reward_score"][0]
+    assert tensors["prompts"].shape[1] >= 768 and all(tensors["response_mask"][row].sum() > 0 for row in range(rows - 1))
+    assert fields["end_reason"][-1] == "failed" and all(failure is None for failure in fields["failure"][:-1])
+    assert "context strategy 'tests.support.contexts.window_failing_on_loop' raised RuntimeError: cannot rewrite" in fields["failure"][-1].error
+    assert batch.meta_info["rollout/failed_samples"] == 1 and batch.meta_info["rollout/segments_per_trajectory/max"] == rows - 1
+
+
+def test_policy_versions_run_through_the_segments_in_order():
+    output = AgentLoopOutput([1], [5, 6, 7], [1, 0, 1], [0.0] * 3, segments=[Segment([1], [2, 3, 4], [1, 1, 0], [0.0] * 3)])
+    set_on_segments(output, [3, 3, 4, 4])
+    assert output.segments[0].policy_versions == [3, 3, -1] and output.policy_versions == [4, -1, 4]
 
 
 def think_turn(tokenizer, text: str) -> TokenOutput:
@@ -167,3 +188,32 @@ def test_qwen3s_template_drops_earlier_reasoning_and_that_starts_a_segment(model
     appended = rolled_out("append").to_output()
     assert not appended.segments
     assert appended.response_ids[: len(segments[0].response_ids)] == segments[0].response_ids
+
+
+def test_a_window_segment_shows_exactly_the_images_of_the_messages_it_keeps(vlm_path):
+    processor = load_processor(vlm_path)
+    tokenizer = processor.tokenizer
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    messages, images = split_images([{"role": "user", "content": "<image>Which?"}], [picture("red")], "row 0")
+    processed = process_images(processor, images, "row 0")
+    prompt = expand_image_pads(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False), processed, pad, "row 0")
+    window = ContextStrategy("sliding_window", functools.partial(sliding_window, window_turns=1))
+    trajectory = Trajectory(tokenizer, messages, prompt, None, processor=processor, images=processed, context=window)
+    sizes = [(84, 112), (56, 56), (112, 56)]
+    for turn, size in enumerate(sizes):
+        reply = tokenizer.encode(f"it is red {turn}") + [tokenizer.eos_token_id]
+        trajectory.add_model_turn(TokenOutput(reply, [-0.5] * len(reply), "stop"))
+        assert trajectory.add_observation_within([picture_message("blue", *size)], 512) is not None
+    reply = tokenizer.encode("done") + [tokenizer.eos_token_id]
+    trajectory.add_model_turn(TokenOutput(reply, [-0.5] * len(reply), "stop"))
+
+    segments = trajectory.to_output().all_segments()
+    # the first context grows by a turn and its picture; each later one shows the prompt's picture and its turn's
+    prompt_grid = list(processed[0].grid_thw)
+    expected = [[prompt_grid, list(process_images(processor, [picture("blue", *sizes[0])], "")[0].grid_thw)]]
+    expected += [[prompt_grid, list(process_images(processor, [picture("blue", *size)], "")[0].grid_thw)] for size in sizes[1:]]
+    assert [segment.multi_modal_inputs["image_grid_thw"].tolist() for segment in segments] == expected
+    for segment in segments:
+        grids = segment.multi_modal_inputs["image_grid_thw"]
+        assert (segment.prompt_ids + segment.response_ids).count(pad) == int(grids.prod(-1).sum()) // 4
+        assert len(segment.multi_modal_inputs["pixel_values"]) == int(grids.prod(-1).sum())

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from agentloop.agent_loop.context import sliding_window
 
-def fails_on_loop(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Keeps every message, but raises for the conversation of script ``loop``: one sample's fault."""
+
+def window_failing_on_loop(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A sliding window of one turn, but raises for the conversation of script ``loop``: one sample's fault."""
     if any(message["content"] == "script loop" for message in messages):
         raise RuntimeError("cannot rewrite this conversation")
-    return messages
+    return sliding_window(messages, 1)
 
 
 def returns_text(messages: list[dict[str, Any]]) -> Any:
