@@ -15,7 +15,6 @@ import torch
 
 if TYPE_CHECKING:  # the records a server imports (protocol) must not pull in tensordict through the batch
     from agentloop.batch import RolloutBatch
-    from agentloop.protocol import AgentLoopOutput
 
 UNKNOWN = -1
 
@@ -51,16 +50,6 @@ def on_response(response_mask: list[int], generated: list[int]) -> list[int]:
     ``UNKNOWN``."""
     remaining = iter(generated)
     return [next(remaining, UNKNOWN) if mask else UNKNOWN for mask in response_mask]
-
-
-def set_on_segments(output: AgentLoopOutput, generated: list[int]) -> None:
-    """Set each segment's ``policy_versions`` (``on_response``) from the sample's generated tokens' versions, which
-    run through its segments in order."""
-    segments = output.all_segments()
-    versions = on_response([mask for segment in segments for mask in segment.response_mask], generated)
-    for segment in output.segments:
-        segment.policy_versions, versions = versions[: len(segment.response_mask)], versions[len(segment.response_mask) :]
-    output.policy_versions = versions
 
 
 def oldest_versions(batch: RolloutBatch) -> torch.Tensor:

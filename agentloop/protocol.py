@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Literal
 
-from agentloop.policy_versions import VersionRuns
+from agentloop.policy_versions import VersionRuns, on_response
 
 # Why one engine call stopped. ``interrupted``: new weights were loaded mid-request; the tokens so far
 # come back and the router continues the request under the new weights (loops never see it).
@@ -342,6 +342,14 @@ class AgentLoopOutput:
             self.policy_versions, self.rewritten_by,
         )
         return [*self.segments, last]
+
+    def set_policy_versions(self, generated: list[int]) -> None:
+        """Set each segment's ``policy_versions`` (``agentloop.policy_versions.on_response``) from the sample's
+        generated tokens' versions (``Router.take_versions``), which run through its segments in order."""
+        versions = on_response([mask for segment in self.all_segments() for mask in segment.response_mask], generated)
+        for segment in self.segments:
+            segment.policy_versions, versions = versions[: len(segment.response_mask)], versions[len(segment.response_mask) :]
+        self.policy_versions = versions
 
 
 # The fields of AgentLoopOutput that the padded batch carries per sample, as non_tensor_batch columns of these names.

@@ -13,7 +13,6 @@ import ray
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from agentloop import policy_versions
 from agentloop.agent_loop.base import DictConfigWrap
 from agentloop.batch import RolloutBatch, object_array
 from agentloop.models.loading import load_processor, structure
@@ -135,5 +134,5 @@ class AgentLoopWorker:
             logger.warning("agent loop %r failed on sample %s (dataset index %s): %s: %s",
                            row["agent_name"], row["request_id"], row["index"], type(error).__name__, error)
             output = failed_output(error, self._pad_id)
-        policy_versions.set_on_segments(output, self.router.take_versions(row["request_id"]))
+        output.set_policy_versions(self.router.take_versions(row["request_id"]))
         return output, time.perf_counter() - start

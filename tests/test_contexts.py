@@ -16,7 +16,6 @@ from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.dumps import mask_runs
 from agentloop.images import expand_image_pads, process_images, split_images
 from agentloop.models.loading import load_processor
-from agentloop.policy_versions import set_on_segments
 from agentloop.protocol import AgentLoopOutput, Segment, TokenOutput
 from tests.support.models import script_row
 from tests.support.thinking_model import QWEN3_CONFIG, with_qwen3_template
@@ -146,7 +145,7 @@ def test_a_batch_has_a_row_per_segment_and_a_failing_strategy_fails_its_sample_o
 
 def test_policy_versions_run_through_the_segments_in_order():
     output = AgentLoopOutput([1], [5, 6, 7], [1, 0, 1], [0.0] * 3, segments=[Segment([1], [2, 3, 4], [1, 1, 0], [0.0] * 3)])
-    set_on_segments(output, [3, 3, 4, 4])
+    output.set_policy_versions([3, 3, 4, 4])
     assert output.segments[0].policy_versions == [3, 3, -1] and output.policy_versions == [4, -1, 4]
 
 
