@@ -1,20 +1,28 @@
-"""Rollout dumps: one Parquet file per step holding every sample's tokens, turns, rewards and tool calls.
+"""Rollout dumps: one Parquet file per step holding every trajectory's tokens, turns, rewards and tool calls.
 
 The trainer writes one per step into ``trainer.rollout_data_dir``; any ``generate_sequences`` caller can
 write one with ``write_rollout_dump``. ``agentloop.viewer`` reads them. A step's file is written under a
 hidden temporary name and renamed when complete, so a reader of a running job's directory never sees
 half of a step.
 
-Columns per sample: verl's ``step``, ``input``, ``output`` and ``score``; the sample's position, GRPO
-group (``uid``), dataset ``index`` and row fields (``row``, JSON); the ``policy_version`` that generated it
-(updates applied; set by the trainer); ``finish_reason`` (the trajectory's ``end_reason``), ``num_turns`` and
-counts for tables; the exact ``prompt_ids``, ``response_ids``, ``response_mask``, one decoded string per
-response token (``token_text``) and per-token float arrays (``rollout_log_probs``, plus what the caller
-adds: the trainer adds ``old_log_probs``, ``advantages`` and, when computed, ``ref_log_probs``);
-``turns`` (JSON: role, token span, text and tool calls with arguments, result, latency and error per
-turn); ``reward_parts`` (JSON: the reward, its source, its parts by source, the interaction's turn scores and
-what a reward function returned) and ``extra`` (JSON: the loop's ``extra_fields``, its metrics, and its tool
-errors and env retries by kind, failure and missing rollout log-probs where it has them).
+One record per trajectory (a batch has one row per segment: ``agentloop.postprocess``). Per trajectory: verl's
+``step`` and ``score``; its position (``sample``), GRPO group (``uid``), dataset ``index`` and row fields (``row``,
+JSON); the ``policy_version`` its group started under (updates applied; set by the trainer); ``finish_reason`` (the
+trajectory's ``end_reason``), ``num_turns``, and counts over all its segments for tables (``response_length``,
+``model_tokens``, ``tool_calls``, ``tool_errors``); ``reward_parts`` (JSON: the reward, its source, its parts by
+source, the interaction's turn scores and what a reward function returned) and ``extra`` (JSON: the loop's
+``extra_fields``, its metrics, and its tool errors and env retries by kind, failure and missing rollout log-probs
+where it has them).
+
+Per segment (``SEGMENT_COLUMNS``): ``rewritten_by`` (the context strategy that made its context; None for the first),
+verl's ``input`` and ``output`` (its context and response, decoded), the exact ``prompt_ids``, ``response_ids``,
+``response_mask``, one decoded string per response token (``token_text``), ``turns`` (JSON: role, token span, text and
+tool calls with arguments, result, latency and error per turn), ``policy_version_runs`` (each response token's policy
+version as ``[version, count]`` runs, ``agentloop.policy_versions.VersionRuns``; -1 on observation tokens) and the
+per-token float arrays (``rollout_log_probs``, plus what the caller adds: the trainer adds ``old_log_probs``,
+``advantages`` and, when computed, ``ref_log_probs``). The top-level columns hold the trajectory's last segment (its
+only one, unless a context strategy rewrote its context), ``earlier_segments`` the ones before it, oldest first, with
+the same keys; ``read_rollout_dump`` lists them all as ``segments``.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,40 +41,48 @@ import pyarrow.parquet as pq
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from agentloop.batch import RolloutBatch
+from agentloop.batch import RolloutBatch, trajectory_ids
 from agentloop.protocol import TurnRecord, env_retries_by_kind, tool_errors_by_kind, turn_scores
 from agentloop.rows import OUTPUT_COLUMNS  # what the rollout adds per sample; everything else is a row field
 
-FORMAT = "agentloop-rollouts/1"
+FORMAT = "agentloop-rollouts/1"  # segments added columns only: a file written before them reads as one segment
 LEGACY_FORMAT = "verl-jsonl (text only)"
 STEP_FILE = re.compile(r"^step_(\d+)\.parquet$")
+JSON_COLUMNS = ("row", "turns", "reward_parts", "extra")
+TOKEN_ARRAY = pa.list_(pa.float32())  # a per-token array's column type (rollout_log_probs and the caller's)
 
-COLUMNS = pa.schema([
+TRAJECTORY_COLUMNS = [
     ("step", pa.int64()), ("sample", pa.int32()), ("uid", pa.string()), ("index", pa.string()),
     ("data_source", pa.string()), ("agent_name", pa.string()), ("request_id", pa.string()),
-    ("input", pa.string()), ("output", pa.string()), ("score", pa.float64()), ("advantage", pa.float64()),
+    ("score", pa.float64()), ("advantage", pa.float64()),
     ("finish_reason", pa.string()), ("num_turns", pa.int32()), ("response_length", pa.int32()),
     ("model_tokens", pa.int32()), ("tool_calls", pa.int32()), ("tool_errors", pa.int32()),
     ("generate_time_s", pa.float64()), ("policy_version", pa.int64()), ("row", pa.string()),
+    ("reward_parts", pa.string()), ("extra", pa.string()),
+]
+SEGMENT_COLUMNS = [
+    ("rewritten_by", pa.string()), ("input", pa.string()), ("output", pa.string()),
     ("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32())),
-    ("response_mask", pa.list_(pa.int8())), ("token_text", pa.list_(pa.string())),
-    ("turns", pa.string()), ("reward_parts", pa.string()), ("extra", pa.string()),
-])
+    ("response_mask", pa.list_(pa.int8())), ("token_text", pa.list_(pa.string())), ("turns", pa.string()),
+    ("policy_version_runs", pa.list_(pa.list_(pa.int64()))),
+]
 
 
 def write_rollout_dump(
     directory: str | Path, step: int, batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase, **token_arrays: torch.Tensor
 ) -> Path:
-    """Write ``directory/step_NNNNNN.parquet`` for a finished batch; return its path.
+    """Write ``directory/step_NNNNNN.parquet`` for a finished batch, one record per trajectory; return its path.
 
     ``token_arrays`` are extra per-token tensors of shape (B, response_length), e.g. the trainer's
-    ``old_log_probs`` and ``advantages``; each becomes a column cut to the sample's response.
+    ``old_log_probs`` and ``advantages``; each becomes a column cut to each segment's response.
     """
     arrays = {"rollout_log_probs": batch.batch["rollout_log_probs"], **token_arrays}
-    records = [_sample_record(batch, i, step, tokenizer, arrays) for i in range(len(batch))]
-    schema = COLUMNS
-    for name in arrays:
-        schema = schema.append(pa.field(name, pa.list_(pa.float32())))
+    rows_of: dict[int, list[int]] = {}
+    for row, trajectory in enumerate(trajectory_ids(batch.batch["segment_index"]).tolist()):
+        rows_of.setdefault(trajectory, []).append(row)
+    records = [_trajectory_record(batch, rows, sample, step, tokenizer, arrays) for sample, rows in rows_of.items()]
+    segment = [*SEGMENT_COLUMNS, *((name, TOKEN_ARRAY) for name in arrays)]
+    schema = pa.schema([*TRAJECTORY_COLUMNS, *segment, ("earlier_segments", pa.list_(pa.struct(segment)))])
     table = pa.Table.from_pylist(records, schema=schema.with_metadata({"format": FORMAT}))
     path = Path(directory) / f"step_{step:06d}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -75,51 +92,74 @@ def write_rollout_dump(
     return path
 
 
-def _sample_record(
-    batch: RolloutBatch, i: int, step: int, tokenizer: PreTrainedTokenizerBase, arrays: dict[str, torch.Tensor]
+def _trajectory_record(
+    batch: RolloutBatch, rows: list[int], sample: int, step: int, tokenizer: PreTrainedTokenizerBase,
+    arrays: dict[str, torch.Tensor],
 ) -> dict[str, Any]:
-    tensors, fields = batch.batch, batch.non_tensor_batch
+    """One trajectory (its segments are ``rows``, oldest first); its per-trajectory columns repeat on every row, and
+    are read from its last."""
+    fields, last = batch.non_tensor_batch, rows[-1]
+    loop_turns: list[TurnRecord] = _field(fields, "turns", last) or []
+    # the loop's turns and observation roles run through the segments in order
+    model_turns = iter([turn for turn in loop_turns if turn.model_tokens])
+    observation_roles = iter(_field(fields, "observation_roles", last) or [])
+    segments = [_segment(batch, row, tokenizer, arrays, model_turns, observation_roles) for row in rows]
+    mask = [value for segment in segments for value in segment["response_mask"]]
+    advantage = None
+    if "advantages" in arrays and sum(mask):
+        advantages = [value for segment in segments for value in segment["advantages"]]
+        advantage = float(np.dot(advantages, mask) / sum(mask))
+    row = {key: _field(fields, key, last) for key in fields if key not in OUTPUT_COLUMNS}
+    return {
+        "step": step,
+        "sample": sample,
+        "uid": _text(row.get("uid")),
+        "index": _text(row.get("index")),
+        "data_source": _text(row.get("data_source")),
+        "agent_name": _text(row.get("agent_name")),
+        "request_id": _text(row.get("request_id")),
+        "score": float(batch.batch["rm_scores"][rows].sum()),  # only the last row holds the reward
+        "advantage": advantage,
+        "finish_reason": _field(fields, "end_reason", last),
+        "num_turns": _field(fields, "num_turns", last),
+        "response_length": len(mask),
+        "model_tokens": int(sum(mask)),
+        "tool_calls": sum(len(turn.calls) for turn in loop_turns),
+        "tool_errors": sum(turn.tool_errors for turn in loop_turns),
+        "generate_time_s": _field(fields, "generate_time_s", last),
+        "policy_version": _field(fields, "policy_version", last),
+        "row": _json(row),
+        "reward_parts": _json(_reward(fields, last, loop_turns)),
+        "extra": _json(_extra(fields, last, loop_turns)),
+        **segments[-1],
+        "earlier_segments": segments[:-1],
+    }
+
+
+def _segment(
+    batch: RolloutBatch, i: int, tokenizer: PreTrainedTokenizerBase, arrays: dict[str, torch.Tensor],
+    model_turns: Iterator[TurnRecord], observation_roles: Iterator[str],
+) -> dict[str, Any]:
+    """Row ``i``'s segment: ``SEGMENT_COLUMNS`` and the per-token arrays, cut to its own prompt and response."""
+    tensors = batch.batch
     prompt_width = tensors["prompts"].shape[1]
     attention = tensors["attention_mask"][i].bool()
     prompt_ids = tensors["prompts"][i][attention[:prompt_width]].tolist()
     length = int(attention[prompt_width:].sum())
     response_ids = tensors["responses"][i, :length].tolist()
     mask = tensors["response_mask"][i, :length].tolist()
-    loop_turns: list[TurnRecord] = _field(fields, "turns", i) or []
-    row = {key: _field(fields, key, i) for key in fields if key not in OUTPUT_COLUMNS}
-    arrays_i = {name: tensor[i, :length].float().tolist() for name, tensor in arrays.items()}
-    advantage = None
-    if "advantages" in arrays_i and sum(mask):
-        advantage = float(np.dot(arrays_i["advantages"], mask) / sum(mask))
+    versions, counts = torch.unique_consecutive(tensors["rollout_policy_versions"][i, :length], return_counts=True)
     return {
-        "step": step,
-        "sample": i,
-        "uid": _text(row.get("uid")),
-        "index": _text(row.get("index")),
-        "data_source": _text(row.get("data_source")),
-        "agent_name": _text(row.get("agent_name")),
-        "request_id": _text(row.get("request_id")),
+        "rewritten_by": _field(batch.non_tensor_batch, "rewritten_by", i),
         "input": tokenizer.decode(prompt_ids),
         "output": tokenizer.decode(response_ids),
-        "score": float(tensors["rm_scores"][i].sum()),
-        "advantage": advantage,
-        "finish_reason": _field(fields, "end_reason", i),
-        "num_turns": _field(fields, "num_turns", i),
-        "response_length": length,
-        "model_tokens": int(sum(mask)),
-        "tool_calls": sum(len(turn.calls) for turn in loop_turns),
-        "tool_errors": sum(turn.tool_errors for turn in loop_turns),
-        "generate_time_s": _field(fields, "generate_time_s", i),
-        "policy_version": _field(fields, "policy_version", i),
-        "row": _json(row),
         "prompt_ids": prompt_ids,
         "response_ids": response_ids,
         "response_mask": mask,
         "token_text": tokenizer.batch_decode([[token] for token in response_ids]),
-        "turns": _json(_turns(tokenizer, response_ids, mask, _field(fields, "observation_roles", i) or [], loop_turns)),
-        "reward_parts": _json(_reward(fields, i, loop_turns)),
-        "extra": _json(_extra(fields, i, loop_turns)),
-        **arrays_i,
+        "turns": _json(_turns(tokenizer, response_ids, mask, observation_roles, model_turns)),
+        "policy_version_runs": [[version, count] for version, count in zip(versions.tolist(), counts.tolist())],
+        **{name: tensor[i, :length].float().tolist() for name, tensor in arrays.items()},
     }
 
 
@@ -149,15 +189,15 @@ def _extra(fields: dict[str, np.ndarray], i: int, loop_turns: list[TurnRecord]) 
 
 
 def _turns(
-    tokenizer: PreTrainedTokenizerBase, ids: list[int], mask: list[int], roles: list[str], loop_turns: list[TurnRecord]
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], mask: list[int], observation_roles: Iterator[str],
+    model_turns: Iterator[TurnRecord],
 ) -> list[dict[str, Any]]:
-    """Split the response into runs of model tokens and of observation tokens, one turn each.
+    """Split a segment's response into runs of model tokens and of observation tokens, one turn each.
 
-    Model runs take the loop's own record of that turn (tool calls) in order; observation runs take
-    the roles the trajectory recorded (``tool``, ``user``), else ``observation``.
+    Model runs take the loop's own record of each turn with tokens (tool calls) in order; observation runs take
+    the roles the trajectory recorded (``tool``, ``user``), else ``observation``. Both iterators go on from one
+    segment of a trajectory to the next.
     """
-    model_turns = iter([turn for turn in loop_turns if turn.model_tokens])
-    observation_roles = iter(roles)
     turns = []
     for value, start, end in mask_runs(mask):
         if value:
@@ -230,20 +270,29 @@ def dump_format(path: str | Path) -> str:
 
 
 def read_rollout_dump(path: str | Path) -> tuple[str, list[dict[str, Any]]]:
-    """(format, one dict per sample) of a dump file, JSON columns decoded; raises like ``dump_format``.
+    """(format, one dict per trajectory) of a dump file, JSON columns decoded; raises like ``dump_format``.
 
-    verl's text-only ``<step>.jsonl`` reads as format ``verl-jsonl (text only)``.
+    Each trajectory's ``segments`` lists all its segments, oldest first (``earlier_segments`` and its last, the
+    top-level columns), each a dict of ``SEGMENT_COLUMNS`` and the per-token arrays; a file written before segments
+    has the keys it had (``rewritten_by`` and ``policy_version_runs`` None). verl's text-only ``<step>.jsonl`` reads
+    as format ``verl-jsonl (text only)``, records as they are.
     """
     path = Path(path)
     if dump_format(path) == LEGACY_FORMAT:
         return LEGACY_FORMAT, _read_jsonl(path)
     try:
-        records = pq.read_table(path).to_pylist()
+        table = pq.read_table(path)
     except (pa.ArrowException, OSError) as error:
         raise ValueError(f"{path.name}: could not read it as Parquet ({error}); still being written?") from error
+    segment_keys = [*(name for name, _ in SEGMENT_COLUMNS), *(field.name for field in table.schema if field.type == TOKEN_ARRAY)]
+    records = table.to_pylist()
     for record in records:
-        for key in ("row", "turns", "reward_parts", "extra"):
+        for key in JSON_COLUMNS:
             record[key] = json.loads(record[key]) if record.get(key) else None
+        segments = [*(record.pop("earlier_segments", None) or []), {key: record.get(key) for key in segment_keys}]
+        for segment in segments[:-1]:
+            segment["turns"] = json.loads(segment["turns"]) if segment.get("turns") else None
+        record["segments"] = segments
     return FORMAT, records
 
 

@@ -1,6 +1,7 @@
 """Rollout dumps and the trajectory viewer over a real short training run of the scripted tool model:
 the dump's exact tokens and turns, the viewer's JSON API over HTTP, bad input, live steps, and the
-page itself in headless Chromium (Debian's ``chromium`` and ``chromium-driver``)."""
+page itself in headless Chromium (Debian's ``chromium`` and ``chromium-driver``); and over a batch padded by hand
+whose first trajectory's context was rewritten (two segments) and whose tokens come from three policy versions."""
 
 from __future__ import annotations
 
@@ -19,8 +20,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import requests
+import torch
+from transformers import AutoTokenizer
 
-from agentloop.dumps import FORMAT, read_rollout_dump
+from agentloop.batch import RolloutBatch, object_array
+from agentloop.dumps import FORMAT, read_rollout_dump, write_rollout_dump
+from agentloop.policy_versions import VersionRuns
+from agentloop.postprocess import pad_outputs
+from agentloop.protocol import BATCH_FIELDS, AgentLoopOutput, Segment, ToolCallRecord, TurnRecord
 from agentloop.rows import write_rows
 from agentloop.viewer.store import RunStore
 from tests.support.config import small_config
@@ -68,6 +75,11 @@ def test_dump_holds_exact_tokens_turns_and_tool_calls(run_dir):
         for key in ("response_ids", "response_mask", "token_text", "rollout_log_probs", "old_log_probs", "advantages"):
             assert len(record[key]) == n, key
         assert "".join(record["token_text"]) == record["output"]
+        # one segment, the top-level columns; every token's policy version: step 1 sampled with version 0
+        assert len(record["segments"]) == 1 and record["segments"][0]["rewritten_by"] is None
+        assert record["segments"][0]["response_ids"] == record["response_ids"]
+        versions = VersionRuns(record["policy_version_runs"]).per_token()
+        assert versions == [record["policy_version"] if mask else -1 for mask in record["response_mask"]]
         # the turns tile the response; model turns are exactly the mask-1 tokens
         turns = record["turns"]
         assert turns[0]["start"] == 0 and turns[-1]["end"] == n
@@ -180,7 +192,7 @@ def test_bad_input_is_reported_never_a_crash(run_dir, tmp_path):
         assert half.status_code == 422 and "still being written?" in half.json()["detail"]
         legacy = requests.get(url + "api/steps/4", timeout=30).json()
         assert legacy["format"] == "verl-jsonl (text only)" and legacy["samples"][0]["reward"] == 1.0
-        assert requests.get(url + "api/steps/4/samples/0", timeout=30).json()["turns"][0]["text"] == "a"
+        assert requests.get(url + "api/steps/4/samples/0", timeout=30).json()["segments"][0]["turns"][0]["text"] == "a"
 
 
 # ---------------------------------------------------------------------- the page in a real browser
@@ -295,3 +307,149 @@ def test_exported_step_opens_from_a_file(run_dir, page, tmp_path):
     assert console_problems(browser) == []
     if os.environ.get("AGENTLOOP_VIEWER_SCREENSHOT"):  # how the README's picture is made
         browser.save_screenshot(os.environ["AGENTLOOP_VIEWER_SCREENSHOT"])
+
+
+# ---------------------------------------------------------------------- segments and policy versions
+
+
+def response(tokenizer, *parts: tuple[str, int]) -> dict[str, list]:
+    """A segment's response from (text, policy version) parts; version -1: an observation."""
+    ids, mask, versions = [], [], []
+    for text, version in parts:
+        part = tokenizer.encode(text, add_special_tokens=False)
+        ids, mask, versions = ids + part, mask + [int(version >= 0)] * len(part), versions + [version] * len(part)
+    return {
+        "response_ids": ids, "response_mask": mask, "response_logprobs": [-0.5 * m for m in mask], "policy_versions": versions,
+    }
+
+
+def pad_like_the_worker(rows: list[dict], outputs: list[AgentLoopOutput], pad_token_id: int) -> RolloutBatch:
+    """What ``AgentLoopWorker._pad`` (a Ray actor's method) makes of finished trajectories: one row per segment,
+    each trajectory's columns repeated on its rows; with the ``policy_version`` stamp the trainer adds."""
+    repeats = [len(output.all_segments()) for output in outputs]
+
+    def column(values: list) -> object:
+        return object_array([value for value, count in zip(values, repeats) for _ in range(count)])
+
+    non_tensor = {key: column([row.get(key) for row in rows]) for key in rows[0]}
+    non_tensor.update({name: column([getattr(output, name) for output in outputs]) for name in BATCH_FIELDS})
+    non_tensor["generate_time_s"] = column([1.5] * len(outputs))
+    non_tensor["policy_version"] = column([3] * len(outputs))
+    non_tensor["rewritten_by"] = object_array([segment.rewritten_by for output in outputs for segment in output.all_segments()])
+    return RolloutBatch(pad_outputs(outputs, 64, 64, pad_token_id), non_tensor, {"pad_token_id": pad_token_id})
+
+
+@pytest.fixture(scope="module")
+def segments_run(model_path, tmp_path_factory) -> tuple[Path, list[AgentLoopOutput], AutoTokenizer]:
+    """A run directory with one step: a GRPO group of two trajectories, the first's context rewritten by a
+    ``summarize`` strategy after a tool call (tokens of versions 3, 4, 5), the second one segment (version 5)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    question = "Question: what is 2 + 3?"
+    first = Segment(
+        tokenizer.encode(question), **response(tokenizer, ("calculator(2 + 3)", 3), ("result: 5", -1), (" So it is", 4)),
+    )
+    rewritten = AgentLoopOutput(
+        prompt_ids=tokenizer.encode("Summary: the calculator said 2 + 3 = 5."),
+        **response(tokenizer, ("The answer", 4), (" is 5.", 5)), rewritten_by="summarize", segments=[first],
+        num_turns=5, reward_score=1.0, end_reason="stop", observation_roles=["tool"],
+        turns=[TurnRecord(4, 5, calls=[ToolCallRecord("calculator", {"expression": "2 + 3"}, "5")]), TurnRecord(3),
+               TurnRecord(4)],
+    )
+    single = AgentLoopOutput(
+        prompt_ids=tokenizer.encode(question), **response(tokenizer, ("It is 4.", 5)),
+        num_turns=2, reward_score=0.0, end_reason="stop", turns=[TurnRecord(4)],
+    )
+    outputs = [rewritten, single]
+    rows = [
+        {"uid": "g0", "index": 7, "data_source": "hand", "agent_name": "tool_agent", "request_id": f"r{i}",
+         "prompt": [{"role": "user", "content": question}], "reward_model": {"ground_truth": "5"}}
+        for i in range(len(outputs))
+    ]
+    batch = pad_like_the_worker(rows, outputs, tokenizer.pad_token_id)
+    assert len(batch) == 3 and batch.batch["segment_index"].tolist() == [0, 1, 0]
+    advantages = batch.batch["response_mask"].float() * torch.tensor([1.0, 1.0, -1.0])[:, None]  # GRPO: one per trajectory
+    run_dir = tmp_path_factory.mktemp("segments_run")
+    write_rollout_dump(run_dir / "rollouts", 1, batch, tokenizer, advantages=advantages)
+    return run_dir, outputs, tokenizer
+
+
+def test_dump_has_one_record_per_trajectory_with_its_segments_and_policy_versions(segments_run):
+    run_dir, outputs, tokenizer = segments_run
+    path = run_dir / "rollouts" / "step_000001.parquet"
+    format_name, records = read_rollout_dump(path)
+    assert format_name == FORMAT and [record["sample"] for record in records] == [0, 1]
+    for record, output in zip(records, outputs):
+        segments = output.all_segments()
+        assert [dumped["rewritten_by"] for dumped in record["segments"]] == [segment.rewritten_by for segment in segments]
+        for dumped, segment in zip(record["segments"], segments):
+            assert dumped["prompt_ids"] == segment.prompt_ids and dumped["input"] == tokenizer.decode(segment.prompt_ids)
+            assert dumped["response_ids"] == segment.response_ids and dumped["response_mask"] == segment.response_mask
+            assert "".join(dumped["token_text"]) == dumped["output"] == tokenizer.decode(segment.response_ids)
+            assert VersionRuns(dumped["policy_version_runs"]).per_token() == segment.policy_versions
+            assert len(dumped["advantages"]) == len(dumped["rollout_log_probs"]) == len(segment.response_ids)
+            turns = dumped["turns"]
+            assert turns[0]["start"] == 0 and turns[-1]["end"] == len(segment.response_ids)
+        # the top-level columns are the last segment's: what a reader of one-segment dumps reads
+        assert record["prompt_ids"] == output.prompt_ids and record["response_ids"] == output.response_ids
+        assert record["rewritten_by"] == output.rewritten_by
+        assert record["response_length"] == sum(len(segment.response_ids) for segment in segments)
+        assert record["model_tokens"] == sum(sum(segment.response_mask) for segment in segments)
+        assert record["score"] == output.reward_score and record["finish_reason"] == "stop" and record["policy_version"] == 3
+
+    rewritten = records[0]
+    assert [len(segment["policy_version_runs"]) for segment in rewritten["segments"]] == [3, 2]  # compact: one run per turn
+    assert [version for version, _ in rewritten["segments"][0]["policy_version_runs"]] == [3, -1, 4]
+    # the loop's turns and observation roles run on from one segment to the next
+    roles = [[turn["role"] for turn in segment["turns"]] for segment in rewritten["segments"]]
+    assert roles == [["assistant", "tool", "assistant"], ["assistant"]]
+    assert [call["name"] for call in rewritten["segments"][0]["turns"][0]["tool_calls"]] == ["calculator"]
+    assert rewritten["tool_calls"] == 1 and rewritten["num_turns"] == 5
+    assert rewritten["advantage"] == 1.0 and records[1]["advantage"] == -1.0
+    # stored once: the earlier segments beside the last one's columns
+    stored = pq.read_table(path)
+    assert stored.num_rows == 2 and [len(earlier) for earlier in stored.column("earlier_segments").to_pylist()] == [1, 0]
+
+    sample = RunStore(run_dir).sample(1, 0)
+    assert [row["num_segments"] for row in RunStore(run_dir).step(1)["samples"]] == [2, 1]
+    assert [segment["rewritten_by"] for segment in sample["segments"]] == [None, "summarize"]
+    assert sample["tokens"]["policy_versions"] == [v for segment in outputs[0].all_segments() for v in segment.policy_versions]
+    second = sample["segments"][1]["turns"][0]  # its span is where the second segment's response starts in the tokens
+    assert second["start"] == len(outputs[0].segments[0].response_ids) and second["end"] == len(sample["tokens"]["text"])
+
+
+def test_page_shows_segments_and_colours_tokens_by_policy_version(segments_run, page):
+    browser = page
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    run_dir, outputs, _ = segments_run
+    first, last = outputs[0].all_segments()
+    with viewer(run_dir) as url:
+        browser.get(url + "#/step/1/sample/0")
+        segments = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#sample-view .segment"), "the sample's segments")
+        assert [segment.get_attribute("data-segment") for segment in segments] == ["0", "1"]
+        assert segments[1].get_attribute("data-rewritten-by") == "summarize"
+        assert not segments[0].find_elements(By.CSS_SELECTOR, ".segment-rewrite")
+        assert "rewritten by summarize" in segments[1].find_element(By.CSS_SELECTOR, ".segment-rewrite").text
+        for segment, part in zip(segments, (first, last)):
+            assert len(segment.find_elements(By.CSS_SELECTOR, ".tok")) == len(part.response_ids)
+            assert len(segment.find_elements(By.CSS_SELECTOR, "details.prompt")) == 1
+
+        Select(browser.find_element(By.ID, "colour-mode")).select_by_value("version")
+        legend = browser.find_elements(By.CSS_SELECTOR, "#colour-legend .version-swatch")
+        assert [swatch.get_attribute("data-version") for swatch in legend] == ["3", "4", "5"]
+        spans = ("return [...document.querySelectorAll('#sample-view .tok-model[data-i]')]"
+                 ".map(s => [Number(s.dataset.i), getComputedStyle(s).backgroundColor])")
+        versions = first.policy_versions + last.policy_versions
+        colours: dict[int, set[str]] = {}
+        for i, colour in browser.execute_script(spans):
+            colours.setdefault(versions[i], set()).add(colour)
+        assert sorted(colours) == [3, 4, 5]
+        assert all(len(shades) == 1 for shades in colours.values()), colours  # one colour per version...
+        assert len({shade for shades in colours.values() for shade in shades}) == 3  # ... and each its own
+
+        # the group side by side: the rewrite marked in the first trajectory's column only
+        browser.get(url + "#/step/1/group/g0")
+        members = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#group-view .group-sample"), "the group view")
+        assert [len(member.find_elements(By.CSS_SELECTOR, ".segment-rewrite")) for member in members] == [1, 0]
+        assert console_problems(browser) == []

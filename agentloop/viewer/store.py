@@ -14,11 +14,13 @@ from typing import Any
 from cachetools import LRUCache
 
 from agentloop.dumps import FORMAT, LEGACY_FORMAT, dump_format, list_step_files, read_rollout_dump
+from agentloop.policy_versions import VersionRuns
 
 TABLE_FIELDS = (
     "sample", "uid", "group", "index", "data_source", "agent_name", "reward", "advantage", "finish_reason",
-    "num_turns", "response_length", "model_tokens", "tool_calls", "tool_errors", "generate_time_s",
+    "num_turns", "num_segments", "response_length", "model_tokens", "tool_calls", "tool_errors", "generate_time_s",
 )
+TOKEN_ARRAYS = ("rollout_log_probs", "old_log_probs", "advantages")  # the per-token arrays the page colours by
 
 
 class StepNotFound(LookupError):
@@ -156,36 +158,62 @@ class RunStore:
 
     @staticmethod
     def _sample(record: dict[str, Any], position: int, format_name: str) -> dict[str, Any]:
+        """A trajectory for the page: ``tokens`` run through all its segments' responses in order, and each of
+        ``segments`` has its context's text, what rewrote it, and its turns with spans into ``tokens``."""
         if format_name == LEGACY_FORMAT:
             return _legacy_sample(record, position)
         row = record.get("row") or {}
-        tokens = {
-            "text": record["token_text"],
-            "mask": record["response_mask"],
-            **{name: record.get(name) for name in ("rollout_log_probs", "old_log_probs", "advantages")},
-        }
+        segments = record["segments"]
         return {
             **{key: record.get(key) for key in TABLE_FIELDS},
             "sample": position,
             "reward": record.get("score"),
-            "prompt_text": record.get("input"),
+            "num_segments": len(segments),
             "prompt_messages": row.get("prompt"),
             "ground_truth": (row.get("reward_model") or {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) else None,
-            "turns": record.get("turns") or [],
-            "tokens": tokens,
+            "tokens": _tokens(segments),
+            "segments": _segments(segments),
             "reward_parts": record.get("reward_parts") or {},
             "extra": {**(record.get("extra") or {}), "extra_info": row.get("extra_info"), "request_id": record.get("request_id")},
         }
+
+
+def _tokens(segments: list[dict[str, Any]]) -> dict[str, Any]:
+    """The segments' response tokens one after another: text, mask, each policy version (-1: observation or
+    unknown) and the per-token arrays (None where a segment lacks one: a dump written before it had them)."""
+    def joined(key: str) -> list[Any] | None:
+        parts = [segment.get(key) for segment in segments]
+        return None if any(part is None for part in parts) else [value for part in parts for value in part]
+
+    runs = joined("policy_version_runs")
+    return {
+        "text": joined("token_text"),
+        "mask": joined("response_mask"),
+        "policy_versions": None if runs is None else VersionRuns(runs).per_token(),
+        **{name: joined(name) for name in TOKEN_ARRAYS},
+    }
+
+
+def _segments(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each segment's context text, ``rewritten_by`` and turns, the turns' spans moved to where its response starts
+    in the trajectory's ``tokens``."""
+    shown, offset = [], 0
+    for segment in segments:
+        turns = [{**turn, "start": turn["start"] + offset, "end": turn["end"] + offset} for turn in segment.get("turns") or []]
+        shown.append({"rewritten_by": segment.get("rewritten_by"), "prompt_text": segment.get("input"), "turns": turns})
+        offset += len(segment["token_text"])
+    return shown
 
 
 def _legacy_sample(record: dict[str, Any], position: int) -> dict[str, Any]:
     """verl's text-only dump line: prompt and response text and score, nothing per token."""
     output = str(record.get("output", ""))
     sample = {key: None for key in TABLE_FIELDS}
+    turns = [{"role": "assistant", "start": 0, "end": 0, "text": output, "tool_calls": []}]
     sample.update(
-        sample=position, index=record.get("index"), reward=record.get("score"), prompt_text=record.get("input"),
-        prompt_messages=None, ground_truth=record.get("gts"), tokens=None, reward_parts={},
-        turns=[{"role": "assistant", "start": 0, "end": 0, "text": output, "tool_calls": []}],
+        sample=position, index=record.get("index"), reward=record.get("score"), num_segments=1, prompt_messages=None,
+        ground_truth=record.get("gts"), tokens=None, reward_parts={},
+        segments=[{"rewritten_by": None, "prompt_text": record.get("input"), "turns": turns}],
         extra={key: value for key, value in record.items() if key not in ("input", "output")},
     )
     return sample

@@ -1,5 +1,7 @@
 "use strict";
-/* agentloop trajectory viewer: one sample turn by turn with token colouring, and one GRPO group side by side. */
+/* agentloop trajectory viewer: one sample context by context and turn by turn with token colouring, and one GRPO
+ * group side by side. A sample's tokens run through all its segments' responses; each segment has its context (the
+ * row's prompt for the first, a rewrite for the others: rewritten_by) and its turns, whose spans index the tokens. */
 
 /* ---------- one sample ---------- */
 
@@ -14,7 +16,7 @@ async function renderSampleView(step, index, seq) {
   if (!answer.ok) return showMessage(view, `sample ${index} of step ${step}: ${answer.error}`, "error");
   const sample = answer.data;
   fill(view, buildSampleHeader(step, sample), buildRewardParts(sample.reward_parts), buildColourControls(state.shownTokens),
-    buildPrompt(sample), buildTurns(sample, state.shownTokens), buildExtra(sample.extra));
+    buildSegments(sample, state.shownTokens), buildExtra(sample.extra));
   applyTokenColours();
   view.scrollTop = 0;
 }
@@ -47,6 +49,7 @@ function buildSampleHeader(step, sample) {
       fact("advantage", h("span", { class: signClass(sample.advantage), text: fmtNumber(sample.advantage) })),
       fact("finish", sample.finish_reason),
       fact("turns", sample.num_turns),
+      sample.num_segments > 1 ? fact("contexts", `${sample.num_segments} (rewritten ${sample.num_segments - 1}×)`) : null,
       fact("length", withDetail(sample.response_length, sample.model_tokens, "model")),
       fact("tool calls", withDetail(sample.tool_calls, sample.tool_errors, "failed")),
       fact("time", fmtSeconds(sample.generate_time_s)),
@@ -60,13 +63,39 @@ function buildRewardParts(parts) {
   return h("div", { class: "reward-parts-box" }, h("span", { class: "fact-label", text: "reward parts" }), list);
 }
 
-function buildPrompt(sample) {
-  let text = sample.prompt_text;
-  if (typeof text !== "string" && Array.isArray(sample.prompt_messages)) {
+// The first segment's context is the row's prompt (its chat messages when the dump has no text of it).
+function buildPrompt(sample, segment, label = "prompt") {
+  let text = segment ? segment.prompt_text : null;
+  if (typeof text !== "string" && segment === listOf(sample.segments)[0] && Array.isArray(sample.prompt_messages)) {
     text = sample.prompt_messages.map((m) => `[${m.role}]\n${fmtValue(m.content)}`).join("\n\n");
   }
   if (typeof text !== "string") return null;
-  return h("details", { class: "prompt" }, h("summary", { text: `prompt (${text.length} characters)` }), h("pre", { text }));
+  return h("details", { class: "prompt" }, h("summary", { text: `${label} (${text.length} characters)` }), h("pre", { text }));
+}
+
+// Where a later segment's context came from: a context strategy's rewrite, or a loop's context that does not extend
+// the one before.
+const rewriteText = (segment, n, count) => `context ${n + 1} of ${count}: `
+  + (isMissing(segment.rewritten_by) ? "a new context, not an extension of the last" : `rewritten by ${segment.rewritten_by}`);
+
+// A one-segment sample reads as before (its prompt, then its turns); several are shown one after another, each
+// after a marker saying what rewrote its context.
+function buildSegments(sample, tokens) {
+  const segments = listOf(sample.segments);
+  if (segments.length <= 1) {
+    let turns = listOf(segments[0] && segments[0].turns);
+    if (!turns.length && tokens) turns = [{ role: "response", start: 0, end: tokens.text.length }]; // tokens without turns
+    return h("div", { class: "segments" }, buildPrompt(sample, segments[0]), buildTurns(turns, tokens, 0));
+  }
+  let turnsBefore = 0;
+  return h("div", { class: "segments" }, ...segments.map((segment, n) => {
+    const turns = buildTurns(listOf(segment.turns), tokens, turnsBefore);
+    turnsBefore += listOf(segment.turns).length;
+    return h("section", { class: "segment", "data-segment": n, "data-rewritten-by": segment.rewritten_by },
+      n ? h("div", { class: "segment-rewrite", text: rewriteText(segment, n, segments.length) })
+        : h("div", { class: "segment-head", text: `context 1 of ${segments.length}: the row's prompt` }),
+      buildPrompt(sample, segment, n ? "rewritten context" : "prompt"), turns);
+  }));
 }
 
 function buildExtra(extra) {
@@ -74,11 +103,10 @@ function buildExtra(extra) {
   return h("details", { class: "extra" }, h("summary", { text: "extra fields" }), h("pre", { text: JSON.stringify(extra, null, 2) }));
 }
 
-function buildTurns(sample, tokens) {
-  let turns = listOf(sample.turns);
-  if (!turns.length && tokens) turns = [{ role: "response", start: 0, end: tokens.text.length }]; // tokens without turns
-  return h("div", { class: "turns" }, turns.length ? null : h("p", { class: "message", text: "this sample has no turns" }),
-    ...turns.map((turn, n) => buildTurn(turn, n, tokens)));
+// turnsBefore: how many turns the earlier segments have, so that turns are numbered through the sample.
+function buildTurns(turns, tokens, turnsBefore) {
+  return h("div", { class: "turns" }, turns.length ? null : h("p", { class: "message", text: "no turns" }),
+    ...turns.map((turn, n) => buildTurn(turn, turnsBefore + n, tokens)));
 }
 
 function buildTurn(turn, n, tokens) {
@@ -112,6 +140,7 @@ function tokenTitle(tokens, i, isModel) {
   if (trainer !== null) lines.push(`trainer log-prob ${fmtNumber(trainer)}`);
   if (rollout !== null && trainer !== null) lines.push(`gap ${fmtNumber(Math.abs(rollout - trainer))}`);
   if (advantage !== null) lines.push(`advantage ${fmtNumber(advantage)}`);
+  if (isModel && tokenVersion(tokens, i) !== null) lines.push(`policy version ${tokenVersion(tokens, i)}`);
   return lines.join("\n");
 }
 
@@ -137,8 +166,24 @@ function tokenGap(tokens, i) {
   return rollout === null || trainer === null ? null : Math.abs(rollout - trainer);
 }
 
+// A token's policy version (the weights that sampled it), or null: an observation token, or one of unknown version (-1).
+const tokenVersion = (tokens, i) => { const v = at(tokens.policy_versions, i); return v !== null && v >= 0 ? v : null; };
+
+// One colour per policy version, the same in every sample: hues a golden angle apart, so that versions next to each
+// other (those one sample mixes) look far apart.
+const versionColour = (version) => `hsl(${Math.round((version * 137.508) % 360)}, 75%, 76%)`;
+
+function versionLegend(tokens) {
+  const known = tokens.text.map((_, i) => tokenVersion(tokens, i)).filter((v) => v !== null);
+  const versions = [...new Set(known)].sort((a, b) => a - b);
+  const swatches = versions.map((v) => h("span",
+    { class: "tok version-swatch", "data-version": v, text: `v${v}`, style: `background-color: ${versionColour(v)}` }));
+  return ["policy version that sampled each model token: ", ...swatches.flatMap((swatch) => [swatch, " "]),
+    versions.length ? "(uncoloured: unknown)" : "none known in this sample"];
+}
+
 // Per mode: the token arrays it needs, a model token's background (scaled so the usual range uses most
-// of the tint) and how to read it.
+// of the tint) and how to read it (a text, or a function of the tokens giving the legend's parts).
 const COLOUR_MODES = {
   none: { label: "no colouring", needs: [], colour: () => "", legend: "" },
   logprob: {
@@ -156,6 +201,11 @@ const COLOUR_MODES = {
     colour: (t, i) => { const a = at(t.advantages, i) ?? 0; return tint(a >= 0 ? "30, 170, 60" : "220, 40, 40", Math.abs(a) / 2); },
     legend: "green: positive advantage, red: negative (full at ±2)",
   },
+  version: {
+    label: "policy version", needs: ["policy_versions"],
+    colour: (t, i) => { const v = tokenVersion(t, i); return v === null ? "" : versionColour(v); },
+    legend: versionLegend,
+  },
 };
 
 const colourModeAvailable = (mode, tokens) => mode === "none" || (Boolean(tokens) && COLOUR_MODES[mode].needs.every((key) => Array.isArray(tokens[key])));
@@ -166,7 +216,7 @@ const effectiveColourMode = (tokens) => (colourModeAvailable(state.colourMode, t
 function readStoredColourMode() {
   try {
     const stored = localStorage.getItem(COLOUR_STORAGE_KEY);
-    return ["logprob", "gap", "advantage"].includes(stored) ? stored : "none";
+    return Object.prototype.hasOwnProperty.call(COLOUR_MODES, stored) ? stored : "none";
   } catch { return "none"; } // storage can be off (file:// policies, private windows)
 }
 
@@ -196,13 +246,18 @@ function tokenSummary(tokens) {
     const [worst, gap] = gaps.reduce((a, b) => (b[1] > a[1] ? b : a));
     parts.push(`mean gap ${fmtNumber(mean(gaps.map((g) => g[1])))}, largest ${fmtNumber(gap)} at token ${worst}`);
   }
+  const versions = model.map((i) => tokenVersion(tokens, i)).filter((v) => v !== null);
+  if (versions.length) {
+    const [oldest, newest] = range(versions);
+    parts.push(oldest === newest ? `policy version ${oldest}` : `policy versions ${oldest}–${newest}`);
+  }
   return parts.join(" · ");
 }
 
 function applyTokenColours() {
   const tokens = state.shownTokens;
   const mode = COLOUR_MODES[effectiveColourMode(tokens)];
-  if ($("colour-legend")) $("colour-legend").textContent = mode.legend;
+  if ($("colour-legend")) fill($("colour-legend"), ...(typeof mode.legend === "function" ? mode.legend(tokens) : [mode.legend]));
   // observation tokens are never tinted: they are not trained on, so their numbers are not the point
   for (const span of $("sample-view").querySelectorAll(".tok-model[data-i]")) span.style.backgroundColor = mode.colour(tokens, Number(span.dataset.i));
 }
@@ -226,7 +281,7 @@ async function renderGroupView(step, uid, seq) {
       fact("rewards", rewards.length ? `${fmtNumber(rewardRange[0])} to ${fmtNumber(rewardRange[1])}` : DASH),
       fact("data source", first.data_source),
       fact("ground truth", truncate(fmtValue(first.ground_truth), 200), "wide")),
-    buildPrompt(first),
+    buildPrompt(first, listOf(first.segments)[0]),
     h("div", { class: "group-columns" }, ...samples.map((sample) => buildGroupColumn(step, sample, rewardRange))));
 }
 
@@ -239,16 +294,20 @@ function buildGroupTitle(step, uid) {
 function buildGroupColumn(step, sample, rewardRange) {
   const tokens = validTokens(sample.tokens);
   const summary = ` · ${fmtValue(sample.finish_reason)} · ${fmtNumber(sample.num_turns)} turns · ${fmtNumber(sample.response_length)} tokens`;
+  let turnNumber = 0; // through all its segments
   return h("div", { class: "group-sample", "data-sample": sample.sample },
     h("a", { class: "group-sample-head", href: href.sample(step, sample.sample), title: "open this sample" },
       h("strong", { text: `#${fmtNumber(sample.sample)}` }), " ", rewardBadge(sample.reward, rewardRange),
       h("span", { class: signClass(sample.advantage), text: ` adv ${fmtNumber(sample.advantage)}` }), h("span", { class: "muted", text: summary })),
-    ...listOf(sample.turns).map((turn, n) => {
-      const role = turn.role || "unknown";
-      const text = typeof turn.text === "string" ? turn.text : tokens ? tokens.text.slice(turn.start, turn.end).join("") : "";
-      return h("div", { class: `turn compact ${role === "assistant" ? "turn-model" : "turn-obs"}`, "data-role": role },
-        h("div", { class: "turn-label", text: `${n + 1}. ${role}` }), h("pre", { class: "turn-text", text }),
-        ...listOf(turn.tool_calls).map(buildToolCall));
-    }));
+    ...listOf(sample.segments).flatMap((segment, n, segments) => [
+      n ? h("div", { class: "segment-rewrite", text: rewriteText(segment, n, segments.length) }) : null,
+      ...listOf(segment.turns).map((turn) => {
+        const role = turn.role || "unknown";
+        const text = typeof turn.text === "string" ? turn.text : tokens ? tokens.text.slice(turn.start, turn.end).join("") : "";
+        return h("div", { class: `turn compact ${role === "assistant" ? "turn-model" : "turn-obs"}`, "data-role": role },
+          h("div", { class: "turn-label", text: `${++turnNumber}. ${role}` }), h("pre", { class: "turn-text", text }),
+          ...listOf(turn.tool_calls).map(buildToolCall));
+      }),
+    ]));
 }
 

@@ -11,6 +11,7 @@ const COLUMNS = [
   { key: "advantage", label: "adv.", title: "advantage" },
   { key: "finish_reason", label: "finish", title: "finish reason" },
   { key: "num_turns", label: "turns", title: "turns" },
+  { key: "num_segments", label: "contexts", title: "contexts the trajectory was sampled under (segments; above 1: rewritten)" },
   { key: "response_length", label: "length", title: "response length (tokens)" },
   { key: "tool_calls", label: "tools", title: "tool calls" },
   { key: "tool_errors", label: "errors", title: "tool errors" },
