@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import ray
 import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -17,13 +18,32 @@ from agentloop.dumps import mask_runs
 from agentloop.images import expand_image_pads, process_images, split_images
 from agentloop.models.loading import load_processor
 from agentloop.protocol import AgentLoopOutput, Segment, TokenOutput
+from agentloop.server.rollout_server import RolloutServer
 from tests.support.models import script_row
 from tests.support.thinking_model import QWEN3_CONFIG, with_qwen3_template
 from tests.support.vision import picture, picture_message
-from tests.test_tool_agent import GREEDY, run_loop, scripted, server, tokenizer, tool_config  # noqa: F401 (fixtures)
+from tests.test_tool_agent import run_loop, tool_config
 
 SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 STRATEGY = "actor_rollout_ref.rollout.multi_turn.context.strategy"
+
+
+@pytest.fixture(scope="module")
+def scripted(scripted_model):
+    return scripted_model
+
+
+@pytest.fixture(scope="module")
+def server(local_ray, scripted):
+    server = RolloutServer.remote(tool_config(scripted), 0)
+    ray.get(server.__ray_ready__.remote(), timeout=120)
+    yield server
+    ray.kill(server)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(scripted):
+    return AutoTokenizer.from_pretrained(scripted[1])
 
 
 def conversation(turns: int) -> list[dict[str, str]]:
@@ -71,7 +91,7 @@ def teacher_forced(model, segment) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("strategy", ["append", "inference_template", "sliding_window", "tests.support.contexts.last_message_only"])
-def test_every_segment_scores_as_sampled_under_its_exact_context(server, tokenizer, scripted, strategy):  # noqa: F811
+def test_every_segment_scores_as_sampled_under_its_exact_context(server, tokenizer, scripted, strategy):
     output = run_loop(
         server, tokenizer, scripted, "loop", f"{STRATEGY}={strategy}",
         "actor_rollout_ref.rollout.multi_turn.context.window_turns=1", sampling=SAMPLED,
@@ -90,7 +110,7 @@ def test_every_segment_scores_as_sampled_under_its_exact_context(server, tokeniz
         assert len(segments) >= 2
 
 
-def test_append_is_todays_trajectory_and_a_window_starts_segments_that_drop_old_turns(server, tokenizer, scripted):  # noqa: F811
+def test_append_is_todays_trajectory_and_a_window_starts_segments_that_drop_old_turns(server, tokenizer, scripted):
     default = run_loop(server, tokenizer, scripted, "loop")
     append = run_loop(server, tokenizer, scripted, "loop", f"{STRATEGY}=append")
     assert (append.prompt_ids, append.response_ids, append.response_mask, append.response_logprobs) == (
@@ -114,13 +134,13 @@ def test_append_is_todays_trajectory_and_a_window_starts_segments_that_drop_old_
     assert sum(turn.model_tokens for turn in window.turns) == sum(sum(segment.response_mask) for segment in segments)
 
 
-def test_a_context_that_does_not_fit_ends_the_trajectory_on_a_model_token(server, tokenizer, scripted):  # noqa: F811
+def test_a_context_that_does_not_fit_ends_the_trajectory_on_a_model_token(server, tokenizer, scripted):
     output = run_loop(server, tokenizer, scripted, "loop", f"{STRATEGY}=tests.support.contexts.long_note")
     assert output.end_reason == "context_length"
     assert not output.segments and output.response_mask[-1] == 1  # the turn before the note is the last
 
 
-def test_a_batch_has_a_row_per_segment_and_a_failing_strategy_fails_its_sample_only(local_ray, scripted):  # noqa: F811
+def test_a_batch_has_a_row_per_segment_and_a_failing_strategy_fails_its_sample_only(local_ray, scripted):
     manager = AgentLoopManager(tool_config(
         scripted, f"{STRATEGY}=tests.support.contexts.window_failing_on_loop", "actor_rollout_ref.rollout.max_failed_sample_ratio=0.5"
     ))
