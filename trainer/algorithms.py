@@ -1,8 +1,12 @@
 """PPO/GRPO math on padded response tensors: pure functions, no state.
 
-Shapes: ``[B, R]`` for per-token quantities (B trajectories, R response positions). ``response_mask``
+Shapes: ``[B, R]`` for per-token quantities (B rows, R response positions). ``response_mask``
 is 1 on model tokens and 0 on observation and padding tokens; every loss and statistic here is masked
 by it, so observation tokens carry no gradient.
+
+A row is one segment of a trajectory (``agentloop.postprocess``): ``segment_index [B]`` is 0 where a trajectory
+starts and numbers its later rows. The advantages take it (optional: without it every row is a trajectory of its
+own); the losses treat every row as a sequence of its own.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from collections import defaultdict
 from typing import Sequence
 
 import torch
+
+from agentloop.batch import trajectory_ids
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _BASE_KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
@@ -33,20 +39,31 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
     return (values - mean) * torch.rsqrt(variance + eps) * mask
 
 
+def trajectory_sums(row_values: torch.Tensor, segment_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row values ``[B]`` summed over each trajectory's rows, ``[trajectories]`` in batch order (without
+    ``segment_index``: the values themselves)."""
+    if segment_index is None:
+        return row_values
+    trajectory = trajectory_ids(segment_index).to(row_values.device)
+    return row_values.new_zeros(int(trajectory[-1]) + 1).index_add_(0, trajectory, row_values)
+
+
 def grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: Sequence[str],
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    segment_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO: each trajectory's total reward, normalised within its group (same prompt, same ``uid``).
+    """GRPO: each trajectory's total reward (over all its rows' tokens), normalised within its group (same prompt,
+    same ``uid``; ``group_ids`` has one per trajectory, one per row without ``segment_index``).
 
     advantage = (score - group mean) / (group std + epsilon), or score - group mean without std
     normalisation (Dr. GRPO). A group of one has mean 0 and std 1. Returns (advantages, returns),
-    both broadcast over the response's model tokens.
+    both broadcast over the model tokens of every row of the trajectory.
     """
-    scores = token_level_rewards.sum(dim=-1)
+    scores = trajectory_sums(token_level_rewards.sum(dim=-1), segment_index)
     members: dict[str, list[int]] = defaultdict(list)
     for row, group in enumerate(group_ids):
         members[group].append(row)
@@ -59,6 +76,8 @@ def grpo_outcome_advantage(
             std[rows] = group_scores.std()
     centred = scores - mean
     normalised = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
+    if segment_index is not None:
+        normalised = normalised[trajectory_ids(segment_index)]
     advantages = normalised.unsqueeze(-1) * response_mask
     return advantages, advantages
 
@@ -69,13 +88,44 @@ def gae_advantage_return(
     response_mask: torch.Tensor,
     gamma: float = 1.0,
     lam: float = 1.0,
+    segment_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over model tokens only.
 
     Observation tokens are skipped: the TD step goes from one model token to the next model token,
-    so a tool result between them neither adds a value estimate nor decays the return. Returns
-    (whitened advantages, returns = raw advantages + values), zero outside the mask.
+    so a tool result between them neither adds a value estimate nor decays the return. A trajectory's
+    segments chain in order (``segment_index``): the TD step from a segment's last model token goes to the next
+    segment's first, as if its response rows were one. Returns (advantages whitened over all model tokens,
+    returns = raw advantages + values), zero outside the mask.
     """
+    if segment_index is None:
+        segment_index = torch.zeros(len(values), dtype=torch.long, device=values.device)
+    rows = _chained_rows(segment_index)
+    chained = _gae(_chain(token_level_rewards, rows), _chain(values, rows), _chain(response_mask, rows), gamma, lam)
+    # back to one row per segment: a trajectory's rows are consecutive and oldest first, as they are chained
+    advantages = chained.unflatten(1, (rows.shape[1], -1))[rows >= 0]
+    returns = (advantages + values) * response_mask
+    return masked_whiten(advantages, response_mask), returns
+
+
+def _chained_rows(segment_index: torch.Tensor) -> torch.Tensor:
+    """``[trajectories, most segments]``: each trajectory's rows in order, then -1 (no row)."""
+    trajectory = trajectory_ids(segment_index)
+    rows = segment_index.new_full((int(trajectory[-1]) + 1, int(segment_index.max()) + 1), -1)
+    rows[trajectory, segment_index] = torch.arange(len(segment_index), device=segment_index.device)
+    return rows
+
+
+def _chain(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[B, R]`` per-row values as one row per trajectory, its rows side by side (zeros where it has fewer)."""
+    padded = torch.cat([values, torch.zeros_like(values[:1])])  # row -1: zeros, masked out
+    return padded[rows].flatten(1)
+
+
+def _gae(
+    token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
+) -> torch.Tensor:
+    """Raw GAE advantages along each row's model tokens (zero elsewhere)."""
     batch, length = token_level_rewards.shape
     advantages = torch.zeros_like(values)
     next_value = torch.zeros(batch, dtype=values.dtype, device=values.device)
@@ -91,8 +141,7 @@ def gae_advantage_return(
         last_gae = gae * model + last_gae * (1 - model)
         next_value = values[:, t] * model + next_value * (1 - model)
         pending_reward = reward * (1 - model)
-    returns = (advantages + values) * response_mask
-    return masked_whiten(advantages, response_mask), returns
+    return advantages
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str = "low_var_kl") -> torch.Tensor:

@@ -20,8 +20,8 @@ from dataclasses import replace
 import torch
 from omegaconf import DictConfig
 
-from agentloop.batch import RolloutBatch
-from agentloop.policy_versions import oldest_versions
+from agentloop.batch import RolloutBatch, trajectory_ids
+from agentloop.policy_versions import UNKNOWN
 from trainer.rollout_correction import RolloutCorrection
 
 logger = logging.getLogger(__name__)
@@ -55,15 +55,26 @@ def async_settings(config: DictConfig, correction: RolloutCorrection) -> tuple[i
 
 
 def staleness_metrics(batch: RolloutBatch, trained_version: int, max_staleness: int) -> dict[str, float]:
-    """How many policy versions the batch's samples lag the policy they train (mean, max, histogram), by each
-    sample's oldest token (the batch's stamp where no token's version is known), and the share of samples
-    whose tokens come from more than one version (``async/partial_share``)."""
+    """How many policy versions the batch's trajectories lag the policy they train (mean, max, histogram), by each
+    one's oldest token over all its segments (the batch's stamp where no token's version is known), and the share
+    of trajectories whose tokens come from more than one version (``async/partial_share``)."""
     versions = batch.batch["rollout_policy_versions"]
-    oldest = oldest_versions(batch)
-    newest = torch.where((versions >= 0).any(-1), versions.max(-1).values, oldest)
+    trajectory = trajectory_ids(batch.batch.get("segment_index", torch.zeros(len(batch), dtype=torch.long)))
+
+    def per_trajectory(row_values: torch.Tensor, reduce: str) -> torch.Tensor:
+        return row_values.new_zeros(int(trajectory[-1]) + 1).scatter_reduce(0, trajectory, row_values, reduce, include_self=False)
+
+    known = versions != UNKNOWN
+    newest = per_trajectory(versions.max(-1).values, "amax")  # UNKNOWN where no token's version is known
+    oldest_token = per_trajectory(versions.masked_fill(~known, torch.iinfo(versions.dtype).max).min(-1).values, "amin")
+    stamped = per_trajectory(torch.tensor([int(version) for version in batch.non_tensor_batch["policy_version"]]), "amin")
+    oldest = torch.where(newest != UNKNOWN, oldest_token, stamped)
+    newest = torch.where(newest != UNKNOWN, newest, oldest)
     lags = trained_version - oldest
     if int(lags.max()) > max_staleness:  # the stream regenerates such groups; a bug if it happens
-        raise RuntimeError(f"a sample lags {int(lags.max())} policy versions, more than async_training.max_staleness={max_staleness}")
+        raise RuntimeError(
+            f"a trajectory lags {int(lags.max())} policy versions, more than async_training.max_staleness={max_staleness}"
+        )
     metrics = {
         "async/staleness/mean": float(lags.float().mean()),
         "async/staleness/max": float(lags.max()),

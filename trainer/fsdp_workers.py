@@ -3,7 +3,8 @@
 gloo on CPU, NCCL on GPU. Every rank hosts its shard of the policy and, when the config asks for them,
 of the frozen reference policy (KL) and of the critic (GAE): colocating the three on the same ranks
 needs no extra processes or process groups. Parameters are sharded with ``fully_shard`` per decoder
-layer, then the root; each rank works on its slice of the batch and FSDP reduces the gradients.
+layer, then the root; each rank works on its slice of the batch (whole trajectories: as many as every other rank,
+in as many forward passes, ``trainer.micro_batches``) and FSDP reduces the gradients.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from agentloop.server.weights import PackedWeights
 from agentloop.waiting import wait_for
 from trainer import algorithms
 from trainer.rollout_correction import RolloutCorrection, correct, correct_batch
-from trainer.micro_batches import MicroBatching
+from trainer.micro_batches import MicroBatching, is_stand_in, trajectory_sizes
 from trainer.sharding import load_sharded
 from trainer.trainable import Trainable
 from trainer.vision import forward_logits
@@ -209,7 +210,8 @@ class FSDPWorker:
             log_probs, entropy = response_log_probs(self.policy.model, micro, self.temperature)
             if scoring_old:
                 old = micro["old_log_probs"] = log_probs.detach()
-                old_log_probs[micro["row_index"].cpu()] = old.cpu()
+                if not is_stand_in(micro):  # (a stand-in's row is scored in its own micro-batch)
+                    old_log_probs[micro["row_index"].cpu()] = old.cpu()
                 weights = correct(old, micro["rollout_log_probs"], micro["response_mask"].float(), correction)[0]
                 if weights is not None:
                     micro["rollout_is_weights"] = weights
@@ -223,7 +225,7 @@ class FSDPWorker:
                 total = total + float(actor.kl_loss_coef) * stats["actor/kl_loss"]
             return total, {"actor/pg_loss": pg_loss, "actor/entropy": entropy_bonus, **stats}
 
-        return self.policy.update(batch, actor, self._mini_batch_size(actor, len(batch)), loss), old_log_probs
+        return self.policy.update(batch, actor, self._mini_batch_size(actor, batch), loss), old_log_probs
 
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
         """Clipped value-loss updates of the critic against ``returns`` (``values`` are the old values)."""
@@ -241,12 +243,13 @@ class FSDPWorker:
                 "critic/vpred_mean": algorithms.masked_mean(values, mask),
             }
 
-        return self.critic.update(batch, config, self._mini_batch_size(config, len(batch)), loss)
+        return self.critic.update(batch, config, self._mini_batch_size(config, batch), loss)
 
-    def _mini_batch_size(self, config: DictConfig, slice_size: int) -> int:
-        """``ppo_mini_batch_size`` counts prompts over all ranks (verl's convention); null: the whole slice."""
+    def _mini_batch_size(self, config: DictConfig, batch: TensorDict) -> int:
+        """Trajectories per mini-batch on this rank: ``ppo_mini_batch_size`` counts prompts over all ranks (verl's
+        convention), each with ``rollout.n`` trajectories; null: the whole slice."""
         if not config.ppo_mini_batch_size:
-            return slice_size
+            return len(trajectory_sizes(batch))
         return int(config.ppo_mini_batch_size) * self.samples_per_prompt // self.world_size
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

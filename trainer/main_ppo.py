@@ -47,6 +47,7 @@ from trainer import algorithms, checkpoint
 from trainer.config_checks import check_config, warn_ignored_keys, world_size
 from trainer.data import BatchSampler, load_dataset
 from trainer.fsdp_workers import needs_reference, push_weights, rank_gpus, start_workers
+from trainer.micro_batches import split_trajectories, trajectory_sizes
 from trainer.async_training import async_settings, staleness_metrics
 from trainer.rollout_correction import RolloutCorrection, correct_batch, old_log_probs_in_update
 from trainer.rollout_dump import RolloutDumps
@@ -127,8 +128,9 @@ class RayPPOTrainer:
     def _wait(self, refs: list[Any], what: str) -> list[Any]:
         return wait_for(refs, float(self.config.trainer.step_timeout_s), what)
 
-    def _on_ranks(self, method: str, batch: Any, **kwargs: Any) -> list[Any]:
-        shards = batch.split(len(batch) // self.world_size)
+    def _on_ranks(self, method: str, batch: TensorDict, **kwargs: Any) -> list[Any]:
+        """``method`` on every rank, each with as many whole trajectories (all their rows) in batch order."""
+        shards = split_trajectories(batch, len(trajectory_sizes(batch)) // self.world_size)
         return self._wait([getattr(w, method).remote(s, **kwargs) for w, s in zip(self.workers, shards)], f"{method} on the FSDP ranks")
 
     def _push_weights(self, version: int) -> float:
@@ -179,7 +181,7 @@ class RayPPOTrainer:
         trains_actor = step >= int(self.config.trainer.critic_warmup)  # verl's rule: the actor starts at step critic_warmup
         if self.correction.bypass_mode:
             old_log_probs = "rollout"
-        elif trains_actor and old_log_probs_in_update(self.config, self.correction, len(rollout)):
+        elif trains_actor and old_log_probs_in_update(self.config, self.correction, rollout.num_trajectories):
             old_log_probs = "update"
         else:
             old_log_probs = "scored"
@@ -214,21 +216,26 @@ class RayPPOTrainer:
         metrics.update({"actor/reward_kl_penalty": observed_kl, "actor/reward_kl_penalty_coeff": self.kl_coef})
         control = algorithm.kl_ctrl
         if control.type == "adaptive":
-            self.kl_coef = algorithms.adaptive_kl_coef(self.kl_coef, observed_kl, float(control.target_kl), float(control.horizon), len(batch))
+            self.kl_coef = algorithms.adaptive_kl_coef(
+                self.kl_coef, observed_kl, float(control.target_kl), float(control.horizon), len(trajectory_sizes(batch))
+            )
         return penalty
 
     def _advantages(self, rollout: RolloutBatch, batch: TensorDict, rewards: torch.Tensor, metrics: dict[str, float]) -> None:
-        """GAE on the critic's values, or GRPO's group-normalised outcome advantages."""
-        algorithm, mask = self.config.algorithm, batch["response_mask"].float()
+        """GAE on the critic's values (along each trajectory's segments), or GRPO's group-normalised outcome
+        advantages (one per trajectory, on all its rows)."""
+        algorithm, mask, segment_index = self.config.algorithm, batch["response_mask"].float(), batch["segment_index"]
         if algorithm.adv_estimator == "gae":
             batch["values"] = torch.cat(self._on_ranks("compute_values", batch))
             batch["advantages"], batch["returns"] = algorithms.gae_advantage_return(
-                rewards, batch["values"], mask, float(algorithm.gamma), float(algorithm.lam)
+                rewards, batch["values"], mask, float(algorithm.gamma), float(algorithm.lam), segment_index
             )
             metrics["critic/values/mean"] = float(algorithms.masked_mean(batch["values"], mask))
             metrics["critic/returns/mean"] = float(algorithms.masked_mean(batch["returns"], mask))
         else:
-            batch["advantages"], _ = algorithms.grpo_outcome_advantage(rewards, mask, grpo_groups(rollout), bool(algorithm.norm_adv_by_std_in_grpo))
+            batch["advantages"], _ = algorithms.grpo_outcome_advantage(
+                rewards, mask, grpo_groups(rollout), bool(algorithm.norm_adv_by_std_in_grpo), segment_index=segment_index
+            )
 
     def _update(self, plan: StepPlan, batch: TensorDict, metrics: dict[str, float]) -> None:
         """The critic's update (GAE), then the policy's (from step ``critic_warmup`` on)."""
@@ -260,10 +267,11 @@ class RayPPOTrainer:
         return push_s, waited_s
 
     def validate(self) -> dict[str, float]:
-        """Score ``data.val_files`` with ``rollout.val_kwargs``: mean score overall and per data source."""
+        """Score ``data.val_files`` with ``rollout.val_kwargs``: mean score (per trajectory) overall and per data source."""
         output = self.manager.generate_sequences(self.val_rows, validate=True)
-        scores = output.batch["rm_scores"].sum(-1)
-        sources = np.asarray([row or "unknown" for row in output.non_tensor_batch.get("data_source", [None] * len(output))])
+        scores = algorithms.trajectory_sums(output.batch["rm_scores"].sum(-1), output.batch["segment_index"])
+        last = output.last_segments()
+        sources = np.asarray([row or "unknown" for row in output.non_tensor_batch.get("data_source", [None] * len(output))])[last]
         metrics = {"val/score/mean": float(scores.mean())}
         for source in sorted(set(sources)):
             metrics[f"val/score/{source}"] = float(scores[torch.from_numpy(sources == source)].mean())
@@ -375,31 +383,34 @@ class StepPlan:
     # "rollout": bypass mode, the rollout's own; "scored": a scoring pass on the ranks before the advantages;
     # "update": the one update step's own forward passes (``old_log_probs_in_update``)
     old_log_probs: str
-    corrects: bool  # every sample has rollout log-probs: rollout_corr/* weights and metrics (if configured)
+    corrects: bool  # every trajectory has rollout log-probs: rollout_corr/* weights and metrics (if configured)
     trains_actor: bool  # the step is at or past trainer.critic_warmup
 
 
 def batch_metrics(batch: TensorDict, rewards: torch.Tensor) -> dict[str, float]:
-    """Scores, rewards, advantages and lengths of a trained batch, as verl names them."""
-    width, mask = batch["prompts"].shape[1], batch["response_mask"].bool()
+    """Scores and rewards (per trajectory), advantages (per model token) and lengths (per row: a segment's context and
+    response) of a trained batch, as verl names them; ``training/rows``, the rows trained (one per segment)."""
+    width, mask, segment_index = batch["prompts"].shape[1], batch["response_mask"].bool(), batch["segment_index"]
     prompt_length = batch["attention_mask"][:, :width].sum(-1).float()
     response_length = batch["attention_mask"][:, width:].sum(-1).float()
     return {
-        **spread("critic/score", batch["rm_scores"].sum(-1)),
-        **spread("critic/rewards", rewards.sum(-1)),
+        **spread("critic/score", algorithms.trajectory_sums(batch["rm_scores"].sum(-1), segment_index)),
+        **spread("critic/rewards", algorithms.trajectory_sums(rewards.sum(-1), segment_index)),
         **spread("critic/advantages", batch["advantages"][mask]),
         **spread("response_length", response_length),
         "response_length/clip_ratio": float((response_length >= batch["responses"].shape[1]).float().mean()),
         **spread("prompt_length", prompt_length),
         "prompt_length/clip_ratio": float((prompt_length >= width).float().mean()),
+        "training/rows": float(len(batch)),
     }
 
 
 def grpo_groups(rollout: RolloutBatch) -> list[str]:
-    """Each sample's GRPO group: its ``uid``, except that a failed sample leaves its group (a group of one,
+    """Each trajectory's GRPO group: its ``uid``, except that a failed trajectory leaves its group (a group of one,
     advantage 0) so the others are normalised among themselves."""
-    fields = rollout.non_tensor_batch
-    return [f"{uid}/failed/{i}" if failure is not None else uid for i, (uid, failure) in enumerate(zip(fields["uid"], fields["failure"]))]
+    last = rollout.last_segments()
+    uids, failures = rollout.non_tensor_batch["uid"][last], rollout.non_tensor_batch["failure"][last]
+    return [f"{uid}/failed/{i}" if failure is not None else uid for i, (uid, failure) in enumerate(zip(uids, failures))]
 
 
 def _has_rollout_log_probs(rollout: RolloutBatch, required: bool) -> bool:

@@ -1,9 +1,12 @@
-"""Micro-batches on an FSDP rank: a fixed number of samples each, or packed by token count (verl's
-``use_dynamic_bsz``); and the weight of each in a gradient accumulated over them.
+"""How a batch is cut for the FSDP ranks: into the ranks' slices and the mini-batches by trajectories (a trajectory's
+rows, its segments, stay together), then into micro-batches of rows: a fixed number each, or packed by token count
+(verl's ``use_dynamic_bsz``); and the weight of each in a gradient accumulated over them.
 
-Every rank must run as many forward passes as the others (each one gathers the sharded parameters), so
-token-packed ranks first agree on the largest count any of them needs, then share their samples out
-over that many micro-batches of similar token totals.
+Every rank must run as many forward passes as the others (each one gathers the sharded parameters), and ranks with
+as many trajectories may hold different numbers of rows: the ranks first agree on the largest count of
+micro-batches any of them needs, and a rank that needs fewer runs stand-ins for the rest (one of its rows without
+model tokens, which adds nothing). Token-packed ranks share their rows out over that many micro-batches of similar
+token totals.
 """
 
 from __future__ import annotations
@@ -16,10 +19,27 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from tensordict import TensorDict
 
+from agentloop.batch import trajectory_ids
+
+STAND_IN = "stand_in"  # the key that marks a stand-in micro-batch (``micro_batch``)
+
+
+def trajectory_sizes(batch: TensorDict) -> list[int]:
+    """How many rows each trajectory of ``batch`` has, in order (one each in a batch without ``segment_index``)."""
+    if "segment_index" not in batch.keys():
+        return [1] * len(batch)
+    return torch.bincount(trajectory_ids(batch["segment_index"])).tolist()
+
+
+def split_trajectories(batch: TensorDict, trajectories: int) -> list[TensorDict]:
+    """``batch`` in consecutive parts of ``trajectories`` trajectories each (the last may have fewer), with all their rows."""
+    sizes = trajectory_sizes(batch)
+    return list(batch.split([sum(sizes[start : start + trajectories]) for start in range(0, len(sizes), trajectories)]))
+
 
 @dataclass(frozen=True)
 class MicroBatching:
-    """``size`` samples per micro-batch, or with ``dynamic`` about ``max_tokens`` tokens (prompt + response)."""
+    """``size`` rows per micro-batch, or with ``dynamic`` about ``max_tokens`` tokens (prompt + response)."""
 
     size: int
     dynamic: bool = False
@@ -47,29 +67,67 @@ class MicroBatching:
         return cls(int(critic.forward_micro_batch_size_per_gpu), bool(critic.use_dynamic_bsz), int(critic.forward_max_token_len_per_gpu))
 
     def groups(self, batch: TensorDict) -> list[list[int]]:
-        """Sample indices of each micro-batch; each group in the batch's order, every sample in one group."""
-        count = len(batch)
-        if not self.dynamic:
-            return [list(range(start, min(start + self.size, count))) for start in range(0, count, self.size)]
-        lengths = batch["attention_mask"].sum(-1).tolist()
-        return balanced_groups(lengths, min(_largest_over_ranks(bins_needed(lengths, self.max_tokens)), count))
+        """Row indices of each micro-batch; each group in the batch's order, every row in one group. As many groups
+        as on every other rank: an empty one for each stand-in (``micro_batch``) this rank runs."""
+        if self.dynamic:
+            lengths = batch["attention_mask"].sum(-1).tolist()
+            count = _largest_over_ranks(bins_needed(lengths, self.max_tokens))
+            groups = balanced_groups(lengths, min(count, len(batch)))
+        else:
+            groups = consecutive_groups(trajectory_sizes(batch), self.size)
+            count = _largest_over_ranks(len(groups))
+        return groups + [[] for _ in range(count - len(groups))]
 
     def split(self, batch: TensorDict, device: Any) -> list[TensorDict]:
-        """``batch`` as micro-batches on ``device``."""
-        return [batch[torch.tensor(group)].to(device) for group in self.groups(batch)]
+        """``batch`` as micro-batches on ``device``, stand-ins included (``is_stand_in``)."""
+        return [micro_batch(batch, group, device) for group in self.groups(batch)]
 
     def score(self, batch: TensorDict, device: Any, score: Callable[[TensorDict], torch.Tensor]) -> torch.Tensor:
-        """``score`` of every micro-batch, back on CPU and in the batch's order."""
+        """``score`` of every micro-batch, back on CPU and in the batch's order (the stand-ins' dropped)."""
         groups = self.groups(batch)
-        parts = [score(batch[torch.tensor(group)].to(device)).cpu() for group in groups]
+        parts = [score(micro_batch(batch, group, device)).cpu() for group in groups]
+        parts = [part for group, part in zip(groups, parts) if group]
         scores = torch.empty((len(batch), *parts[0].shape[1:]), dtype=parts[0].dtype)
         scores[torch.tensor([index for group in groups for index in group])] = torch.cat(parts)
         return scores
 
 
+def micro_batch(batch: TensorDict, group: list[int], device: Any) -> TensorDict:
+    """The rows ``group`` of ``batch`` on ``device``; for an empty group a stand-in, marked ``STAND_IN``: the batch's
+    first row with its ``response_mask`` zeroed, so that its loss, a mean over no model token, and its gradient are 0."""
+    if group:
+        return batch[torch.tensor(group)].to(device)
+    stand_in = batch[:1].clone()
+    stand_in["response_mask"] = torch.zeros_like(stand_in["response_mask"])
+    stand_in[STAND_IN] = torch.ones(1, dtype=torch.bool)
+    return stand_in.to(device)
+
+
+def is_stand_in(micro: TensorDict) -> bool:
+    """Whether ``micro`` only keeps this rank's forward passes in step with the others' (``micro_batch``)."""
+    return STAND_IN in micro.keys()
+
+
+def consecutive_groups(trajectory_rows: list[int], size: int) -> list[list[int]]:
+    """Consecutive row indices, at most ``size`` in a group, a trajectory's rows together where they fit (a
+    trajectory that does not fit in what is left of a group starts the next): ``size`` rows each when every
+    trajectory has one row."""
+    groups: list[list[int]] = [[]]
+    start = 0
+    for rows in trajectory_rows:
+        if groups[-1] and len(groups[-1]) + rows > size:
+            groups.append([])
+        for row in range(start, start + rows):
+            if len(groups[-1]) == size:
+                groups.append([])
+            groups[-1].append(row)
+        start += rows
+    return [group for group in groups if group]
+
+
 def bins_needed(lengths: list[int], max_tokens: int) -> int:
-    """How many micro-batches of at most ``max_tokens`` tokens hold these samples (first fit, longest first);
-    a sample longer than ``max_tokens`` gets one to itself."""
+    """How many micro-batches of at most ``max_tokens`` tokens hold these rows (first fit, longest first);
+    a row longer than ``max_tokens`` gets one to itself."""
     loads: list[int] = []
     for length in sorted(lengths, reverse=True):
         for index, load in enumerate(loads):
@@ -82,7 +140,7 @@ def bins_needed(lengths: list[int], max_tokens: int) -> int:
 
 
 def balanced_groups(lengths: list[int], count: int) -> list[list[int]]:
-    """Sample indices in ``count`` non-empty groups of similar token totals (longest first into the lightest)."""
+    """Row indices in ``count`` non-empty groups of similar token totals (longest first into the lightest)."""
     groups: list[list[int]] = [[] for _ in range(count)]
     loads = [0] * count
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):

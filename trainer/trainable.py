@@ -10,7 +10,7 @@ from tensordict import TensorDict
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import get_scheduler
 
-from trainer.micro_batches import MicroBatching, micro_batch_weight
+from trainer.micro_batches import MicroBatching, is_stand_in, micro_batch_weight, split_trajectories
 from trainer.sharding import clip_grad_norm, move_optimizer_state
 
 WARMUP_STYLES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
@@ -49,21 +49,26 @@ class Trainable:
     def update(
         self, batch: TensorDict, config: DictConfig, mini_batch_size: int, loss: Callable[[TensorDict], tuple[torch.Tensor, dict]]
     ) -> dict[str, float]:
-        """``config.ppo_epochs`` passes over ``batch`` in mini-batches of ``mini_batch_size`` samples, one optimizer
-        step each, gradients accumulated over micro-batches of ``config.ppo_micro_batch_size_per_gpu`` samples
-        (or ``ppo_max_token_len_per_gpu`` tokens with ``use_dynamic_bsz``); then one LR-schedule step. Returns
-        metrics averaged over micro-batches (``grad_norm`` over optimizer steps), named as ``loss`` names them."""
+        """``config.ppo_epochs`` passes over ``batch`` in mini-batches of ``mini_batch_size`` trajectories (with all
+        their rows), one optimizer step each, gradients accumulated over micro-batches of
+        ``config.ppo_micro_batch_size_per_gpu`` rows (or ``ppo_max_token_len_per_gpu`` tokens with ``use_dynamic_bsz``);
+        then one LR-schedule step. Returns metrics averaged over micro-batches (``grad_norm`` over optimizer steps),
+        named as ``loss`` names them. A collective: every rank runs as many passes as the others."""
         self.model.train()
         self._optimizer_state_to(self.parameters_device)
         metrics: dict[str, float] = {}
-        mini_batches = [mini for _ in range(int(config.ppo_epochs)) for mini in batch.split(mini_batch_size)]
+        mini_batches = [mini for _ in range(int(config.ppo_epochs)) for mini in split_trajectories(batch, mini_batch_size)]
         lr = self.scheduler.get_last_lr()[0]
         for mini in mini_batches:
             micro_batches = MicroBatching.for_update(config).split(mini, self.device)
+            trained = sum(not is_stand_in(micro) for micro in micro_batches)
             for micro in micro_batches:
                 value, stats = loss(micro)
+                if is_stand_in(micro):  # its passes keep this rank in step with the others; its gradient is 0
+                    (value * 0.0).backward()
+                    continue
                 (value * micro_batch_weight(micro, mini, config.loss_agg_mode)).backward()
-                _accumulate(metrics, stats, len(micro_batches) * len(mini_batches))
+                _accumulate(metrics, stats, trained * len(mini_batches))
             grad_norm = clip_grad_norm(self.model.parameters(), float(config.grad_clip), self.device)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             if torch.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
