@@ -11,7 +11,6 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agentloop import AgentLoopManager
 from agentloop.agent_loop.context import ContextStrategy, context_strategy, sliding_window
 from agentloop.agent_loop.trajectory import Trajectory
 from agentloop.dumps import mask_runs
@@ -20,6 +19,7 @@ from agentloop.models.loading import load_processor
 from agentloop.protocol import AgentLoopOutput, Segment, TokenOutput
 from agentloop.server.rollout_server import RolloutServer
 from tests.support.models import script_row
+from tests.support.ranks import manager_and_two_ranks, scores
 from tests.support.thinking_model import QWEN3_CONFIG, with_qwen3_template
 from tests.support.vision import picture, picture_message
 from tests.test_tool_agent import run_loop, tool_config
@@ -140,14 +140,22 @@ def test_a_context_that_does_not_fit_ends_the_trajectory_on_a_model_token(server
     assert not output.segments and output.response_mask[-1] == 1  # the turn before the note is the last
 
 
-def test_a_batch_has_a_row_per_segment_and_a_failing_strategy_fails_its_sample_only(local_ray, scripted):
-    manager = AgentLoopManager(tool_config(
+def test_a_batch_has_a_row_per_segment_the_ranks_score_as_sampled(local_ray, scripted):
+    """One row per segment through the manager, a failing user strategy failing its sample only, and the trainer's
+    two ranks re-scoring every segment as the engine sampled it (rank 0 holds more rows than rank 1)."""
+    config = tool_config(
         scripted, f"{STRATEGY}=tests.support.contexts.window_failing_on_loop", "actor_rollout_ref.rollout.max_failed_sample_ratio=0.5"
-    ))
+    )
+    setup = manager_and_two_ranks(config)
+    manager, actors = next(setup)
     try:
-        batch = manager.generate_sequences([script_row("multi", data_source="tools"), script_row("loop")], validate=True)
+        rows = [script_row("multi", data_source="tools"), script_row("loop")]
+        batch = manager.generate_sequences(rows, validate=True)
+        sampled = manager.generate_sequences(rows).batch  # (greedy turns have no logprobs to compare)
+        mask = sampled["response_mask"].bool()
+        assert torch.allclose(scores(actors, sampled)[mask], sampled["rollout_log_probs"][mask], atol=1e-4)
     finally:
-        manager.shutdown()
+        next(setup, None)
     fields, tensors = batch.non_tensor_batch, batch.batch
     rows = len(batch)
     assert rows >= 3 and batch.num_trajectories == 2  # "multi" submits in its second turn: a new context follows

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 
 from agentloop import AgentLoopManager
 from trainer.fsdp_workers import start_workers
+from trainer.micro_batches import split_trajectories, trajectory_sizes
 
 
 def manager_and_two_ranks(config: DictConfig) -> Iterator[tuple[AgentLoopManager, list[Any]]]:
@@ -23,6 +24,6 @@ def manager_and_two_ranks(config: DictConfig) -> Iterator[tuple[AgentLoopManager
 
 
 def scores(actors: list[Any], batch: TensorDict) -> torch.Tensor:
-    """The ranks' log-probs of ``batch``'s responses, half of the batch on each."""
-    halves = batch.split(len(batch) // 2)
+    """The ranks' log-probs of ``batch``'s responses, half of the batch's trajectories (with all their rows) on each."""
+    halves = split_trajectories(batch, len(trajectory_sizes(batch)) // 2)
     return torch.cat(ray.get([actor.compute_log_prob.remote(half) for actor, half in zip(actors, halves)], timeout=120))
