@@ -121,7 +121,7 @@ class Trajectory:
         self.overflow: EndReason = "length"  # why the last observation did not fit, when it did not
         # the processed images each message brought, by the message's identity (a rewritten context shows
         # exactly the images of the messages it keeps)
-        self._message_images: dict[int, list[ProcessedImage]] = {}
+        self._message_images: dict[int, tuple[dict[str, Any], list[ProcessedImage]]] = {}
         self._remember_images(self.messages, self.images)
 
     @property
@@ -238,12 +238,13 @@ class Trajectory:
         for message in messages:
             parts = message.get("content") if isinstance(message.get("content"), list) else []
             count = sum(isinstance(part, dict) and part.get("type") == "image" for part in parts)
-            if count:
-                self._message_images[id(message)] = [next(remaining) for _ in range(count)]
+            if count:  # (the message is kept with them: an id is only unique while its object lives)
+                self._message_images[id(message)] = (message, [next(remaining) for _ in range(count)])
 
     def _images_of(self, message: dict[str, Any]) -> list[ProcessedImage]:
-        if id(message) in self._message_images:
-            return self._message_images[id(message)]
+        known, images = self._message_images.get(id(message), (None, []))
+        if known is message:
+            return images
         parts = message.get("content") if isinstance(message.get("content"), list) else []
         if any(isinstance(part, dict) and part.get("type") == "image" for part in parts):
             raise ValueError(
