@@ -23,7 +23,7 @@ BUILD_TIMEOUT_S = float(os.environ.get("AGENTLOOP_TEST_BUILD_TIMEOUT_S", 1800))
 # other work on this machine started (a second suite, a training run), and fail or disturb it. A test that
 # means to join one (the trainer runs of the async tests) names its address.
 os.environ["RAY_ADDRESS"] = "local"
-RAY_MODULES: set[str] = set()  # modules whose local_ray fixture is up (their managers may still be alive)
+RAY_USERS: set[str] = set()  # the collected modules (paths) some test of which asks for local_ray
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -48,6 +48,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         raise pytest.UsageError(f"building the test models {names} failed:\n{result.stderr[-3000:]}")
     if reporter is not None:
         reporter.write_line(f"test models {names} ready in {time.monotonic() - start:.0f}s (cached after the first build)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules that ask for ``local_ray`` run after the others and one after another, each module's tests
+    in their own order: every switch between the two kinds would cost a start of the instance and a shutdown."""
+    RAY_USERS.update(_module(item) for item in items if "local_ray" in getattr(item, "fixturenames", ()))
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(_module(item), index)
+    items.sort(key=lambda item: (_module(item) in RAY_USERS, first[_module(item)]))
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 @pytest.fixture(scope="session")
@@ -77,16 +91,13 @@ def vlm_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def local_ray(request):
-    """A local Ray instance (logical CPUs so two servers fit on two cores), shared by consecutive modules
-    (starting one costs seconds) as long as each gives back every resource it took: a module that leaves
-    an actor behind hands the next one a fresh instance."""
+def local_ray():
+    """A local Ray instance (logical CPUs so two servers fit on two cores), shared by the modules that ask for
+    it (they run one after another, see ``pytest_collection_modifyitems``) as long as each gives back every
+    resource it took: a module that leaves an actor behind hands the next one a fresh instance."""
     if not ray.is_initialized():
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    RAY_MODULES.add(request.module.__name__)
+        _init_local_ray()
     yield
-    RAY_MODULES.discard(request.module.__name__)
     if not ray.is_initialized():
         return
     deadline = time.monotonic() + 10  # killed actors give their resources back asynchronously
@@ -98,11 +109,29 @@ def local_ray(request):
 
 @pytest.fixture(autouse=True)
 def ray_only_where_asked(request):
-    """A test that does not ask for ``local_ray`` runs without the shared instance: its processes would count
-    as the test's own (the sandbox checks them), and its idle workers would compete with a job the test
-    starts in a subprocess."""
-    if "local_ray" not in request.fixturenames and not RAY_MODULES and ray.is_initialized():
+    """A test of a module that never asks for ``local_ray`` runs without the shared instance: its processes
+    would count as the test's own (the sandbox checks them), and its idle workers would compete with a job
+    the test starts in a subprocess. The other tests of a module that asks keep it, so that those before its
+    first that asks cost no restart."""
+    if _module(request.node) not in RAY_USERS and ray.is_initialized():
         ray.shutdown()
+
+
+def _init_local_ray() -> None:
+    """Start the local instance with the repository on its workers' path (they import ``tests.support``).
+
+    The path reaches them through the environment the instance's processes inherit, not a job-level
+    ``runtime_env``: the workers Ray starts ahead of demand have none, so with one every actor would wait
+    for a process of its own to start (a second or two each, for the hundreds of actors the suite starts)."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), saved]))
+    try:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def _resources_held() -> dict[str, float]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import ray
 from transformers import AutoTokenizer
 
 from agentloop import AgentLoopManager
@@ -15,7 +14,6 @@ from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.protocol import env_retries_by_kind, turn_scores
 from agentloop.rewards import score_output
 from agentloop.router import Router
-from agentloop.server.rollout_server import RolloutServer
 from tests.support.config import small_config
 
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
@@ -42,11 +40,16 @@ def config(ok_model, interactions_yaml, *overrides):
 
 
 @pytest.fixture(scope="module")
-def server(local_ray, ok_model, interactions_yaml):
-    server = RolloutServer.remote(config(ok_model, interactions_yaml), 0)
-    ray.get(server.__ray_ready__.remote(), timeout=120)
-    yield server
-    ray.kill(server)
+def manager(local_ray, ok_model, interactions_yaml):
+    manager = AgentLoopManager(config(ok_model, interactions_yaml))
+    yield manager
+    manager.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(manager):
+    """The manager's rollout server, which the loops below drive through a router of their own."""
+    return manager.servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -153,17 +156,13 @@ def test_interaction_terminates_after_k_turns(server, tokenizer, ok_model, inter
         asyncio.run(loop.run(dict(GREEDY), **{**row, "extra_info": {"interaction_kwargs": {"name": "nope"}}}))
 
 
-def test_turn_metrics_in_meta_info(local_ray, ok_model, interactions_yaml):
-    manager = AgentLoopManager(config(ok_model, interactions_yaml))
-    try:
-        rows = [env_row("DoneAtTurn2Env"), env_row("FlakyEnv"), env_row("AlwaysFailsEnv")]
-        rows.append({"prompt": [{"role": "user", "content": "start 2"}], "agent_name": "tool_agent",
-                     "extra_info": {"interaction_kwargs": {"name": "counter", "turns": 2}}})
-        meta = manager.generate_sequences(rows, validate=True).meta_info
-        assert meta["multi_turn/finish_reason/done"] == 2 and meta["multi_turn/finish_reason/env_error"] == 1
-        assert meta["multi_turn/finish_reason/stop"] == 1
-        assert meta["multi_turn/env_retries/ConnectionError"] == 2 and meta["multi_turn/env_retries/RuntimeError"] == 3
-        assert meta["multi_turn/num_turns_histogram"] == {2: 1, 4: 2, 6: 1}
-        assert meta["multi_turn/interaction_score/turn_0"] == 0.5 and meta["multi_turn/interaction_score/turn_1"] == 1.0
-    finally:
-        manager.shutdown()
+def test_turn_metrics_in_meta_info(manager):
+    rows = [env_row("DoneAtTurn2Env"), env_row("FlakyEnv"), env_row("AlwaysFailsEnv")]
+    rows.append({"prompt": [{"role": "user", "content": "start 2"}], "agent_name": "tool_agent",
+                 "extra_info": {"interaction_kwargs": {"name": "counter", "turns": 2}}})
+    meta = manager.generate_sequences(rows, validate=True).meta_info
+    assert meta["multi_turn/finish_reason/done"] == 2 and meta["multi_turn/finish_reason/env_error"] == 1
+    assert meta["multi_turn/finish_reason/stop"] == 1
+    assert meta["multi_turn/env_retries/ConnectionError"] == 2 and meta["multi_turn/env_retries/RuntimeError"] == 3
+    assert meta["multi_turn/num_turns_histogram"] == {2: 1, 4: 2, 6: 1}
+    assert meta["multi_turn/interaction_score/turn_0"] == 0.5 and meta["multi_turn/interaction_score/turn_1"] == 1.0

@@ -19,7 +19,6 @@ from collections import Counter
 import jsonschema
 import pyarrow.parquet as pq
 import pytest
-import ray
 from transformers import AutoTokenizer
 
 from agentloop import AgentLoopManager
@@ -30,7 +29,6 @@ from agentloop.dumps import write_rollout_dump
 from agentloop.protocol import AgentLoopOutput, tool_errors_by_kind
 from agentloop.router import Router
 from agentloop.server.engine import Engine
-from agentloop.server.rollout_server import RolloutServer
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.schemas import ToolCall
 from agentloop.tools.toolset import checked_arguments, load_tool_set
@@ -135,11 +133,18 @@ def tokenizer(model_path):
 
 
 @pytest.fixture(scope="module")
-def replay_server(local_ray, model_path):
-    server = RolloutServer.remote(fuzz_config(model_path, "middle"), 0)
-    ray.get(server.__ray_ready__.remote(), timeout=120)
-    yield server
-    ray.kill(server)
+def manager(local_ray, model_path):
+    config = fuzz_config(model_path, "middle")
+    config.actor_rollout_ref.rollout.http.enable = False
+    manager = AgentLoopManager(config)
+    yield manager
+    manager.shutdown()
+
+
+@pytest.fixture(scope="module")
+def replay_server(manager):
+    """The manager's rollout server, which the loops below drive through routers of their own."""
+    return manager.servers[0]
 
 
 async def run_all(router: Router, tokenizer, model_path: str) -> list[tuple[AgentLoopOutput | BaseException, float]]:
@@ -286,19 +291,12 @@ def test_an_abort_before_the_model_answers_an_observation_takes_it_back(replay_s
     assert ran_tools >= 10
 
 
-def test_hostile_batch_crosses_ray_pads_and_dumps(local_ray, model_path, tokenizer, tmp_path):
+def test_hostile_batch_crosses_ray_pads_and_dumps(manager, tokenizer, tmp_path):
     """A slice of the nastiest outputs through ``AgentLoopManager``: trajectories pickled back from the
     workers, padded into one batch, counted in the step metrics and written to a Parquet rollout dump."""
     nasty = {"deep_nesting", "surrogates", "json_oddities", "many_calls", "large_tool_response", "control_tokens"}
     picked = [index for index, case in enumerate(CASES) if case.category in nasty][::2]
-    config = fuzz_config(model_path, "middle")
-    config.actor_rollout_ref.rollout.http.enable = False
-    config.actor_rollout_ref.rollout.agent.num_workers = 1
-    manager = AgentLoopManager(config)
-    try:
-        batch = manager.generate_sequences([{"prompt": fuzz_prompt(index), "agent_name": "tool_agent"} for index in picked])
-    finally:
-        manager.shutdown()
+    batch = manager.generate_sequences([{"prompt": fuzz_prompt(index), "agent_name": "tool_agent"} for index in picked])
     faults = sum((Counter(tool_errors_by_kind(turns)) for turns in batch.non_tensor_batch["turns"]), Counter())
     assert len(batch) == len(picked) and faults["too_many_calls"] > 0 and faults["parse_error"] > 0
     assert {kind: batch.meta_info[f"multi_turn/tool_errors/{kind}"] for kind in faults} == dict(faults)

@@ -16,7 +16,6 @@ from agentloop.dumps import mask_runs
 from agentloop.protocol import tool_errors_by_kind
 from agentloop.rewards import score_output
 from agentloop.router import Router
-from agentloop.server.rollout_server import RolloutServer
 from tests.support.config import small_config
 from tests.support.models import SCRIPTS, script_row
 
@@ -40,11 +39,16 @@ def tool_config(scripted, *overrides: str):
 
 
 @pytest.fixture(scope="module")
-def server(local_ray, scripted):
-    server = RolloutServer.remote(tool_config(scripted), 0)
-    ray.get(server.__ray_ready__.remote(), timeout=120)
-    yield server
-    ray.kill(server)
+def manager(local_ray, scripted):
+    manager = AgentLoopManager(tool_config(scripted))
+    yield manager
+    manager.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(manager):
+    """The manager's rollout server, which ``run_loop`` drives through a router of its own."""
+    return manager.servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -59,41 +63,37 @@ def run_loop(server, tokenizer, scripted, name, *overrides, sampling=GREEDY, **f
     return asyncio.run(loop.run(dict(sampling), **row))
 
 
-def test_multi_turn_tokens_mask_and_reward_through_the_manager(local_ray, scripted, tokenizer):
+def test_multi_turn_tokens_mask_and_reward_through_the_manager(manager, scripted, tokenizer):
     _, _, conversations = scripted
-    manager = AgentLoopManager(tool_config(scripted))
-    try:
-        batch = manager.generate_sequences([script_row("multi", data_source="tools")], validate=True)
-        assert batch.non_tensor_batch["end_reason"][0] == "stop"
-        assert batch.non_tensor_batch["num_turns"][0] == 6
-        length = int(batch.batch["attention_mask"][0, 768:].sum())
-        response = batch.batch["responses"][0, :length].tolist()
-        mask = batch.batch["response_mask"][0, :length].tolist()
-        logprobs = batch.batch["rollout_log_probs"][0, :length]
-        prompt = batch.batch["prompts"][0][batch.batch["attention_mask"][0, :768].bool()].tolist()
+    batch = manager.generate_sequences([script_row("multi", data_source="tools")], validate=True)
+    assert batch.non_tensor_batch["end_reason"][0] == "stop"
+    assert batch.non_tensor_batch["num_turns"][0] == 6
+    length = int(batch.batch["attention_mask"][0, 768:].sum())
+    response = batch.batch["responses"][0, :length].tolist()
+    mask = batch.batch["response_mask"][0, :length].tolist()
+    logprobs = batch.batch["rollout_log_probs"][0, :length]
+    prompt = batch.batch["prompts"][0][batch.batch["attention_mask"][0, :768].bool()].tolist()
 
-        runs = mask_runs(mask)
-        assert [value for value, _, _ in runs] == [1, 0, 1, 0, 1]
-        # model spans: exactly the scripted turns, each ending in the end-of-turn token
-        model_texts = [tokenizer.decode(response[a:b]) for value, a, b in runs if value == 1]
-        assert model_texts == [turn + "<|im_end|>" for turn in SCRIPTS["multi"]]
-        # observation spans: exactly the template's delta for the tool messages, logprob 0
-        tool_messages = [m for m in conversations["multi"] if m["role"] == "tool"]
-        observations = [response[a:b] for value, a, b in runs if value == 0]
-        assert observations == [observation_delta(tokenizer, [message]) for message in tool_messages]
-        assert torch.all(logprobs[torch.tensor(mask) == 0] == 0)
-        # each model span is what the engine itself produces from that span's context
-        for value, start, end in runs:
-            if value == 1:
-                again = ray.get(manager.servers[0].generate.remote(prompt + response[:start], GREEDY | {"max_new_tokens": 64}, "check"))
-                assert again.token_ids == response[start:end]
-        # the tools' reward sits on the last response token
-        assert batch.non_tensor_batch["reward_score"][0] == 1.0
-        assert batch.batch["rm_scores"][0, length - 1] == 1.0 and batch.batch["rm_scores"][0].sum() == 1.0
-        metrics = batch.non_tensor_batch["metrics"][0]
-        assert metrics["tool_calls"] == 2 and metrics["tool_errors"] == 0 and metrics["tokenization_mismatch"] == 0
-    finally:
-        manager.shutdown()
+    runs = mask_runs(mask)
+    assert [value for value, _, _ in runs] == [1, 0, 1, 0, 1]
+    # model spans: exactly the scripted turns, each ending in the end-of-turn token
+    model_texts = [tokenizer.decode(response[a:b]) for value, a, b in runs if value == 1]
+    assert model_texts == [turn + "<|im_end|>" for turn in SCRIPTS["multi"]]
+    # observation spans: exactly the template's delta for the tool messages, logprob 0
+    tool_messages = [m for m in conversations["multi"] if m["role"] == "tool"]
+    observations = [response[a:b] for value, a, b in runs if value == 0]
+    assert observations == [observation_delta(tokenizer, [message]) for message in tool_messages]
+    assert torch.all(logprobs[torch.tensor(mask) == 0] == 0)
+    # each model span is what the engine itself produces from that span's context
+    for value, start, end in runs:
+        if value == 1:
+            again = ray.get(manager.servers[0].generate.remote(prompt + response[:start], GREEDY | {"max_new_tokens": 64}, "check"))
+            assert again.token_ids == response[start:end]
+    # the tools' reward sits on the last response token
+    assert batch.non_tensor_batch["reward_score"][0] == 1.0
+    assert batch.batch["rm_scores"][0, length - 1] == 1.0 and batch.batch["rm_scores"][0].sum() == 1.0
+    metrics = batch.non_tensor_batch["metrics"][0]
+    assert metrics["tool_calls"] == 2 and metrics["tool_errors"] == 0 and metrics["tokenization_mismatch"] == 0
 
 
 def test_logprobs_of_sampled_multi_turn_match_teacher_forcing(server, tokenizer, scripted):
