@@ -85,6 +85,11 @@ def trajectory_ids(segment_index: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(segment_index == 0, 0) - 1
 
 
+def trajectory_sizes(segment_index: torch.Tensor) -> list[int]:
+    """How many rows (segments) each trajectory has, in batch order."""
+    return torch.bincount(trajectory_ids(segment_index)).tolist()
+
+
 def last_segments(segment_index: torch.Tensor) -> torch.Tensor:
     """True on each trajectory's last row: the row before the next trajectory's first, and the batch's last."""
     starts = segment_index == 0

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from agentloop.batch import RolloutBatch
+from agentloop.batch import RolloutBatch, trajectory_sizes
 from agentloop.protocol import env_retries_by_kind, tool_errors_by_kind, turn_scores
 from agentloop.router import RouterStats
 
@@ -21,7 +21,6 @@ def rollout_metrics(batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -
     routers report."""
     last = batch.last_segments()
     fields = {key: column[last] for key, column in batch.non_tensor_batch.items()}
-    segments = np.diff(np.flatnonzero(np.append(batch.batch["segment_index"].numpy() == 0, True)))
     tool_seconds = [sum(turn.tool_latency_s for turn in turns) for turns in fields["turns"]]
     return {
         "timing_s/generate_sequences": elapsed_s,
@@ -35,7 +34,7 @@ def rollout_metrics(batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -
         "rollout/requests_per_call": stats.requests_per_call,
         "rollout/response_tokens": int(batch.batch["response_mask"].sum()),
         "rollout/failed_samples": sum(failure is not None for failure in fields["failure"]),
-        **spread("rollout/segments_per_trajectory", segments),
+        **spread("rollout/segments_per_trajectory", trajectory_sizes(batch.batch["segment_index"])),
         **turn_metrics(fields["num_turns"], fields["end_reason"], fields["turns"]),
     }
 

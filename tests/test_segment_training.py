@@ -19,8 +19,9 @@ from agentloop.batch import RolloutBatch, object_array
 from agentloop.postprocess import pad_outputs
 from agentloop.protocol import AgentLoopOutput, Segment
 from tests.support.config import small_config
+from tests.support.ranks import two_ranks
 from trainer import algorithms
-from trainer.fsdp_workers import policy_gradient_loss, response_log_probs, start_workers
+from trainer.fsdp_workers import policy_gradient_loss, response_log_probs
 from trainer.main_ppo import grpo_groups
 from trainer.micro_batches import MicroBatching, balanced_groups, bins_needed, split_trajectories, trajectory_sizes
 from trainer.rollout_correction import RolloutCorrection
@@ -198,12 +199,7 @@ def ranks(local_ray):
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
         "trainer.step_timeout_s=120",  # a rank left waiting in a collective fails, rather than hanging the test
     )
-    OmegaConf.resolve(config)
-    workers = start_workers(config, 2, 10, 180)
-    yield workers
-    ray.get([worker.shutdown.remote() for worker in workers], timeout=60)
-    for worker in workers:
-        ray.kill(worker)
+    yield from two_ranks(config)
 
 
 def test_ranks_with_different_row_counts_score_and_update_in_step(ranks):

@@ -18,10 +18,11 @@ from agentloop.config import compose_config
 from agentloop.manager import default_agent_loop, sampling_params
 from agentloop.server.sglang_engine import launch_args
 from tests.support.config import small_config
+from tests.support.ranks import two_ranks
 from trainer.algorithms import LOSS_AGG_MODES, aggregate_loss
 from trainer.config_checks import check_config
 from trainer.data import load_dataset
-from trainer.fsdp_workers import response_log_probs, start_workers
+from trainer.fsdp_workers import response_log_probs
 from trainer.trainable import Trainable
 from trainer.micro_batches import MicroBatching, balanced_groups, bins_needed
 
@@ -110,12 +111,7 @@ def ranks(local_ray):
         "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
     )
-    OmegaConf.resolve(config)
-    workers = start_workers(config, 2, 10, 180)
-    yield workers
-    ray.get([worker.shutdown.remote() for worker in workers], timeout=60)
-    for worker in workers:
-        ray.kill(worker)
+    yield from two_ranks(config)
 
 
 def _rank_state(worker) -> dict:

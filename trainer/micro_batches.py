@@ -19,7 +19,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from tensordict import TensorDict
 
-from agentloop.batch import trajectory_ids
+from agentloop.batch import trajectory_sizes as segments_per_trajectory
 
 STAND_IN = "stand_in"  # the key that marks a stand-in micro-batch (``micro_batch``)
 
@@ -28,7 +28,7 @@ def trajectory_sizes(batch: TensorDict) -> list[int]:
     """How many rows each trajectory of ``batch`` has, in order (one each in a batch without ``segment_index``)."""
     if "segment_index" not in batch.keys():
         return [1] * len(batch)
-    return torch.bincount(trajectory_ids(batch["segment_index"])).tolist()
+    return segments_per_trajectory(batch["segment_index"])
 
 
 def split_trajectories(batch: TensorDict, trajectories: int) -> list[TensorDict]:

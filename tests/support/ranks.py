@@ -6,12 +6,22 @@ from typing import Any, Iterator
 
 import ray
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
 from agentloop import AgentLoopManager
 from trainer.fsdp_workers import start_workers
 from trainer.micro_batches import split_trajectories, trajectory_sizes
+
+
+def two_ranks(config: DictConfig) -> Iterator[list[Any]]:
+    """Yield two FSDP ranks on ``config`` (resolved; a module fixture's body); shut them down and kill them afterwards."""
+    OmegaConf.resolve(config)
+    workers = start_workers(config, 2, 10, 180)
+    yield workers
+    ray.get([worker.shutdown.remote() for worker in workers], timeout=60)
+    for worker in workers:
+        ray.kill(worker)
 
 
 def manager_and_two_ranks(config: DictConfig) -> Iterator[tuple[AgentLoopManager, list[Any]]]:
