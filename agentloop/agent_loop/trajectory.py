@@ -179,19 +179,26 @@ class Trajectory:
     def observation(self, messages: list[dict[str, Any]]) -> Observation:
         """The delta these messages would add (not appended yet: the caller checks the budget). Images in their
         content parts are processed here, once, and only their pads are expanded: earlier ids never change."""
-        where = f"observation after response token {len(self.response_ids)}"
-        images: list[Any] = []
-        if self.processor is not None or any(isinstance(message.get("content"), list) for message in messages):
-            messages, images = split_images(messages, None, where)
+        messages, processed = self._with_images_processed(messages)
         ids = observation_delta(self.tokenizer, messages, self.template_kwargs)
         if self.response_mask and self.response_mask[-1] and self.response_ids[-1] != self.tokenizer.eos_token_id:
             # the model's turn stopped on another stop id (a generation-config eos such as Qwen's <|endoftext|>, or
             # a stop_token_ids entry): the template would close it with its end-of-turn token, so the delta does
             ids = [self.tokenizer.eos_token_id, *ids]
-        processed = process_images(self.processor, images, where)
         if self.processor is not None:
-            ids = expand_image_pads(ids, processed, self._image_pad_id, where)
+            ids = expand_image_pads(ids, processed, self._image_pad_id, self._where)
         return Observation(ids, processed, messages)
+
+    @property
+    def _where(self) -> str:
+        return f"observation after response token {len(self.response_ids)}"
+
+    def _with_images_processed(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ProcessedImage]]:
+        """The messages with their images as bare ``{"type": "image"}`` parts, and those images processed (once)."""
+        images: list[Any] = []
+        if self.processor is not None or any(isinstance(message.get("content"), list) for message in messages):
+            messages, images = split_images(messages, None, self._where)
+        return messages, process_images(self.processor, images, self._where)
 
     def add_observation_within(self, messages: list[dict[str, Any]], budget: int) -> int | None:
         """Append the messages' delta if a model turn still fits after it in ``budget`` response tokens (of the
@@ -202,9 +209,10 @@ class Trajectory:
         when they do not fit, with the end this forces in ``overflow`` (``length``, or ``context_length`` for a new
         context): a trajectory never ends on an observation and never exceeds its budget.
         """
-        observation = self.observation(messages)
-        if self.context.rewrite is not None:
-            observation = self._rendered(observation)
+        if self.context.rewrite is not None:  # (the delta would be thrown away: the render replaces it)
+            observation = self._rendered(*self._with_images_processed(messages))
+        else:
+            observation = self.observation(messages)
         extends = observation.closed is None
         if extends and len(self.response_ids) + len(observation.ids) >= budget:
             self.overflow = "length"
@@ -215,11 +223,12 @@ class Trajectory:
         self.add_observation(observation)
         return 0 if observation.closed is not None else len(observation.ids)
 
-    def _rendered(self, observation: Observation) -> Observation:
-        """The observation as the context strategy shows it: the conversation it keeps, rendered; the tail of that
-        render when it extends the current context exactly, else the whole render as a new segment's context."""
-        conversation = self.messages + observation.messages
-        self._remember_images(observation.messages, observation.images)
+    def _rendered(self, messages: list[dict[str, Any]], new_images: list[ProcessedImage]) -> Observation:
+        """The observation of ``messages`` (bringing ``new_images``) as the context strategy shows it: the conversation
+        it keeps, rendered; the tail of that render when it extends the current context exactly, else the whole render
+        as a new segment's context."""
+        conversation = self.messages + messages
+        self._remember_images(messages, new_images)
         kept = self.context.messages(conversation)
         ids = _render(self.tokenizer, kept, tools=self.tools, add_generation_prompt=True, **self.template_kwargs)
         images = [image for message in kept for image in self._images_of(message)]
@@ -228,9 +237,9 @@ class Trajectory:
         current = self.ids
         same_images = len(images) >= len(self.images) and all(a is b for a, b in zip(images, self.images))
         if ids[: len(current)] == current and same_images:
-            return Observation(ids[len(current) :], images[len(self.images) :], observation.messages)
+            return Observation(ids[len(current) :], images[len(self.images) :], messages)
         closed = (self._segment(), list(self.images))
-        return Observation(ids, images, observation.messages, closed)
+        return Observation(ids, images, messages, closed)
 
     def _remember_images(self, messages: list[dict[str, Any]], images: list[ProcessedImage]) -> None:
         """Note which of ``images`` (in order) each message's image parts show."""
