@@ -21,6 +21,7 @@ BUILTIN_AGENT_LOOPS: dict[str, dict[str, Any]] = {
     "single_turn_agent": {"_target_": "agentloop.agent_loop.single_turn.SingleTurnAgentLoop"},
     "tool_agent": {"_target_": "agentloop.agent_loop.tool_agent.ToolAgentLoop"},
     "env_agent": {"_target_": "agentloop.agent_loop.env_agent.EnvAgentLoop"},
+    "external_agent": {"_target_": "agentloop.agent_loop.external_agent.ExternalAgentLoop"},
 }
 
 

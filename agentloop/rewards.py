@@ -105,8 +105,8 @@ async def score_output(config: DictConfig, tokenizer: Any, row: dict[str, Any], 
     """Set ``output.reward_score`` and ``reward_source`` (and, from a reward function, ``reward_extra_info``) for a
     finished sample, by the rule in this module's docstring."""
     parts = output.reward_parts.by_source()
-    if output.reward_score is not None:
-        output.reward_source = "agent_loop"
+    if output.reward_score is not None:  # (a loop that scored with a reward function itself says so)
+        output.reward_source = output.reward_source or "agent_loop"
         return
     function = reward_function_for(config, row.get("data_source"))
     if function is None:

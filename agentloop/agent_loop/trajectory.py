@@ -142,14 +142,15 @@ class Trajectory:
     async def generate_turn(
         self, router: Any, request_id: str, sampling_params: dict[str, Any], budget: int
     ) -> tuple[TokenOutput, str, EndReason | None]:
-        """Generate the next model turn within what is left of ``budget`` response tokens, and append it.
+        """Generate the next model turn within what is left of ``budget`` response tokens (and the params'
+        ``max_new_tokens``), and append it.
 
         Returns the engine's output, the turn's text, and the trajectory's end when this turn forces one
         (``aborted`` or ``length``), else None. A turn aborted before its first token takes back the observation
         it was to answer (``withdrawn``): a trajectory ends on a model token, where its reward sits. The empty turn
         stays on record, as the model turn that was asked for.
         """
-        room = budget - len(self.response_ids)
+        room = min(budget - len(self.response_ids), int(sampling_params.get("max_new_tokens") or budget))
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - len(self.ids))
         params = {**sampling_params, "max_new_tokens": room}
@@ -268,6 +269,17 @@ class Trajectory:
             list(self.prompt_ids), list(self.response_ids), list(self.response_mask), list(self.response_logprobs),
             rewritten_by=self.rewritten_by,
         )
+
+    def start_segment(self, context_ids: list[int], messages: list[dict[str, Any]], rewritten_by: str, tools: list[dict] | None) -> None:
+        """Close the current segment and start one whose context is ``context_ids`` (``messages`` rendered with
+        ``tools``), for a loop whose next context is no extension of the current one (a text-only conversation).
+        A current segment with no response yet is replaced rather than closed: it would train on nothing."""
+        if self.response_ids:
+            self.closed.append((self._segment(), list(self.images)))
+        self.prompt_ids, self.images, self.rewritten_by, self.tools = list(context_ids), [], rewritten_by, tools
+        self.response_ids, self.response_mask, self.response_logprobs = [], [], []
+        self.messages = [dict(message) for message in messages]
+        self.unanswered = None
 
     def add_observation(self, observation: Observation) -> None:
         """Append an observation's ids (mask 0, logprob 0.0) and images, and the messages they render; the last

@@ -91,6 +91,12 @@ class Router:
         finally:
             _running.reset(token)
 
+    @staticmethod
+    def current_sample() -> RunningSample | None:
+        """The sample whose agent loop runs in this asyncio task (``running_sample``), if any: what code serving that
+        sample from another task (an HTTP gateway) enters ``running_sample`` with."""
+        return _running.get()
+
     def server_of(self, request_id: str) -> int | None:
         """The rank of the server the session ``request_id`` is pinned to (None: it has not generated yet)."""
         return self.placement.rank_of(request_id)

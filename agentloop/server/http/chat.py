@@ -140,7 +140,7 @@ async def render_prompt(
 ) -> tuple[list[int], list[ProcessedImage]]:
     """The request's messages through the chat template: the prompt's ids, each image's pad widened to its
     tokens, and the processed images in order. ValueError for messages or images the server cannot take."""
-    messages = [_as_templates_take_it(message.model_dump(exclude_none=True), i) for i, message in enumerate(body.messages)]
+    messages = template_messages(body.messages)
     pictures: list[Any] = []
     if any(isinstance(message.get("content"), list) and any(map(_is_image_part, message["content"])) for message in messages):
         # decoding images takes a while: off the event loop, which serves every request
@@ -153,6 +153,11 @@ async def render_prompt(
     except Exception as error:  # the template's own checks (jinja raise_exception, bad tool schemas): the client's input
         raise ValueError(f"the chat template cannot render these messages: {type(error).__name__}: {error}") from error
     return images.expand(prompt, processed, "the rendered messages"), processed
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The request's messages as chat templates take them (``_as_templates_take_it``); ValueError for bad arguments."""
+    return [_as_templates_take_it(message.model_dump(exclude_none=True), i) for i, message in enumerate(messages)]
 
 
 def engine_params(body: ChatBody) -> dict[str, Any]:

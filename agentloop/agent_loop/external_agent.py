@@ -1,0 +1,158 @@
+"""``external_agent``: train an agent program that was not written for agentloop (OpenAI SDK, Agents SDK,
+LangGraph...). Each sample gets a session at its worker's gateway (``agentloop.gateway``), an OpenAI-compatible base
+URL whose calls are recorded as the sample's trajectory, and the program runs against it:
+
+- a function (``rollout.agent.external.function``, a dotted path): ``async def agent(base_url, api_key, row) ->
+  float | None``, awaited on the worker's event loop (so it must not block it; a plain ``def`` runs in a thread);
+- or a command line (``rollout.agent.external.command``) run as a subprocess with ``OPENAI_BASE_URL`` and
+  ``OPENAI_API_KEY`` set and the row as JSON on stdin and in ``AGENTLOOP_ROW``; what it returns is the last line
+  of its stdout, when that is a number.
+
+Its reward is what it returns; None (or no number) leaves it to the row's data-source reward function, applied to
+the final assistant message. The program is bounded by ``rollout.agent.external.timeout_s`` and killed when it runs
+past it or the rollout stops; past the deadline, exiting non-zero, raising, or making no model call fails the sample
+(a command's stderr tail is kept in the failure). Once the session's token budget is spent the gateway refuses the
+next call and the trajectory ends with ``length`` (or ``context_length``), whatever the program does then.
+A registry entry may set ``function``, ``command``, ``timeout_s`` or ``max_tokens_per_call`` for its loop alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import shlex
+import signal
+from typing import Any, Callable
+
+from hydra.utils import get_method
+
+from agentloop.agent_loop.base import AgentLoopBase
+from agentloop.gateway import Session, gateway_for
+from agentloop.protocol import AgentLoopOutput, EndReason
+from agentloop.rewards import call_reward_function, reward_function_for
+
+STDERR_TAIL_CHARS = 2000
+
+
+class ExternalAgentLoop(AgentLoopBase):
+    """Runs a user's agent program against a gateway session; the session's calls are the trajectory."""
+
+    def __init__(
+        self, function: str | None = None, command: str | None = None, timeout_s: float | None = None,
+        max_tokens_per_call: int | None = None, **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        settings = self.rollout.agent.external
+        self.function, self.command = function or settings.function, command or settings.command
+        if bool(self.function) == bool(self.command):
+            raise ValueError(
+                "external_agent needs exactly one of actor_rollout_ref.rollout.agent.external.function (the dotted path "
+                "of `async def agent(base_url, api_key, row)`) and .command (a command line); "
+                f"got function={self.function!r}, command={self.command!r}"
+            )
+        self.timeout_s = float(timeout_s or settings.timeout_s)
+        self.max_tokens_per_call = max_tokens_per_call or settings.get("max_tokens_per_call")
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        gateway = await gateway_for(self.server_manager, self.tokenizer, self.config)
+        session = gateway.open(sampling_params, self.timeout_s, self.max_tokens_per_call)
+        base_url = gateway.base_url(session)
+        try:
+            returned = await self._run_agent(base_url, session, row)
+        except Exception:
+            if session.end in ("length", "context_length"):  # the budget stopped it: its trajectory stands
+                returned = None
+            else:
+                raise
+        finally:
+            gateway.close(session)
+        return await self._output(session, row, returned)
+
+    async def _run_agent(self, base_url: str, session: Session, row: dict[str, Any]) -> float | None:
+        """Run the program to its end within ``timeout_s``; what it returned (None: nothing usable)."""
+        try:
+            if self.function:
+                return _as_reward(await asyncio.wait_for(self._call_function(base_url, session.api_key, row), self.timeout_s))
+            return await self._run_command(base_url, session.api_key, row)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"the external agent ran past actor_rollout_ref.rollout.agent.external.timeout_s={self.timeout_s:g}s "
+                f"after {session.calls} model call(s); it was stopped"
+            ) from None
+
+    async def _call_function(self, base_url: str, api_key: str, row: dict[str, Any]) -> Any:
+        try:
+            agent: Callable[..., Any] = get_method(self.function)
+        except Exception as error:
+            raise ValueError(f"actor_rollout_ref.rollout.agent.external.function={self.function!r} cannot be imported: {error}") from error
+        if inspect.iscoroutinefunction(agent):
+            return await agent(base_url, api_key, row)
+        return await asyncio.to_thread(agent, base_url, api_key, row)
+
+    async def _run_command(self, base_url: str, api_key: str, row: dict[str, Any]) -> float | None:
+        """The command in its own process group (killed whole on timeout or cancellation); its last stdout line."""
+        row_json = json.dumps(row, default=lambda value: value.tolist() if hasattr(value, "tolist") else repr(value))
+        env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "AGENTLOOP_ROW": row_json}
+        process = await asyncio.create_subprocess_exec(
+            *shlex.split(self.command), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
+        )
+        try:
+            stdout, stderr = await asyncio.wait_for(process.communicate(row_json.encode()), self.timeout_s)
+        finally:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                await process.wait()
+        if process.returncode != 0:
+            tail = stderr.decode(errors="replace")[-STDERR_TAIL_CHARS:]
+            raise RuntimeError(f"the external agent command {self.command!r} exited with {process.returncode}; stderr tail:\n{tail}")
+        lines = stdout.decode(errors="replace").strip().splitlines()
+        return _as_reward(lines[-1]) if lines else None
+
+    async def _output(self, session: Session, row: dict[str, Any], returned: float | None) -> AgentLoopOutput:
+        trajectory = session.trajectory
+        if trajectory is None or not trajectory.turns:
+            raise RuntimeError("the external agent made no model call through its session's base URL (OPENAI_BASE_URL)")
+        end: EndReason = session.end if session.end in ("length", "context_length", "aborted") else (session.last_turn_end or "stop")
+        turns = trajectory.turns
+        output = trajectory.to_output(end_reason=end, metrics={
+            "assistant_turns": float(len(turns)),
+            "model_tokens": float(sum(turn.model_tokens for turn in turns)),
+            "observation_tokens": float(sum(turn.observation_tokens for turn in turns)),
+            "gateway_calls": float(session.calls),
+        })
+        if returned is not None:
+            output.reward_score = returned
+        else:
+            await self._score_final_reply(session, row, output)
+        return output
+
+    async def _score_final_reply(self, session: Session, row: dict[str, Any], output: AgentLoopOutput) -> None:
+        """The row's data-source reward function on the final assistant message (none: the reward stays unset)."""
+        function = reward_function_for(self.config, row.get("data_source"))
+        if function is None:
+            return
+        final = session.conversation[-1].get("content") or ""
+        output.reward_score, output.reward_extra_info = await call_reward_function(
+            function,
+            float((self.config.get("custom_reward_function") or {}).get("timeout_s") or 60),
+            data_source=row.get("data_source"),
+            solution_str=final,
+            ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
+            extra_info={**(row.get("extra_info") or {}), "num_turns": output.num_turns},
+        )
+        output.reward_source = "reward_function"
+
+
+def _as_reward(value: Any) -> float | None:
+    """A returned reward: a number (or a line of text holding one), else None."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None

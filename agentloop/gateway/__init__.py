@@ -1,0 +1,6 @@
+"""The session gateway: OpenAI-compatible base URLs whose calls become exact-token trajectories (``external_agent``)."""
+
+from agentloop.gateway.gateway import Gateway, gateway_for
+from agentloop.gateway.session import Session, SessionLimits
+
+__all__ = ["Gateway", "Session", "SessionLimits", "gateway_for"]

@@ -1,0 +1,248 @@
+"""The session gateway: an OpenAI-compatible base URL per session, ``http://HOST:PORT/sessions/<id>/v1``, served
+in an agent-loop worker's process over its router, so that an unmodified agent program (OpenAI SDK, Agents SDK,
+LangGraph...) produces trainable trajectories.
+
+Routes per session: ``GET models`` and ``POST chat/completions`` (tools, ``tool_choice``, ``n=1``, streaming off
+or on). Every call goes through the router under the session's sample (sticky server, GRPO group affinity, policy
+versions, continuation across weight pushes), with the rollout's sampling params whatever the client asks: its
+``max_tokens`` can only lower the per-call cap. Unknown, finished or expired sessions get 404, a wrong key 401, bad
+requests 4xx (OpenAI's error shape), a call past the session's token budget 400 (``context_length_exceeded``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+import uuid
+import weakref
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from omegaconf import DictConfig
+from pydantic import ConfigDict
+from transformers import PreTrainedTokenizerBase
+
+from agentloop.agent_loop.context import max_model_len
+from agentloop.gateway.session import Session, SessionLimits, SessionOver
+from agentloop.router import Router
+from agentloop.server.http.app import BodyLimit, serve
+from agentloop.server.http.chat import ChatBody, completion_choice, template_messages, token_bytes
+from agentloop.tools.parsers import get_parser
+
+
+class SessionChatBody(ChatBody):
+    """A chat completion request as agent frameworks send it: fields the gateway does not act on (``seed``,
+    ``parallel_tool_calls``, ``stop``...) are ignored, since the rollout's sampling params hold anyway."""
+
+    model_config = ConfigDict(extra="ignore")
+    tool_choice: str | dict[str, Any] | None = None
+    stream_options: dict[str, Any] | None = None
+
+
+class GatewayError(Exception):
+    """An HTTP error in OpenAI's shape: ``{"error": {"message", "type", "code"}}``."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class Gateway:
+    """Sessions of one router, served on one port; ``open`` a session per sample, ``close`` it when its agent is done."""
+
+    def __init__(self, router: Router, tokenizer: PreTrainedTokenizerBase, config: DictConfig) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.rollout = config.actor_rollout_ref.rollout
+        self.settings = self.rollout.agent.gateway
+        self.model_name = str(config.actor_rollout_ref.model.path)
+        self.template_kwargs = dict(config.data.get("apply_chat_template_kwargs") or {})
+        self.parse_tool_calls = get_parser(self.rollout.multi_turn.format)
+        self.spell = token_bytes(tokenizer)
+        self.sessions: dict[str, Session] = {}
+        self.url = ""
+        self._started: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Serve on ``rollout.agent.gateway.host``/``port`` (once; later calls wait for the first)."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._serve())
+        await asyncio.shield(self._started)
+
+    async def _serve(self) -> None:
+        host = str(self.settings.host)
+        self._server, port = await serve(self.app(), host, int(self.settings.port))
+        self.url = f"http://{host}:{port}"
+
+    def open(self, sampling_params: dict[str, Any], timeout_s: float, max_tokens_per_call: int | None) -> Session:
+        """A new session for the sample whose loop runs in this task (``Router.running_sample``)."""
+        sample = Router.current_sample()
+        if sample is None:
+            raise RuntimeError("Gateway.open must be called from a sample's agent loop (within Router.running_sample)")
+        limits = SessionLimits(
+            budget=int(self.rollout.response_length), prompt_length=int(self.rollout.prompt_length),
+            max_model_len=max_model_len(self.rollout), max_tokens_per_call=max_tokens_per_call,
+            deadline=time.monotonic() + timeout_s,
+        )
+        session = Session(
+            secrets.token_urlsafe(24), secrets.token_urlsafe(24), sample, dict(sampling_params), limits, self.tokenizer,
+            self.template_kwargs,
+        )
+        self.sessions[session.id] = session
+        return session
+
+    def base_url(self, session: Session) -> str:
+        """The OpenAI base URL of ``session`` (its ``api_key`` is the key)."""
+        return f"{self.url}/sessions/{session.id}/v1"
+
+    def close(self, session: Session, end: str = "stop") -> None:
+        """End the session: later calls get 404 and calls in flight are cancelled (their requests aborted)."""
+        self.sessions.pop(session.id, None)
+        session.end = session.end or end
+        for task in session.in_flight:
+            task.cancel()
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="agentloop session gateway", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(BodyLimit, max_bytes=int(self.settings.max_body_bytes))
+
+        @app.exception_handler(GatewayError)
+        async def gateway_error(_: Request, error: GatewayError) -> JSONResponse:
+            return _error(error.status, str(error), error.code)
+
+        @app.exception_handler(ValueError)
+        async def bad_request(_: Request, error: ValueError) -> JSONResponse:
+            return _error(400, str(error), "invalid_request_error")
+
+        @app.exception_handler(RequestValidationError)
+        async def malformed(_: Request, error: RequestValidationError) -> JSONResponse:
+            return _error(422, f"malformed request: {error.errors()[:3]}", "invalid_request_error")
+
+        @app.get("/sessions/{sid}/v1/models")
+        async def models(sid: str, request: Request) -> dict[str, Any]:
+            self._session(sid, request)
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentloop"}]}
+
+        @app.post("/sessions/{sid}/v1/chat/completions", response_model=None)
+        async def chat_completions(sid: str, body: SessionChatBody, request: Request) -> Any:
+            session = self._session(sid, request)
+            if body.n != 1:
+                raise ValueError("only n=1 is supported: a session is one trajectory")
+            call = asyncio.ensure_future(self._complete(session, body))
+            session.in_flight.add(call)
+            try:
+                completion = await call
+            except asyncio.CancelledError:
+                if not call.cancelled():
+                    raise  # this handler itself was cancelled (the client went away)
+                raise GatewayError(404, f"session {_short(sid)} ended while this call was in flight", "session_ended") from None
+            finally:
+                session.in_flight.discard(call)
+            if body.stream:
+                include_usage = bool((body.stream_options or {}).get("include_usage"))
+                return StreamingResponse(_as_events(completion, include_usage), media_type="text/event-stream")
+            return completion
+
+        return app
+
+    def _session(self, sid: str, request: Request) -> Session:
+        session = self.sessions.get(sid)
+        if session is None:
+            raise GatewayError(404, f"no open session {_short(sid)} (unknown, or its agent finished)", "session_not_found")
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {session.api_key}".encode()):
+            raise GatewayError(401, "missing or wrong API key: use the session's key (OPENAI_API_KEY)", "invalid_api_key")
+        if session.end is not None:
+            raise GatewayError(404, f"session {_short(sid)} is over ({session.end})", "session_ended")
+        if session.expired:
+            session.end = "timeout"
+            raise GatewayError(404, f"session {_short(sid)} is past its deadline", "session_expired")
+        return session
+
+    async def _complete(self, session: Session, body: SessionChatBody) -> dict[str, Any]:
+        """Record the call's context, generate the reply through the router and record it; the completion."""
+        messages, tools = template_messages(body.messages), body.tools or None
+        if any(isinstance(message.get("content"), list) for message in messages):
+            raise ValueError("the gateway takes text messages only: image content parts are not supported here")
+        async with session.lock:
+            try:
+                context = list(session.enter(messages, tools))
+            except SessionOver as over:
+                raise GatewayError(400, str(over), "context_length_exceeded") from None
+            params = dict(session.sampling_params)
+            for cap in (session.limits.max_tokens_per_call, body.max_completion_tokens or body.max_tokens):
+                if cap:
+                    params["max_new_tokens"] = min(int(cap), int(params.get("max_new_tokens") or cap))
+            trajectory = session.trajectory
+            with Router.running_sample(session.sample.request_id, session.sample.group):
+                output, _, end = await trajectory.generate_turn(self.router, session.sample.request_id, params, session.limits.budget)
+            parse = self.parse_tool_calls if tools and body.tool_choice != "none" else None
+            choice = completion_choice(output, context, self.tokenizer, parse, self.spell)
+            session.replied(messages, _as_sent_back(choice["message"]), output, end)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.model or self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(context),
+                "completion_tokens": len(output.token_ids),
+                "total_tokens": len(context) + len(output.token_ids),
+            },
+            "prompt_token_ids": context,
+        }
+
+
+def _as_sent_back(message: dict[str, Any]) -> dict[str, Any]:
+    """The reply as a client sends it back, as templates take it: tool call arguments as objects."""
+    calls = [
+        {"type": "function", "function": {"name": call["function"]["name"], "arguments": json.loads(call["function"]["arguments"])}}
+        for call in message.get("tool_calls") or []
+    ]
+    return {"role": "assistant", "content": message.get("content"), **({"tool_calls": calls} if calls else {})}
+
+
+async def _as_events(completion: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+    """A completion as OpenAI's server-sent chunks: the whole message in one delta, then the finish, then usage."""
+    choice = completion["choices"][0]
+    message = choice["message"]
+    head = {key: completion[key] for key in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+    chunks = [
+        {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+        {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]},
+    ]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": completion["usage"]})
+    for chunk in chunks:
+        yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": code}})
+
+
+def _short(sid: str) -> str:
+    return f"{sid[:6]}..." if len(sid) > 6 else sid
+
+
+# one gateway per router (per worker process), started by the first external agent's session
+_GATEWAYS: weakref.WeakKeyDictionary[Router, Gateway] = weakref.WeakKeyDictionary()
+
+
+async def gateway_for(router: Router, tokenizer: PreTrainedTokenizerBase, config: DictConfig) -> Gateway:
+    """The gateway serving sessions over ``router``, started on first use on the running event loop."""
+    gateway = _GATEWAYS.get(router)
+    if gateway is None:
+        gateway = _GATEWAYS[router] = Gateway(router, tokenizer, config)
+    await gateway.start()
+    return gateway

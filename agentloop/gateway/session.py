@@ -1,0 +1,144 @@
+"""One external agent's session at the gateway: its chat calls recorded as one exact-token trajectory.
+
+A call whose messages extend the conversation so far (the previous call's messages, the reply the gateway returned
+for it, then new messages) appends only the new messages' tokens, as observation tokens (loss mask 0), right after
+the ids sampled for that reply: a reply the client sends back unchanged is never re-tokenized, so extension is judged
+on the sampled ids. Any other call (the client rewrote or dropped history, or changed its tools) starts a new
+segment whose context is its messages rendered by the chat template (``rewritten_by="client"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from agentloop.agent_loop.trajectory import Trajectory
+from agentloop.protocol import EndReason, TokenOutput
+from agentloop.router import RunningSample
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """What the rollout allows a session whatever its client asks: ``budget`` response tokens per segment
+    (``rollout.response_length``), ``prompt_length`` tokens for the first call's messages, ``max_model_len`` for
+    any context, at most ``max_tokens_per_call`` tokens per call (None: the budget only), until ``deadline``
+    (``time.monotonic()``)."""
+
+    budget: int
+    prompt_length: int
+    max_model_len: int
+    max_tokens_per_call: int | None
+    deadline: float
+
+
+class SessionOver(Exception):
+    """A call the session's limits refuse; the session is over, ``end`` says why."""
+
+    def __init__(self, end: EndReason, message: str) -> None:
+        super().__init__(message)
+        self.end = end
+
+
+@dataclass
+class Session:
+    """An open session: its unguessable id and key, the sample it serves (``sample``: the router's running sample,
+    re-entered by every call), the rollout's sampling params and limits, and what its calls recorded."""
+
+    id: str
+    api_key: str
+    sample: RunningSample
+    sampling_params: dict[str, Any]
+    limits: SessionLimits
+    tokenizer: PreTrainedTokenizerBase
+    template_kwargs: dict[str, Any]
+    trajectory: Trajectory | None = None
+    # the conversation as the client sees it: its messages and each reply as the gateway returned it
+    conversation: list[dict[str, Any]] = field(default_factory=list)
+    end: str | None = None  # set once the session is over: a limit's EndReason, ``timeout``, or the loop's closing
+    last_turn_end: EndReason | None = None  # what the last reply forces (``length`` cut, ``aborted``), if anything
+    calls: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a session's calls are recorded one at a time
+    in_flight: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() > self.limits.deadline
+
+    def enter(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        """Record a call's context (its messages as templates take them, and its tools); return the ids the reply is
+        generated from. SessionOver when no reply fits in the session's limits; ValueError for messages the chat
+        template cannot render."""
+        trajectory = self.trajectory
+        if trajectory is None:
+            ids = self._render(messages, tools)
+            if len(ids) > self.limits.prompt_length:
+                self._over("length", f"the first call's messages are {len(ids)} tokens, more than the rollout's "
+                           f"prompt_length={self.limits.prompt_length}")
+            self.trajectory = Trajectory(
+                self.tokenizer, messages, ids, tools, self.template_kwargs, max_model_len=self.limits.max_model_len
+            )
+            return ids
+        added = self._extension(messages, tools)
+        if added is not None:
+            if trajectory.add_observation_within(added, self.limits.budget) is None:
+                self._over(trajectory.overflow, f"the session's token budget is spent: no reply fits after these "
+                           f"messages within rollout.response_length={self.limits.budget}")
+            return trajectory.ids
+        ids = self._render(messages, tools)
+        if len(ids) >= self.limits.max_model_len:
+            self._over("context_length", f"the rewritten conversation is {len(ids)} tokens: no reply fits within "
+                       f"max_model_len={self.limits.max_model_len}")
+        trajectory.start_segment(ids, messages, rewritten_by="client", tools=tools)
+        return ids
+
+    def replied(self, messages: list[dict[str, Any]], reply: dict[str, Any], output: TokenOutput, end: EndReason | None) -> None:
+        """Note the reply returned for a call on ``messages``: the next call extends the conversation if it starts
+        with both. A reply the engine aborted ends the session."""
+        self.calls += 1
+        self.conversation = [*messages, reply]
+        self.last_turn_end = end
+        if end == "aborted":
+            self.end = "aborted"
+
+    def _extension(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[dict[str, Any]] | None:
+        """The messages a call adds to the conversation so far, or None when it does not extend it."""
+        known = self.conversation
+        if len(messages) <= len(known) or _canonical(tools) != _canonical(self.trajectory.tools):
+            return None
+        if any(_key(sent) != _key(recorded) for sent, recorded in zip(messages, known)):
+            return None
+        return messages[len(known):]
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        try:
+            return list(self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **self.template_kwargs
+            ))
+        except Exception as error:  # the template's own checks (jinja raise_exception, bad tool schemas): the client's input
+            raise ValueError(f"the chat template cannot render these messages: {type(error).__name__}: {error}") from error
+
+    def _over(self, end: EndReason, message: str) -> None:
+        self.end = end
+        raise SessionOver(end, message)
+
+
+def _key(message: dict[str, Any]) -> str:
+    """What must be equal for a message the client sends back to be one the conversation holds. An assistant message
+    is the reply the gateway returned when its text and tool calls (name, arguments) are: clients drop or rename
+    the rest (call ids, ``reasoning_content``, null vs empty content)."""
+    if message.get("role") != "assistant":
+        return _canonical(message)
+    calls = [
+        ((call.get("function") or {}).get("name"), (call.get("function") or {}).get("arguments"))
+        for call in message.get("tool_calls") or [] if isinstance(call, dict)
+    ]
+    return _canonical(["assistant", message.get("content") or "", calls])
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
