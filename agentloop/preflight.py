@@ -2,7 +2,7 @@
 
 Everything a batch would otherwise meet mid-run: every row's ``agent_name`` registered, the tool and
 interaction YAMLs loadable (classes importable, schemas valid), every ``interaction_kwargs.name`` among
-the configured interactions, and a reward for every data source.
+the configured interactions, an external agent's program named, and a reward for every data source.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import logging
 from collections import Counter
 from typing import Any
 
+from hydra.utils import get_method
 from omegaconf import DictConfig
 
 from agentloop.interactions import check_interaction_config
-from agentloop.registry import check_agent_names, default_agent_loop, resolve_agent_loops
+from agentloop.registry import BUILTIN_AGENT_LOOPS, check_agent_names, default_agent_loop, resolve_agent_loops
 from agentloop.rewards import reward_function_for
 from agentloop.rows import verl_row_fields
 from agentloop.tools.toolset import check_tool_config
@@ -22,8 +23,8 @@ from agentloop.tools.toolset import check_tool_config
 logger = logging.getLogger(__name__)
 
 # loops whose own reward parts (tool calc_reward, interaction score, env rewards) stand in when no reward
-# function applies (agentloop.rewards, rule 3)
-LOOPS_WITH_REWARD_PARTS = {"tool_agent", "env_agent"}
+# function applies (agentloop.rewards, rule 3), or whose program returns the reward (external_agent)
+LOOPS_WITH_REWARDS_OF_THEIR_OWN = {"tool_agent", "env_agent", "external_agent"}
 
 
 def check_job(config: DictConfig, rows: dict[str, list[dict[str, Any]]]) -> None:
@@ -33,12 +34,16 @@ def check_job(config: DictConfig, rows: dict[str, list[dict[str, Any]]]) -> None
     problems: list[str] = []
     loops = resolve_agent_loops(rollout.agent.agent_loop_config_path)
     default_loop = default_agent_loop(rollout)
+    used: set[str] = set()
     for split, split_rows in rows.items():
         names = {row.get("agent_name") or default_loop for row in split_rows}
+        used |= names
         try:
             check_agent_names(names, loops)
         except KeyError as error:
             problems.append(f"{split} data: {error.args[0]}")
+    if "external_agent" in used and loops.get("external_agent") == BUILTIN_AGENT_LOOPS["external_agent"]:
+        problems += _external_agent_problems(rollout.agent.external)
     if rollout.multi_turn.tool_config_path:
         _collect(problems, check_tool_config, rollout.multi_turn.tool_config_path)
     interaction_path = rollout.multi_turn.interaction_config_path
@@ -49,6 +54,19 @@ def check_job(config: DictConfig, rows: dict[str, list[dict[str, Any]]]) -> None
     if problems:
         raise ValueError("the job cannot start:\n  - " + "\n  - ".join(problems))
     _warn_unrewarded(config, rows, default_loop)
+
+
+def _external_agent_problems(external: DictConfig) -> list[str]:
+    """The built-in ``external_agent`` needs one program: an importable function or a command line."""
+    if bool(external.function) == bool(external.command):
+        return ["rows use external_agent: set exactly one of actor_rollout_ref.rollout.agent.external.function (the dotted "
+                "path of `async def agent(base_url, api_key, row)`) and .command (a command line)"]
+    if external.function:
+        try:
+            get_method(str(external.function))
+        except Exception as error:
+            return [f"actor_rollout_ref.rollout.agent.external.function={external.function!r} cannot be imported: {error}"]
+    return []
 
 
 def _collect(problems: list[str], check: Any, path: str) -> Any:
@@ -82,7 +100,7 @@ def _warn_unrewarded(config: DictConfig, rows: dict[str, list[dict[str, Any]]], 
         str(row.get("data_source"))
         for split_rows in rows.values()
         for row in split_rows
-        if (row.get("agent_name") or default_loop) not in LOOPS_WITH_REWARD_PARTS
+        if (row.get("agent_name") or default_loop) not in LOOPS_WITH_REWARDS_OF_THEIR_OWN
         and reward_function_for(config, row.get("data_source")) is None
     })
     if unrewarded:

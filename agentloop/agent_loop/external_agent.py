@@ -121,6 +121,7 @@ class ExternalAgentLoop(AgentLoopBase):
         turns = trajectory.turns
         output = trajectory.to_output(end_reason=end, metrics={
             "assistant_turns": float(len(turns)),
+            "tool_calls": float(sum(turn.tool_calls for turn in turns)),
             "model_tokens": float(sum(turn.model_tokens for turn in turns)),
             "observation_tokens": float(sum(turn.observation_tokens for turn in turns)),
             "gateway_calls": float(session.calls),

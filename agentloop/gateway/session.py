@@ -18,7 +18,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.agent_loop.trajectory import Trajectory
-from agentloop.protocol import EndReason, TokenOutput
+from agentloop.protocol import EndReason, TokenOutput, ToolCallRecord
 from agentloop.router import RunningSample
 
 
@@ -62,6 +62,7 @@ class Session:
     end: str | None = None  # set once the session is over: a limit's EndReason, ``timeout``, or the loop's closing
     last_turn_end: EndReason | None = None  # what the last reply forces (``length`` cut, ``aborted``), if anything
     calls: int = 0
+    replied_at: float = 0.0  # time.monotonic() of the last reply
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a session's calls are recorded one at a time
     in_flight: set[asyncio.Task] = field(default_factory=set)
 
@@ -85,6 +86,7 @@ class Session:
             return ids
         added = self._extension(messages, tools)
         if added is not None:
+            self._note_results(added)
             if trajectory.add_observation_within(added, self.limits.budget) is None:
                 self._over(trajectory.overflow, f"the session's token budget is spent: no reply fits after these "
                            f"messages within rollout.response_length={self.limits.budget}")
@@ -102,8 +104,18 @@ class Session:
         self.calls += 1
         self.conversation = [*messages, reply]
         self.last_turn_end = end
+        self.replied_at = time.monotonic()
+        self.trajectory.turns[-1].calls = [
+            ToolCallRecord(call["function"]["name"], call["function"]["arguments"], "") for call in reply.get("tool_calls") or []
+        ]
         if end == "aborted":
             self.end = "aborted"
+
+    def _note_results(self, added: list[dict[str, Any]]) -> None:
+        """The last reply's tool calls get the results the client sent (in order) and the seconds it took for them."""
+        results = [message for message in added if message.get("role") == "tool"]
+        for call, message in zip(self.trajectory.turns[-1].calls, results):
+            call.result, call.latency_s = str(message.get("content") or ""), time.monotonic() - self.replied_at
 
     def _extension(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[dict[str, Any]] | None:
         """The messages a call adds to the conversation so far, or None when it does not extend it."""

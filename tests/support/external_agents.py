@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -19,7 +20,9 @@ async def scripted_openai(base_url: str, api_key: str, row: dict[str, Any]) -> f
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages: list[dict[str, Any]] = list(row["prompt"])
     for _ in range(5):
-        message = (await client.chat.completions.create(model="m", messages=messages, tools=SCHEMAS)).choices[0].message
+        # a temperature and max_tokens of its own: the rollout's sampling params hold whatever a client asks
+        completion = await client.chat.completions.create(model="m", messages=messages, tools=SCHEMAS, temperature=1.9, max_tokens=999)
+        message = completion.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
             return None
@@ -28,3 +31,58 @@ async def scripted_openai(base_url: str, api_key: str, row: dict[str, Any]) -> f
             result = calculator(arguments["expression"]) if call.function.name == "calculator" else "correct"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return None
+
+
+async def rewriting_openai(base_url: str, api_key: str, row: dict[str, Any]) -> float | None:
+    """Two calls whose second does not extend the first: it asks the row's prompt again (``extra_info.rewrite:
+    repeat``) or sends the first reply back with its text edited (``edit``)."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages: list[dict[str, Any]] = list(row["prompt"])
+    first = (await client.chat.completions.create(model="m", messages=messages, tools=SCHEMAS)).choices[0].message
+    if row["extra_info"]["rewrite"] == "edit":
+        messages = [*messages, {"role": "assistant", "content": "I will compute 2 + 3."}, {"role": "user", "content": "go on"}]
+    await client.chat.completions.create(model="m", messages=messages, tools=SCHEMAS)
+    return float(bool(first.tool_calls))
+
+
+async def streaming_openai(base_url: str, api_key: str, row: dict[str, Any]) -> float | None:
+    """``scripted_openai`` with ``stream=True``: the reply assembled from the chunks, sent back as a plain message."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages: list[dict[str, Any]] = list(row["prompt"])
+    for _ in range(5):
+        content, calls = "", []
+        stream = await client.chat.completions.create(model="m", messages=messages, tools=SCHEMAS, stream=True)
+        async for chunk in stream:
+            delta = chunk.choices[0].delta if chunk.choices else None
+            content += (delta.content or "") if delta else ""
+            calls += (delta.tool_calls or []) if delta else []
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in calls]
+        messages.append(message)
+        if not calls:
+            return float(content == "The answer is 5.")
+        for call in calls:
+            result = calculator(json.loads(call.function.arguments)["expression"]) if call.function.name == "calculator" else "correct"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return None
+
+
+async def silent(base_url: str, api_key: str, row: dict[str, Any]) -> None:
+    """Makes no model call."""
+
+
+async def hangs(base_url: str, api_key: str, row: dict[str, Any]) -> None:
+    """One call, then never returns."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model="m", messages=row["prompt"], tools=SCHEMAS)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":  # the command form: the row on stdin, the session from the environment; prints the reward
+    import os
+    import sys
+
+    row = json.load(sys.stdin)
+    asyncio.run(scripted_openai(os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"], row))
+    print("0.25")

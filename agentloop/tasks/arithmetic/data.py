@@ -22,10 +22,11 @@ SYSTEM = {
 
 
 def make_rows(
-    count: int, seed: int = 0, split: str = "train", max_operand: int = 99, compute_tool: str = "calculator"
+    count: int, seed: int = 0, split: str = "train", max_operand: int = 99, compute_tool: str = "calculator",
+    agent_name: str = "tool_agent",
 ) -> list[dict[str, Any]]:
     """``count`` problems ``a op b`` with operands in ``[0, max_operand]`` (deterministic for a seed), each a
-    ``tool_agent`` row whose system prompt asks for ``compute_tool`` (a key of ``SYSTEM``)."""
+    row of ``agent_name`` whose system prompt asks for ``compute_tool`` (a key of ``SYSTEM``)."""
     if compute_tool not in SYSTEM:
         raise ValueError(f"arithmetic task: unknown compute_tool {compute_tool!r}; choose one of {sorted(SYSTEM)}")
     rng = random.Random(f"{seed}-{split}")
@@ -39,7 +40,7 @@ def make_rows(
                     {"role": "system", "content": SYSTEM[compute_tool]},
                     {"role": "user", "content": f"What is {a} {op} {b}?"},
                 ],
-                "agent_name": "tool_agent",
+                "agent_name": agent_name,
                 "data_source": "arithmetic",
                 "reward_model": {"style": "rule", "ground_truth": str(answer)},
                 "extra_info": {
@@ -53,11 +54,14 @@ def make_rows(
     return rows
 
 
-def cached_split(split: str, count: int, max_operand: int = 99, seed: int = 0, compute_tool: str = "calculator") -> str:
-    """A cached parquet of ``make_rows(count, seed, split, max_operand, compute_tool)``, written on first use."""
-    tool = "" if compute_tool == "calculator" else f"-{compute_tool}"  # the quick start's cache keeps its name
-    path = cache_root() / "data" / f"arithmetic{tool}-{count}-{max_operand}-{seed}" / f"{split}.parquet"
-    return write_rows_once(path, lambda: make_rows(count, seed, split, max_operand, compute_tool))
+def cached_split(
+    split: str, count: int, max_operand: int = 99, seed: int = 0, compute_tool: str = "calculator", agent_name: str = "tool_agent"
+) -> str:
+    """A cached parquet of ``make_rows(count, seed, split, max_operand, compute_tool, agent_name)``, written on first use."""
+    # the quick start's cache keeps its name
+    variant = ("" if compute_tool == "calculator" else f"-{compute_tool}") + ("" if agent_name == "tool_agent" else f"-{agent_name}")
+    path = cache_root() / "data" / f"arithmetic{variant}-{count}-{max_operand}-{seed}" / f"{split}.parquet"
+    return write_rows_once(path, lambda: make_rows(count, seed, split, max_operand, compute_tool, agent_name))
 
 
 def main() -> None:

@@ -1,0 +1,247 @@
+"""The session gateway and ``external_agent``: unmodified OpenAI-SDK programs on a real engine, their calls recorded
+as exact-token trajectories (one segment while calls extend each other), limits enforced, hostile clients and
+programs failing only their own sample."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from agentloop.agent_loop.external_agent import ExternalAgentLoop
+from agentloop.agent_loop.trajectory import observation_delta
+from agentloop.dumps import mask_runs
+from agentloop.preflight import check_job
+from agentloop.router import Router
+from agentloop.server.rollout_server import RolloutServer
+from tests.support.config import small_config
+from tests.support.models import SCRIPTS, script_row
+from tests.support.ranks import manager_and_two_ranks, scores
+from tests.test_contexts import teacher_forced
+from tests.test_tool_agent import GREEDY, tool_config
+
+SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+AGENTS = "tests.support.external_agents"
+AGENTS_YAML = str(Path(__file__).parent / "support" / "external_agents.yaml")
+
+
+@pytest.fixture(scope="module")
+def scripted(scripted_model):
+    return scripted_model
+
+
+@pytest.fixture(scope="module")
+def server(local_ray, scripted):
+    server = RolloutServer.remote(tool_config(scripted), 0)
+    ray.get(server.__ray_ready__.remote(), timeout=120)
+    yield server
+    ray.kill(server)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(scripted):
+    return AutoTokenizer.from_pretrained(scripted.path)
+
+
+@pytest.fixture(scope="module")
+def model(scripted):
+    return AutoModelForCausalLM.from_pretrained(scripted.path, dtype=torch.float32)
+
+
+async def run_external(server, tokenizer, scripted, *overrides, sampling=GREEDY, row=None, after=None, **loop_kwargs):
+    """One ExternalAgentLoop in this process over the real server; ``after(gateway_url)`` runs once it is done."""
+    router = Router([server])
+    loop = ExternalAgentLoop(server_manager=router, tokenizer=tokenizer, config=tool_config(scripted, *overrides), **loop_kwargs)
+    row = {**(row or script_row("multi")), "request_id": f"external-{id(loop)}"}
+    with Router.running_sample(row["request_id"]):
+        try:
+            return await loop.run(dict(sampling), **row)
+        finally:
+            if after is not None:
+                await after()
+
+
+def external(server, tokenizer, scripted, *overrides, **kwargs):
+    return asyncio.run(run_external(server, tokenizer, scripted, *overrides, **kwargs))
+
+
+def assert_exact(model, output):
+    """Every segment's model tokens carry the logprob a teacher-forced forward gives them; observations 0."""
+    for segment in output.all_segments():
+        mask = torch.tensor(segment.response_mask).bool()
+        rollout = torch.tensor(segment.response_logprobs)
+        assert torch.allclose(rollout[mask], teacher_forced(model, segment)[mask], atol=1e-4)
+        assert torch.all(rollout[~mask] == 0)
+
+
+def test_an_openai_sdk_agent_is_one_segment_with_exact_model_tokens_and_masked_tool_outputs(server, tokenizer, scripted, model):
+    output = external(server, tokenizer, scripted, function=f"{AGENTS}.scripted_openai")
+    assert output.end_reason == "stop" and not output.segments and output.metrics["gateway_calls"] == 3
+    runs = mask_runs(output.response_mask)
+    assert [value for value, _, _ in runs] == [1, 0, 1, 0, 1]
+    # the script replayed although the client asked for temperature 1.9: the rollout's (greedy) params hold
+    texts = [tokenizer.decode(output.response_ids[a:b]) for value, a, b in runs if value == 1]
+    assert texts == [turn + "<|im_end|>" for turn in SCRIPTS["multi"]]
+    # the tool results the client added are observation tokens, exactly the template's delta (as in tool_agent)
+    observations = [output.response_ids[a:b] for value, a, b in runs if value == 0]
+    assert observations == [observation_delta(tokenizer, [{"role": "tool", "content": text}]) for text in ("5", "correct")]
+    assert output.reward_score is None  # it returned None and the row's data source has no reward function
+    # the turns record the calls the client ran and the results it sent back, as tool_agent's do
+    assert [(call.name, call.arguments, call.result) for turn in output.turns for call in turn.calls] == [
+        ("calculator", {"expression": "2 + 3"}, "5"), ("submit_answer", {"answer": 5}, "correct")
+    ]
+
+    sampled = external(server, tokenizer, scripted, function=f"{AGENTS}.scripted_openai", sampling=SAMPLED)
+    assert_exact(model, sampled)
+
+
+@pytest.mark.parametrize("rewrite", ["repeat", "edit"])
+def test_a_client_that_rewrites_history_starts_a_second_exact_segment(server, tokenizer, scripted, model, rewrite):
+    row = script_row("multi", extra_info={"rewrite": rewrite})
+    output = external(server, tokenizer, scripted, function=f"{AGENTS}.rewriting_openai", row=row, sampling=SAMPLED)
+    segments = output.all_segments()
+    assert len(segments) == 2 and [segment.rewritten_by for segment in segments] == [None, "client"]
+    assert all(segment.response_mask and segment.response_mask[0] == 1 for segment in segments)
+    if rewrite == "edit":  # the edited reply is part of the new context, rendered from its text
+        assert "I will compute 2 + 3.<|im_end|>" in tokenizer.decode(segments[1].prompt_ids)
+    else:
+        assert segments[1].prompt_ids == segments[0].prompt_ids
+    assert_exact(model, output)
+
+
+def test_a_streaming_client_gets_the_same_replies(server, tokenizer, scripted):
+    output = external(server, tokenizer, scripted, function=f"{AGENTS}.streaming_openai")
+    plain = external(server, tokenizer, scripted, function=f"{AGENTS}.scripted_openai")
+    assert output.reward_score == 1.0 and not output.segments
+    assert (output.prompt_ids, output.response_ids, output.response_mask) == (plain.prompt_ids, plain.response_ids, plain.response_mask)
+
+
+def test_a_command_agent_gets_its_session_from_the_environment_and_its_reward_from_stdout(server, tokenizer, scripted):
+    output = external(server, tokenizer, scripted, command=f"{sys.executable} -m {AGENTS}")
+    plain = external(server, tokenizer, scripted, function=f"{AGENTS}.scripted_openai")
+    assert output.reward_score == 0.25 and output.response_ids == plain.response_ids
+
+
+def test_without_a_returned_reward_the_data_source_scores_the_final_assistant_message(server, tokenizer, scripted):
+    row = script_row("multi", data_source="arith", reward_model={"ground_truth": 5})
+    output = external(
+        server, tokenizer, scripted, "+custom_reward_function.by_data_source.arith=agentloop.tasks.arithmetic.reward.arithmetic_score",
+        function=f"{AGENTS}.scripted_openai", row=row,
+    )
+    assert output.reward_score == 1.0 and output.reward_source == "reward_function"
+
+
+def test_the_token_budget_ends_the_session_with_length_and_keeps_the_trajectory(server, tokenizer, scripted, model):
+    # 30 response tokens: the first reply (22 tokens) fits, its tool result and a second reply do not
+    output = external(server, tokenizer, scripted, "data.max_response_length=30", function=f"{AGENTS}.scripted_openai")
+    assert output.end_reason == "length" and output.metrics["gateway_calls"] == 1
+    assert output.response_mask == [1] * len(output.response_ids) and len(output.response_ids) <= 30
+    capped = external(server, tokenizer, scripted, function=f"{AGENTS}.scripted_openai", max_tokens_per_call=4)
+    assert capped.end_reason == "length" and len(capped.response_ids) == 4  # the reply was cut: nothing to call
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"function": f"{AGENTS}.silent"}, "made no model call"),
+        ({"function": f"{AGENTS}.hangs", "timeout_s": 2}, "ran past actor_rollout_ref.rollout.agent.external.timeout_s=2s after 1 model call"),
+        ({"command": f"{sys.executable} -c \"import sys; sys.stderr.write('boom'); sys.exit(3)\""}, "exited with 3; stderr tail:\nboom"),
+        ({"command": "sleep 60", "timeout_s": 2}, "ran past"),
+        ({"function": "tests.support.no_such_module.agent"}, "cannot be imported"),
+        ({}, "needs exactly one of"),
+    ],
+)
+def test_a_failing_program_fails_its_sample_with_the_reason(server, tokenizer, scripted, kwargs, message):
+    with pytest.raises(Exception, match=message):
+        external(server, tokenizer, scripted, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ((), "set exactly one of actor_rollout_ref.rollout.agent.external.function"),
+        (("actor_rollout_ref.rollout.agent.external.function=examples.no_such.agent",), "cannot be imported"),
+    ],
+)
+def test_a_job_whose_rows_run_external_agent_without_a_program_does_not_start(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_job(small_config(*overrides), {"train": [{**script_row("multi"), "agent_name": "external_agent"}]})
+
+
+def test_hostile_requests_get_4xx_and_leave_the_session_working(server, tokenizer, scripted):
+    seen: dict[str, int] = {}
+    urls: list[str] = []
+
+    async def hostile(base_url: str, api_key: str, row: dict) -> float:
+        urls.append(base_url)
+        good = {"model": "m", "messages": row["prompt"]}
+        async with httpx.AsyncClient(timeout=60) as http:
+            async def post(name: str, url: str = base_url, key: str = api_key, headers: dict | None = None, **kwargs) -> None:
+                headers = {"Authorization": f"Bearer {key}", **(headers or {})}
+                reply = await http.post(f"{url}/chat/completions", headers=headers, **kwargs)
+                seen[name] = reply.status_code
+                assert "error" in reply.json() or reply.status_code == 200
+            await post("malformed json", content=b'{"messages": [', headers={"content-type": "application/json"})
+            await post("huge body", json={**good, "user": "x" * 20_000})
+            await post("unknown session", url=base_url.replace("/sessions/", "/sessions/x"), json=good)
+            await post("wrong key", key="guess", json=good)
+            await post("n=2", json={**good, "n": 2})
+            await post("no messages", json={**good, "messages": []})
+            await post("bad tool arguments", json={**good, "messages": [*row["prompt"], {"role": "assistant", "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]})
+            await post("good", json=good)
+            models = await http.get(f"{base_url}/models", headers={"Authorization": f"Bearer {api_key}"})
+            seen["models"] = models.status_code
+        return 1.0
+
+    async def after() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            reply = await http.post(f"{urls[0]}/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+            seen["after the end"] = reply.status_code
+
+    import tests.support.external_agents as agents
+
+    agents.hostile = hostile
+    output = external(server, tokenizer, scripted, "actor_rollout_ref.rollout.agent.gateway.max_body_bytes=8192",
+                      function=f"{AGENTS}.hostile", after=after)
+    assert seen == {
+        "malformed json": 422, "huge body": 413, "unknown session": 404, "wrong key": 401, "n=2": 400, "no messages": 422,
+        "bad tool arguments": 400, "good": 200, "models": 200, "after the end": 404,
+    }
+    assert output.reward_score == 1.0 and output.metrics["gateway_calls"] == 1
+
+
+def test_through_the_manager_each_failure_stays_its_own_and_the_ranks_rescore_every_segment_as_recorded(local_ray, scripted):
+    config = tool_config(
+        scripted, f"actor_rollout_ref.rollout.agent.agent_loop_config_path={AGENTS_YAML}",
+        "actor_rollout_ref.rollout.max_failed_sample_ratio=0.5",
+    )
+    rows = [
+        {**script_row("multi"), "agent_name": "scripted_agent"},
+        {**script_row("multi", extra_info={"rewrite": "edit"}), "agent_name": "rewriting_agent"},
+        {**script_row("multi"), "agent_name": "hanging_agent"},
+        {**script_row("multi"), "agent_name": "crashing_command"},
+    ]
+    setup = manager_and_two_ranks(config)
+    manager, actors = next(setup)
+    try:
+        batch = manager.generate_sequences(rows)
+        tensors = batch.batch
+        mask = tensors["response_mask"].bool()
+        assert torch.allclose(scores(actors, tensors)[mask], tensors["rollout_log_probs"][mask], atol=1e-4)
+    finally:
+        next(setup, None)
+    fields = batch.non_tensor_batch
+    assert batch.num_trajectories == 4 and len(batch) == 5  # the rewriting agent's trajectory has two rows
+    assert tensors["segment_index"].tolist() == [0, 0, 1, 0, 0]
+    assert fields["rewritten_by"].tolist() == [None, None, "client", None, None]
+    assert [failure is None for failure in fields["failure"]] == [True, True, True, False, False]
+    assert "timeout_s=3s after 1 model call" in fields["failure"][3].error
+    assert "exited with 3; stderr tail:\nboom" in fields["failure"][4].error
+    assert fields["metrics"][0]["gateway_calls"] >= 1 and fields["end_reason"][2] in ("stop", "length")
