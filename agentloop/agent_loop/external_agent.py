@@ -3,7 +3,7 @@ LangGraph...). Each sample gets a session at its worker's gateway (``agentloop.g
 URL whose calls are recorded as the sample's trajectory, and the program runs against it:
 
 - a function (``rollout.agent.external.function``, a dotted path): ``async def agent(base_url, api_key, row) ->
-  float | None``, awaited on the worker's event loop (so it must not block it; a plain ``def`` runs in a thread);
+  float | None`` (or a plain ``def``), run in a thread of its own (``run_in_own_thread``);
 - or a command line (``rollout.agent.external.command``) run as a subprocess with ``OPENAI_BASE_URL`` and
   ``OPENAI_API_KEY`` set and the row as JSON on stdin and in ``AGENTLOOP_ROW``; what it returns is the last line
   of its stdout, when that is a number.
@@ -25,6 +25,7 @@ import json
 import os
 import shlex
 import signal
+import threading
 from typing import Any, Callable
 
 from hydra.utils import get_method
@@ -88,9 +89,7 @@ class ExternalAgentLoop(AgentLoopBase):
             agent: Callable[..., Any] = get_method(self.function)
         except Exception as error:
             raise ValueError(f"actor_rollout_ref.rollout.agent.external.function={self.function!r} cannot be imported: {error}") from error
-        if inspect.iscoroutinefunction(agent):
-            return await agent(base_url, api_key, row)
-        return await asyncio.to_thread(agent, base_url, api_key, row)
+        return await run_in_own_thread(agent, base_url, api_key, row)
 
     async def _run_command(self, base_url: str, api_key: str, row: dict[str, Any]) -> float | None:
         """The command in its own process group (killed whole on timeout or cancellation); its last stdout line."""
@@ -147,6 +146,53 @@ class ExternalAgentLoop(AgentLoopBase):
             extra_info={**(row.get("extra_info") or {}), "num_turns": output.num_turns},
         )
         output.reward_source = "reward_function"
+
+
+async def run_in_own_thread(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` in a thread of its own, an ``async def`` on an event loop of its own there.
+
+    Agent programs do blocking work between calls (building an OpenAI client takes ~50 ms of CPU: its TLS context);
+    on the worker's event loop, which serves every sample and the gateway, 64 of them at once stalled it past the
+    clients' 5 s connect timeout. A thread each (not the default executor's few) also lets hundreds run at once.
+    Cancelling the awaiting task cancels the coroutine in its loop; a plain function cannot be stopped, and is left
+    to finish."""
+    outer = asyncio.get_running_loop()
+    result: asyncio.Future = outer.create_future()
+    inner: list[tuple[asyncio.AbstractEventLoop, asyncio.Task]] = []
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not result.done():
+            result.set_result(value) if error is None else result.set_exception(error)
+
+    def main() -> None:
+        value, error = None, None
+        try:
+            if inspect.iscoroutinefunction(function):
+                loop = asyncio.new_event_loop()
+                task = loop.create_task(function(*args))
+                inner.append((loop, task))
+                try:
+                    value = loop.run_until_complete(task)
+                finally:
+                    loop.run_until_complete(loop.shutdown_asyncgens())
+                    loop.close()
+            else:
+                value = function(*args)
+        except asyncio.CancelledError:
+            return
+        except BaseException as raised:  # handed to the awaiting task
+            error = raised
+        with contextlib.suppress(RuntimeError):  # the worker's loop is gone: nobody awaits it any more
+            outer.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=main, name="external-agent", daemon=True).start()
+    try:
+        return await result
+    except asyncio.CancelledError:
+        for loop, task in inner:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(task.cancel)
+        raise
 
 
 def _as_reward(value: Any) -> float | None:
