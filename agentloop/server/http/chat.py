@@ -34,10 +34,11 @@ _BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class ChatMessage(BaseModel):
-    """One message; ``content`` is text, a list of text and image parts, or null (an assistant turn of tool calls)."""
+    """One message; ``content`` is text, a list of text and image parts, or null (an assistant turn of tool calls).
+    A ``developer`` message (OpenAI's name for the system role since its o1 models) is a system message."""
 
     model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, name, reasoning_content ride along
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
     @field_validator("content")
@@ -50,7 +51,10 @@ class ChatMessage(BaseModel):
 
 def _as_templates_take_it(message: dict[str, Any], index: int) -> dict[str, Any]:
     """OpenAI's message shapes as chat templates expect them (vLLM and SGLang convert them too): a tool call's
-    JSON-string ``arguments`` as an object, and text-only content parts as one string."""
+    JSON-string ``arguments`` as an object, text-only content parts as one string, and the developer role as the
+    system role (open models' templates know no other; Qwen's would drop the message silently)."""
+    if message["role"] == "developer":
+        message["role"] = "system"
     content = message.get("content")
     if isinstance(content, list) and all(map(_is_text_part, content)):
         message["content"] = "".join(part["text"] for part in content)
