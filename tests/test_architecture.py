@@ -23,7 +23,7 @@ LAYERS = [
     ["agentloop", "agentloop.config", "agentloop.testing"],
     ["agentloop.manager"],
     ["agentloop.worker", "agentloop.worker_pool", "agentloop.streaming", "agentloop.metrics", "agentloop.dumps", "agentloop.registry", "agentloop.postprocess", "agentloop.server_pool", "agentloop.preflight"],
-    ["agentloop.agent_loop"],
+    ["agentloop.agent_loop", "agentloop.gateway"],
     ["agentloop.router"],
     ["agentloop.server"],
     ["agentloop.tools", "agentloop.interactions", "agentloop.envs", "agentloop.rewards", "agentloop.reward_score", "agentloop.models"],
