@@ -9,18 +9,20 @@ One record per trajectory (a batch has one row per segment: ``agentloop.postproc
 ``step`` and ``score``; its position (``sample``), GRPO group (``uid``), dataset ``index`` and row fields (``row``,
 JSON); the ``policy_version`` its group started under (updates applied; set by the trainer); ``finish_reason`` (the
 trajectory's ``end_reason``), ``num_turns``, and counts over all its segments for tables (``response_length``,
-``model_tokens``, ``tool_calls``, ``tool_errors``); ``reward_parts`` (JSON: the reward, its source, its parts by
-source, the interaction's turn scores and what a reward function returned) and ``extra`` (JSON: the loop's
-``extra_fields``, its metrics, and its tool errors and env retries by kind, failure and missing rollout log-probs
-where it has them).
+``model_tokens``, ``tool_calls``, ``tool_errors``); ``turn_rewards`` (each model turn's own reward,
+``TurnRecord.reward``: what its tools, the interaction or the environment reported for it); ``reward_parts`` (JSON: the
+reward, its source, its parts by source, the interaction's turn scores and what a reward function returned) and
+``extra`` (JSON: the loop's ``extra_fields``, its metrics, and its tool errors and env retries by kind, failure and
+missing rollout log-probs where it has them).
 
 Per segment (``SEGMENT_COLUMNS``): ``rewritten_by`` (the context strategy that made its context; None for the first),
 verl's ``input`` and ``output`` (its context and response, decoded), the exact ``prompt_ids``, ``response_ids``,
 ``response_mask``, one decoded string per response token (``token_text``), ``turns`` (JSON: role, token span, text and
-tool calls with arguments, result, latency and error per turn), ``policy_version_runs`` (each response token's policy
-version as ``[version, count]`` runs, ``agentloop.policy_versions.VersionRuns``; -1 on observation tokens) and the
-per-token float arrays (``rollout_log_probs``, plus what the caller adds: the trainer adds ``old_log_probs``,
-``advantages`` and, when computed, ``ref_log_probs``). The top-level columns hold the trajectory's last segment (its
+tool calls with arguments, result, latency and error per turn, and a model turn's own ``reward``),
+``policy_version_runs`` (each response token's policy version as ``[version, count]`` runs,
+``agentloop.policy_versions.VersionRuns``; -1 on observation tokens) and the per-token float arrays
+(``rollout_log_probs``, plus what the caller adds: the trainer adds ``old_log_probs``, ``advantages`` and, when
+computed, ``ref_log_probs``). The top-level columns hold the trajectory's last segment (its
 only one, unless a context strategy rewrote its context), ``earlier_segments`` the ones before it, oldest first, with
 the same keys; ``read_rollout_dump`` lists them all as ``segments``.
 """
@@ -57,8 +59,8 @@ TRAJECTORY_COLUMNS = [
     ("score", pa.float64()), ("advantage", pa.float64()),
     ("finish_reason", pa.string()), ("num_turns", pa.int32()), ("response_length", pa.int32()),
     ("model_tokens", pa.int32()), ("tool_calls", pa.int32()), ("tool_errors", pa.int32()),
-    ("generate_time_s", pa.float64()), ("policy_version", pa.int64()), ("row", pa.string()),
-    ("reward_parts", pa.string()), ("extra", pa.string()),
+    ("turn_rewards", pa.list_(pa.float64())), ("generate_time_s", pa.float64()), ("policy_version", pa.int64()),
+    ("row", pa.string()), ("reward_parts", pa.string()), ("extra", pa.string()),
 ]
 SEGMENT_COLUMNS = [
     ("rewritten_by", pa.string()), ("input", pa.string()), ("output", pa.string()),
@@ -126,6 +128,7 @@ def _trajectory_record(
         "model_tokens": int(sum(mask)),
         "tool_calls": sum(len(turn.calls) for turn in loop_turns),
         "tool_errors": sum(turn.tool_errors for turn in loop_turns),
+        "turn_rewards": [turn.reward for turn in loop_turns],
         "generate_time_s": _field(fields, "generate_time_s", last),
         "policy_version": _field(fields, "policy_version", last),
         "row": _json(row),
@@ -194,7 +197,7 @@ def _turns(
 ) -> list[dict[str, Any]]:
     """Split a segment's response into runs of model tokens and of observation tokens, one turn each.
 
-    Model runs take the loop's own record of each turn with tokens (tool calls) in order; observation runs take
+    Model runs take the loop's own record of each turn with tokens (tool calls, reward) in order; observation runs take
     the roles the trajectory recorded (``tool``, ``user``), else ``observation``. Both iterators go on from one
     segment of a trajectory to the next.
     """
@@ -202,7 +205,8 @@ def _turns(
     for value, start, end in mask_runs(mask):
         if value:
             record = next(model_turns, None)
-            turn = {"role": "assistant", "tool_calls": [dataclasses.asdict(call) for call in record.calls] if record else []}
+            calls = [dataclasses.asdict(call) for call in record.calls] if record else []
+            turn = {"role": "assistant", "tool_calls": calls, "reward": record.reward if record else None}
         else:
             turn = {"role": next(observation_roles, "observation"), "tool_calls": []}
         turns.append({**turn, "start": start, "end": end, "text": tokenizer.decode(ids[start:end])})

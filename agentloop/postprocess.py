@@ -8,6 +8,14 @@ responses right-padded to R; ``input_ids`` is prompts ‖ responses;
 ``rm_scores`` holds each trajectory's reward on its last segment's last response token (0 without one: every batch has
 the same keys, so the parts of different workers always concatenate).
 
+Per turn: ``turn_index [B, R]`` numbers the loop's model turn (its place in ``AgentLoopOutput.turns``,
+from 0) of each response token: a model token's own turn, an observation token's the turn it answers; -1 on padding.
+``turn_rewards [B, R]`` holds each turn's reward (``TurnRecord.reward``: what its tools, the interaction or the env
+reported for it) on that turn's last model token, in the row of the segment holding it; a turn without a model token
+in the batch (one aborted before its first token, or cut) gives its reward to the model token before it, else the
+trajectory's first. A trajectory whose turns do not add up to its model tokens (a loop that records no turns) is one
+turn: 0 on all its response tokens, the turns' rewards on its last model token.
+
 A vision-language model's batch also carries its images, dense-padded per sample so that ``split``,
 indexing and ``to`` keep every sample's images with it: ``pixel_values [B, patches, dim]`` (zeros past a
 sample's own patches) and ``image_grid_thw [B, images, 3]`` (zero rows past its own images); and its
@@ -23,7 +31,7 @@ import torch
 from tensordict import TensorDict
 
 from agentloop.images import mrope_positions
-from agentloop.protocol import AgentLoopOutput, Segment
+from agentloop.protocol import AgentLoopOutput, Segment, TurnRecord
 
 
 def pad_outputs(
@@ -80,12 +88,51 @@ def pad_outputs(
         "rollout_log_probs": log_probs,
         # the policy version that sampled each model token (-1: observation, padding, or unknown)
         "rollout_policy_versions": versions,
-        "rm_scores": scores,
+        "rm_scores": scores, **_turn_tensors(outputs, response_length),  # and each turn's own reward: turn_rewards
         "segment_index": torch.tensor([index for index, _, _ in rows], dtype=torch.long),
     }
     if vision_model is not None:
         tensors.update(_images([segment for _, segment, _ in rows], vision_model, tensors["input_ids"], attention_mask))
     return TensorDict(tensors, batch_size=[size])
+
+
+def _turn_tensors(outputs: list[AgentLoopOutput], response_length: int) -> dict[str, torch.Tensor]:
+    """``turn_index`` and ``turn_rewards`` (the module docstring), one row per segment."""
+    layouts = [layout for output in outputs for layout in _turn_layout(output.turns, output.all_segments(), response_length)]
+    turn_index = torch.full((len(layouts), response_length), -1, dtype=torch.long)
+    turn_rewards = torch.zeros((len(layouts), response_length), dtype=torch.float32)
+    for row, (turns, rewards) in enumerate(layouts):
+        turn_index[row, : len(turns)] = turns
+        turn_rewards[row, : len(rewards)] = rewards
+    return {"turn_index": turn_index, "turn_rewards": turn_rewards}
+
+
+def _turn_layout(
+    turns: list[TurnRecord], segments: list[Segment], response_length: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per segment, for its response tokens kept in the batch (the first ``response_length``): each token's turn and
+    each turn's reward on its last model token (the module docstring says where a reward goes otherwise)."""
+    lengths = [len(segment.response_ids) for segment in segments]
+    mask = torch.tensor([value for segment in segments for value in segment.response_mask], dtype=torch.long)
+    counts = torch.tensor([turn.model_tokens for turn in turns], dtype=torch.long)
+    described = bool(turns) and int(counts.sum()) == int(mask.sum())
+    # each model token's turn, in order through the segments (turn t owns the next turns[t].model_tokens of them); an
+    # observation token's is that of the model token before it
+    owners = torch.repeat_interleave(torch.arange(len(turns)), counts) if described else torch.zeros_like(mask[mask > 0])
+    turn_of = owners[(mask.cumsum(0) - 1).clamp(min=0)] if len(owners) else torch.zeros_like(mask)
+    kept = torch.cat([torch.arange(length) < response_length for length in lengths])
+    kept_model = (mask.bool() & kept).nonzero().flatten()  # positions through the segments, in order
+    rewards = torch.zeros(len(mask), dtype=torch.float64)
+    for t, record in enumerate(turns):
+        if record.reward and len(kept_model):
+            # its last kept model token, else the last one before it, else the first (undescribed: the last of all)
+            before = int(torch.searchsorted(turn_of[kept_model], t, right=True)) - 1 if described else len(kept_model) - 1
+            rewards[kept_model[max(before, 0)]] += record.reward
+    starts = [sum(lengths[:number]) for number in range(len(segments))]
+    return [
+        (turn_of[start : start + min(length, response_length)], rewards[start : start + min(length, response_length)].float())
+        for start, length in zip(starts, lengths)
+    ]
 
 
 def _images(

@@ -189,7 +189,16 @@ class TurnRecord:
     dropped_calls: int = 0
     step_reward: float = 0.0  # the sum of its tools' step rewards
     interaction_score: float | None = None  # the interaction's score of this turn, when the interaction answered it
+    env_reward: float = 0.0  # the environment's info["reward"] for the step this turn took
     env_retries: dict[str, int] = field(default_factory=dict)  # its failed env steps by kind
+    # the environment state this turn answered (GiGPO's step groups): the env's ``state_key()`` hook, else a digest of
+    # the observation it answered (of the prompt, for the first turn); None: not recorded
+    state_key: str | None = None
+
+    @property
+    def reward(self) -> float:
+        """What its tools, the interaction and the environment reported for this turn (the batch's ``turn_rewards``)."""
+        return self.step_reward + (self.interaction_score or 0.0) + self.env_reward
 
     @property
     def tool_calls(self) -> int:

@@ -81,6 +81,132 @@ def test_gae_skips_observation_tokens(gamma, lam):
     assert close(advantages, expected_adv) and close(returns, expected_ret)
 
 
+# ---------------------------------------------------------------------- per-turn rewards and turn-level estimators
+# One GRPO group "g" of three trajectories, A's context rewritten (two rows), and a group "h" of one (D).
+#   A: row 0 = turn 0 (2 tokens), its observation (2), turn 1 (1 token); row 1 = turn 2 (2 tokens). Score 1.0; turn 0
+#      reported 0.5 and turn 2 0.2 (on the last token: the score's place), so r = [0.5, 0, 1.0 - 0.5 = 0.5].
+#   B: turn 0 (1 token), observation, turn 1 (1), observation, turn 2 (2). Score 0.0; turn 1 reported 0.5: r = [0, 0.5, -0.5].
+#   C: turn 0 (2 tokens), observation, turn 1 (2). Score 0.25; turn 0 reported 0.25: r = [0.25, 0].
+#   D: one turn of 3 tokens, score 2.0.
+TURN_MASK = T([[1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 1, 1], [1, 1, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
+TURN_INDEX = torch.tensor([[0, 0, 0, 0, 1, -1], [2, 2, -1, -1, -1, -1], [0, 0, 1, 1, 2, 2], [0, 0, 0, 1, 1, -1], [0, 0, 0, -1, -1, -1]])
+TURN_SEGMENTS = torch.tensor([0, 1, 0, 0, 0])
+TURN_GROUPS = ["g", "g", "g", "h"]  # one per trajectory
+SCORES = T([[0, 0, 0, 0, 0, 0], [0, 1.0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0.0], [0, 0, 0, 0, 0.25, 0], [0, 0, 2.0, 0, 0, 0]])
+OWN = T([[0, 0.5, 0, 0, 0, 0], [0, 0.2, 0, 0, 0, 0], [0, 0, 0.5, 0, 0, 0], [0, 0.25, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+DISTRIBUTED = T([[0, 0.5, 0, 0, 0, 0], [0, 0.5, 0, 0, 0, 0], [0, 0, 0.5, 0, 0, -0.5], [0, 0.25, 0, 0, 0.0, 0], [0, 0, 2.0, 0, 0, 0]])
+TRAJECTORY_OF_ROW = [0, 0, 1, 2, 3]
+
+
+def on_turn_tokens(per_turn):
+    """{(trajectory, turn): advantage} on the model tokens of each turn, as a [B, R] tensor."""
+    expected = torch.zeros_like(TURN_MASK)
+    for row, trajectory in enumerate(TRAJECTORY_OF_ROW):
+        for position in range(TURN_MASK.shape[1]):
+            if TURN_MASK[row, position]:
+                expected[row, position] = per_turn[trajectory, int(TURN_INDEX[row, position])]
+    return expected
+
+
+def normalised(values):
+    """(x - mean) / (std + 1e-6) of each of a set of values (a set of one: mean 0, std 1)."""
+    if len(values) == 1:
+        return [values[0] / (1 + 1e-6)]
+    mean, std = statistics.mean(values), statistics.stdev(values)
+    return [(value - mean) / (std + 1e-6) for value in values]
+
+
+def test_turn_rewards_distribute_the_score_over_the_turns():
+    rewards = alg.turn_token_rewards(SCORES, OWN, TURN_MASK, TURN_SEGMENTS)
+    assert close(rewards, DISTRIBUTED)
+    assert close(alg.trajectory_sums(rewards.sum(-1), TURN_SEGMENTS), [1.0, 0.0, 0.25, 2.0])  # still the scores
+    # a KL-in-reward penalty stays on its tokens
+    penalty = 0.01 * TURN_MASK
+    assert close(alg.turn_token_rewards(SCORES - penalty, OWN, TURN_MASK, TURN_SEGMENTS), DISTRIBUTED - penalty)
+
+
+# returns-to-go with gamma 0.5: G_t = r_t + 0.5 G_(t+1)
+RETURNS = {(0, 0): 0.625, (0, 1): 0.25, (0, 2): 0.5, (1, 0): 0.125, (1, 1): 0.25, (1, 2): -0.5, (2, 0): 0.25, (2, 1): 0.0, (3, 0): 2.0}
+
+
+def test_turn_returns_discount_over_turns():
+    returns, present = alg.turn_returns(DISTRIBUTED, TURN_INDEX, 0.5, TURN_SEGMENTS)
+    assert present.tolist() == [[True, True, True], [True, True, True], [True, True, False], [True, False, False]]
+    assert all(close(returns[key], value) for key, value in RETURNS.items())
+
+
+@pytest.mark.parametrize("normalize", ["per_turn", "pooled"])
+def test_turn_grpo_normalises_turn_returns_within_the_group(normalize):
+    advantages, _ = alg.turn_grpo_advantage(DISTRIBUTED, TURN_INDEX, TURN_MASK, TURN_GROUPS, 0.5, normalize, segment_index=TURN_SEGMENTS)
+    sets = [[(0, t), (1, t), (2, t)][: 3 if t < 2 else 2] for t in range(3)] if normalize == "per_turn" else [
+        [key for key in RETURNS if key[0] < 3]
+    ]
+    expected = torch.zeros(4, 3, dtype=torch.float64)
+    for keys in [*sets, [(3, 0)]]:
+        for key, value in zip(keys, normalised([RETURNS[key] for key in keys])):
+            expected[key] = value
+    assert close(advantages, on_turn_tokens(expected))
+    if normalize == "per_turn":  # by hand: turn 2's returns 0.5 and -0.5 have mean 0 and std 1/sqrt(2)
+        assert close(advantages[1, 0], 0.5 / (math.sqrt(0.5) + 1e-6)) and close(advantages[2, 4], -0.5 / (math.sqrt(0.5) + 1e-6))
+
+
+def test_gigpo_adds_step_group_advantages_to_the_episode_advantage():
+    states = [["prompt", "x", "y"], ["prompt", "y", "x"], ["prompt", "x"], ["prompt"]]
+    advantages, _ = alg.gigpo_advantage(
+        DISTRIBUTED, TURN_INDEX, TURN_MASK, TURN_GROUPS, states, step_weight=0.5, gamma=0.5, segment_index=TURN_SEGMENTS
+    )
+    episode = [*normalised([1.0, 0.0, 0.25]), 2.0 / (1 + 1e-6)]
+    step = torch.zeros(4, 3, dtype=torch.float64)
+    for keys in ([(0, 1), (1, 2), (2, 1)], [(0, 2), (1, 1)]):  # state x: returns 0.25, -0.5, 0; state y: 0.5, 0.25
+        for key, value in zip(keys, normalised([RETURNS[key] for key in keys])):
+            step[key] = value
+    per_turn = torch.tensor(episode, dtype=torch.float64)[:, None] + 0.5 * step
+    assert close(advantages, on_turn_tokens(per_turn))
+    # first turns (the shared prompt) and lone states take the episode term only
+    lone = [["prompt", "x", "y"], ["prompt", "z", "w"], ["prompt", "v"], ["prompt"]]
+    advantages, _ = alg.gigpo_advantage(DISTRIBUTED, TURN_INDEX, TURN_MASK, TURN_GROUPS, lone, gamma=0.5, segment_index=TURN_SEGMENTS)
+    assert close(advantages, on_turn_tokens(torch.tensor(episode, dtype=torch.float64)[:, None].expand(4, 3)))
+
+
+def test_gae_takes_each_turns_reward_on_its_last_model_token():
+    # C alone: its turn 0's 0.25 on token 1, the rest of its score (0) on its last model token
+    rewards = alg.turn_token_rewards(SCORES[3:4], OWN[3:4], TURN_MASK[3:4])
+    torch.manual_seed(0)
+    values = torch.randn(1, 6, dtype=torch.float64)
+    advantages, returns = alg.gae_advantage_return(rewards, values, TURN_MASK[3:4], 0.9, 0.8)
+    expected_adv, expected_ret = reference_gae([[0, 0.25, 0, 0, 0.0, 0]], values.tolist(), TURN_MASK[3:4].tolist(), 0.9, 0.8)
+    assert close(advantages, expected_adv) and close(returns, expected_ret)
+
+
+@pytest.mark.parametrize("by_std", [True, False])
+def test_with_one_turn_every_estimator_is_todays_exactly(by_std):
+    """One turn per trajectory (a two-row one too), a KL-like penalty on every model token and the turn's own reward on
+    its last token: turn_grpo (both normalisations) and gigpo are grpo, gae is the outcome-only gae, bit for bit."""
+    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32)
+    segment_index = torch.tensor([0, 0, 1, 0, 0])
+    turn_index = torch.where(mask > 0, 0, -1)
+    turn_index[0, 2] = 0  # an observation of the turn
+    torch.manual_seed(1)
+    rewards = -0.013 * torch.rand(mask.shape) * mask
+    for row, (position, score) in {0: (3, 0.7), 2: (2, 0.3), 3: (0, 1.0), 4: (1, 0.1)}.items():
+        rewards[row, position] += score
+    own = torch.zeros_like(mask)
+    own[0, 3], own[2, 2] = 0.1, 0.3  # reported on the turn's (the trajectory's) last token
+    groups = ["a", "a", "a", "b"]
+    grpo, _ = alg.grpo_outcome_advantage(rewards, mask, groups, by_std, segment_index=segment_index)
+    distributed = alg.turn_token_rewards(rewards, own, mask, segment_index)
+    assert torch.equal(distributed, rewards)
+    for normalize in alg.TURN_NORMALIZATIONS:
+        turn_grpo, _ = alg.turn_grpo_advantage(distributed, turn_index, mask, groups, 0.9, normalize, by_std, segment_index=segment_index)
+        assert torch.equal(turn_grpo, grpo)
+    states = [["s"], ["s"], ["s"], ["s"]]
+    gigpo, _ = alg.gigpo_advantage(distributed, turn_index, mask, groups, states, 1.0, 0.9, by_std, segment_index=segment_index)
+    assert torch.equal(gigpo, grpo)
+    values = torch.randn(mask.shape)
+    gae = alg.gae_advantage_return(distributed, values, mask, 0.9, 0.8, segment_index)
+    assert all(torch.equal(a, b) for a, b in zip(gae, alg.gae_advantage_return(rewards, values, mask, 0.9, 0.8, segment_index)))
+
+
 def k3(p, q):
     return math.exp(q - p) - (q - p) - 1
 

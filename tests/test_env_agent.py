@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from agentloop import AgentLoopManager
 from agentloop.agent_loop.env_agent import EnvAgentLoop
 from agentloop.agent_loop.tool_agent import ToolAgentLoop
-from agentloop.agent_loop.trajectory import observation_delta
+from agentloop.agent_loop.trajectory import observation_delta, state_digest
 from agentloop.protocol import env_retries_by_kind, turn_scores
 from agentloop.rewards import score_output
 from agentloop.router import Router
@@ -97,6 +97,8 @@ def test_env_done_at_turn_two(server, tokenizer, ok_model, interactions_yaml):
     assert output.end_reason == "done"
     assert output.metrics["env_steps"] == 2 and output.num_turns == 4
     assert output.reward_parts.env == 1.0  # two steps of info["reward"] = 0.5
+    assert [turn.env_reward for turn in output.turns] == [0.5, 0.5] and [turn.reward for turn in output.turns] == [0.5, 0.5]
+    assert [turn.state_key for turn in output.turns] == ["position 0", "position 1"]  # the env's own state_key() hook
     # without a reward function for the row's data source, the env's rewards are the reward
     asyncio.run(score_output(config(ok_model, interactions_yaml), tokenizer, {"data_source": "games"}, output))
     assert output.reward_score == 1.0 and output.reward_parts.by_source() == {"env": 1.0} and output.reward_source == "reward_parts"
@@ -106,6 +108,9 @@ def test_env_done_at_turn_two(server, tokenizer, ok_model, interactions_yaml):
 def test_env_that_never_finishes_stops_at_max_turns(server, tokenizer, ok_model, interactions_yaml):
     output = run_env(server, tokenizer, ok_model, interactions_yaml, "NeverDoneEnv")
     assert output.end_reason == "max_turns" and output.metrics["env_steps"] == 4
+    # without a state_key() hook, the text a turn answered names its state: the prompt, then the same observation
+    prompt, observation = state_digest(env_row("NeverDoneEnv")["prompt"]), state_digest([{"role": "user", "content": "keep going"}])
+    assert [turn.state_key for turn in output.turns] == [prompt] + [observation] * 3 and prompt != observation
     assert_exact(output, tokenizer, ["keep going"] * 3)
 
 
@@ -149,7 +154,7 @@ def test_interaction_terminates_after_k_turns(server, tokenizer, ok_model, inter
     }
     output = asyncio.run(loop.run(dict(GREEDY), **row))
     assert output.end_reason == "stop"
-    assert turn_scores(output.turns) == [0.5, 0.5, 1.0]
+    assert turn_scores(output.turns) == [0.5, 0.5, 1.0] and [turn.reward for turn in output.turns] == [0.5, 0.5, 1.0]
     assert output.reward_parts.interaction == 3.0 and output.num_turns == 6
     assert_exact(output, tokenizer, ["try again (1)", "try again (2)"])
     with pytest.raises(KeyError, match=r"interaction_kwargs.name='nope' is not among .*\['counter'\]"):

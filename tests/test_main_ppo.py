@@ -182,8 +182,14 @@ def test_config_and_data_errors_are_named(local_ray, tmp_path):
     with pytest.raises(ValueError, match="data.train_files is empty"):
         run(small_config())
     train = write_rows(make_rows(4), str(tmp_path / "t.jsonl"))
-    with pytest.raises(ValueError, match="adv_estimator='reinforce'; choose grpo or gae"):
+    with pytest.raises(ValueError, match=r"adv_estimator='reinforce'; choose one of \('grpo', 'gae', 'turn_grpo', 'gigpo'\)"):
         run(small_config(f"data.train_files=[{train}]", "algorithm.adv_estimator=reinforce"))
+    with pytest.raises(ValueError, match=r"turn_grpo.normalize='per_step'; choose one of \('per_turn', 'pooled'\)"):
+        run(small_config(f"data.train_files=[{train}]", "algorithm.turn_grpo.normalize=per_step"))
+    with pytest.raises(ValueError, match=r"algorithm.gamma=1.5 must be a number in \[0, 1\]"):
+        run(small_config(f"data.train_files=[{train}]", "algorithm.gamma=1.5"))
+    with pytest.raises(ValueError, match="algorithm.gigpo.step_weight=-1.0 must be a number >= 0"):
+        run(small_config(f"data.train_files=[{train}]", "algorithm.gigpo.step_weight=-1.0"))
     with pytest.raises(ValueError, match="do not split over 2 ranks"):
         run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=3"))
     with pytest.raises(ValueError, match="algorithm.kl_penalty='k9'; choose one of"):

@@ -352,8 +352,8 @@ def segments_run(model_path, tmp_path_factory) -> tuple[Path, list[AgentLoopOutp
         prompt_ids=tokenizer.encode("Summary: the calculator said 2 + 3 = 5."),
         **response(tokenizer, ("The answer", 4), (" is 5.", 5)), rewritten_by="summarize", segments=[first],
         num_turns=5, reward_score=1.0, end_reason="stop", observation_roles=["tool"],
-        turns=[TurnRecord(4, 5, calls=[ToolCallRecord("calculator", {"expression": "2 + 3"}, "5")]), TurnRecord(3),
-               TurnRecord(4)],
+        turns=[TurnRecord(4, 5, calls=[ToolCallRecord("calculator", {"expression": "2 + 3"}, "5")], step_reward=0.25),
+               TurnRecord(3), TurnRecord(4, interaction_score=-0.5)],
     )
     single = AgentLoopOutput(
         prompt_ids=tokenizer.encode(question), **response(tokenizer, ("It is 4.", 5)),
@@ -403,6 +403,10 @@ def test_dump_has_one_record_per_trajectory_with_its_segments_and_policy_version
     roles = [[turn["role"] for turn in segment["turns"]] for segment in rewritten["segments"]]
     assert roles == [["assistant", "tool", "assistant"], ["assistant"]]
     assert [call["name"] for call in rewritten["segments"][0]["turns"][0]["tool_calls"]] == ["calculator"]
+    # each model turn's own reward, per trajectory and beside its turn
+    assert rewritten["turn_rewards"] == [0.25, 0.0, -0.5] and records[1]["turn_rewards"] == [0.0]
+    rewards = [[turn.get("reward") for turn in segment["turns"]] for segment in rewritten["segments"]]
+    assert rewards == [[0.25, None, 0.0], [-0.5]]
     assert rewritten["tool_calls"] == 1 and rewritten["num_turns"] == 5
     assert rewritten["advantage"] == 1.0 and records[1]["advantage"] == -1.0
     # stored once: the earlier segments beside the last one's columns
@@ -434,6 +438,9 @@ def test_page_shows_segments_and_colours_tokens_by_policy_version(segments_run, 
         for segment, part in zip(segments, (first, last)):
             assert len(segment.find_elements(By.CSS_SELECTOR, ".tok")) == len(part.response_ids)
             assert len(segment.find_elements(By.CSS_SELECTOR, "details.prompt")) == 1
+        # a model turn that reported a reward shows it in its label
+        labels = [label.text for label in browser.find_elements(By.CSS_SELECTOR, "#sample-view .turn-model .turn-label")]
+        assert [label.endswith(" · reward 0.25") for label in labels] == [True, False, False] and labels[2].endswith("· reward -0.5")
 
         Select(browser.find_element(By.ID, "colour-mode")).select_by_value("version")
         legend = browser.find_elements(By.CSS_SELECTOR, "#colour-legend .version-swatch")

@@ -7,17 +7,23 @@ by it, so observation tokens carry no gradient.
 A row is one segment of a trajectory (``agentloop.postprocess``): ``segment_index [B]`` is 0 where a trajectory
 starts and numbers its later rows. The advantages take it (optional: without it every row is a trajectory of its
 own); the losses treat every row as a sequence of its own.
+
+Turn-level estimators (``turn_grpo``, ``gigpo``) read the batch's ``turn_index [B, R]`` (each response token's model
+turn; -1 on padding) and take each turn's reward r_t as the sum of the token rewards on its tokens, after
+``turn_token_rewards`` has put each turn's own reward on its last model token.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import torch
 
 from agentloop.batch import trajectory_ids
 
+ADV_ESTIMATORS = ("grpo", "gae", "turn_grpo", "gigpo")
+TURN_NORMALIZATIONS = ("per_turn", "pooled")  # algorithm.turn_grpo.normalize
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _BASE_KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 # "<name>+": the estimator's value with k2's gradient (verl's straight-through variants, e.g. k1+ and k3+)
@@ -64,21 +70,169 @@ def grpo_outcome_advantage(
     both broadcast over the model tokens of every row of the trajectory.
     """
     scores = trajectory_sums(token_level_rewards.sum(dim=-1), segment_index)
-    members: dict[str, list[int]] = defaultdict(list)
-    for row, group in enumerate(group_ids):
-        members[group].append(row)
-    mean = torch.zeros_like(scores)
-    std = torch.ones_like(scores)
-    for rows in members.values():
-        if len(rows) > 1:
-            group_scores = scores[rows]
-            mean[rows] = group_scores.mean()
-            std[rows] = group_scores.std()
-    centred = scores - mean
-    normalised = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
+    normalised = _normalise_within(scores, group_ids, norm_adv_by_std_in_grpo, epsilon)
     if segment_index is not None:
         normalised = normalised[trajectory_ids(segment_index)]
     advantages = normalised.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+def _normalise_within(
+    values: torch.Tensor, keys: Sequence[Hashable], by_std: bool, epsilon: float, lone_to_zero: bool = False
+) -> torch.Tensor:
+    """Each value less the mean of the values sharing its key, divided by their std + epsilon when ``by_std``; a key
+    held by one value alone has mean 0 and std 1 (GRPO's group of one), or gives 0 when ``lone_to_zero``."""
+    members: dict[Hashable, list[int]] = defaultdict(list)
+    for position, key in enumerate(keys):
+        members[key].append(position)
+    mean = torch.zeros_like(values)
+    std = torch.ones_like(values)
+    for positions in members.values():
+        if len(positions) > 1:
+            group_values = values[positions]
+            mean[positions] = group_values.mean()
+            std[positions] = group_values.std()
+        elif lone_to_zero:
+            mean[positions] = values[positions]
+    centred = values - mean
+    return centred / (std + epsilon) if by_std else centred
+
+
+def turn_token_rewards(
+    token_level_rewards: torch.Tensor,
+    turn_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    segment_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The token rewards with the score distributed over the turns: each turn's own reward (``turn_rewards``, on its
+    last model token) stays where it is, and the trajectory's last model token, where its score R sits, keeps
+    R - the sum of the other turns' rewards. So r_t = the turn's reward for every turn but the last, and the last
+    turn's r_T = its own reward + whatever part of R no turn reported: a trajectory's rewards still sum to R.
+
+    ``token_level_rewards`` is ``rm_scores`` (less a KL-in-reward penalty, which stays on its tokens). A trajectory
+    with one turn, or whose turns report nothing, keeps ``token_level_rewards`` exactly. (The last model token is where
+    ``rm_scores`` sits whenever a trajectory ends on a model token, as every built-in loop's does; a reward on a later
+    observation token counts for the last turn, and GAE carries it to that token anyway.)
+    """
+    last = _last_model_tokens(response_mask, segment_index)
+    moved = turn_rewards.masked_fill(last, 0.0).to(token_level_rewards.dtype)
+    taken = trajectory_sums(moved.sum(dim=-1), segment_index)  # [trajectories]
+    rows = trajectory_ids(segment_index) if segment_index is not None else torch.arange(len(moved), device=moved.device)
+    rewards = token_level_rewards + moved
+    rewards[last] = rewards[last] - taken[rows[last.nonzero()[:, 0]]]
+    return rewards
+
+
+def _last_model_tokens(response_mask: torch.Tensor, segment_index: torch.Tensor | None) -> torch.Tensor:
+    """``[B, R]`` True on each trajectory's last model token (in its last row that has one)."""
+    length = response_mask.shape[1]
+    position = torch.where(response_mask > 0, torch.arange(length, device=response_mask.device), -1).amax(dim=-1)
+    rows = torch.arange(len(response_mask), device=response_mask.device)
+    if segment_index is None:
+        last_rows = rows[position >= 0]
+    else:
+        trajectory = trajectory_ids(segment_index).to(rows.device)
+        candidate = torch.where(position >= 0, rows, -1)
+        last_rows = candidate.new_full((int(trajectory[-1]) + 1,), -1).scatter_reduce(0, trajectory, candidate, "amax")
+        last_rows = last_rows[last_rows >= 0]
+    last = torch.zeros(response_mask.shape, dtype=torch.bool, device=response_mask.device)
+    last[last_rows, position[last_rows]] = True
+    return last
+
+
+def turn_returns(
+    token_level_rewards: torch.Tensor, turn_index: torch.Tensor, gamma: float = 1.0, segment_index: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each trajectory's turn rewards as returns-to-go: ``[trajectories, turns]`` G_t = r_t + gamma * G_next, r_t the
+    sum of the token rewards on turn t's tokens (``turn_index``), G_next that of its next turn (0 after its last), and
+    which turns it has. A turn without tokens (aborted before its first) is skipped, not discounted; every trajectory
+    has a first turn (one without a response scores 0 there, as GRPO scores it)."""
+    count = max(int(turn_index.max()) + 1, 1)
+    rewards = torch.stack(
+        [trajectory_sums((token_level_rewards * (turn_index == t)).sum(dim=-1), segment_index) for t in range(count)], dim=1
+    )
+    present = torch.stack([trajectory_sums((turn_index == t).sum(dim=-1), segment_index) > 0 for t in range(count)], dim=1)
+    present[:, 0] = True
+    returns = torch.zeros_like(rewards)
+    following = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(count)):
+        returns[:, t] = torch.where(present[:, t], rewards[:, t] + gamma * following, following)
+        following = returns[:, t]
+    return returns, present
+
+
+def _on_turn_tokens(
+    per_turn: torch.Tensor, turn_index: torch.Tensor, response_mask: torch.Tensor, segment_index: torch.Tensor | None
+) -> torch.Tensor:
+    """``[trajectories, turns]`` values on the model tokens of each turn, ``[B, R]``."""
+    rows = trajectory_ids(segment_index) if segment_index is not None else torch.arange(len(turn_index))
+    return per_turn[rows.to(per_turn.device)[:, None], turn_index.clamp(min=0)] * response_mask
+
+
+def turn_grpo_advantage(
+    token_level_rewards: torch.Tensor,
+    turn_index: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: Sequence[str],
+    gamma: float = 1.0,
+    normalize: str = "per_turn",
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+    segment_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn-level GRPO: each turn's return-to-go G_t = sum_{k >= t} gamma^(k-t) r_k (``turn_returns``) normalised
+    within the trajectory's group, on all of that turn's model tokens.
+
+    ``normalize=per_turn``: A_t = (G_t - mean) / (std + epsilon) over the group's trajectories that reached turn t
+    (``turn_index`` t); ``pooled``: over all turns of all the group's trajectories. A set of one has mean 0 and std 1,
+    as in GRPO; without ``norm_adv_by_std_in_grpo``, A_t = G_t - mean. With one turn, its return is the score: GRPO exactly.
+    ``token_level_rewards`` should come from ``turn_token_rewards``. Returns (advantages, advantages).
+    """
+    if normalize not in TURN_NORMALIZATIONS:
+        raise ValueError(f"algorithm.turn_grpo.normalize={normalize!r}; choose one of {TURN_NORMALIZATIONS}")
+    returns, present = turn_returns(token_level_rewards, turn_index, gamma, segment_index)
+    entries = present.nonzero().tolist()  # (trajectory, turn), in the order returns[present] lists them
+    keys = [(group_ids[i], t) if normalize == "per_turn" else group_ids[i] for i, t in entries]
+    per_turn = torch.zeros_like(returns)
+    per_turn[present] = _normalise_within(returns[present], keys, norm_adv_by_std_in_grpo, epsilon)
+    advantages = _on_turn_tokens(per_turn, turn_index, response_mask, segment_index)
+    return advantages, advantages
+
+
+def gigpo_advantage(
+    token_level_rewards: torch.Tensor,
+    turn_index: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: Sequence[str],
+    state_keys: Sequence[Sequence[Hashable | None]],
+    step_weight: float = 1.0,
+    gamma: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+    segment_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GiGPO (Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training"): A_t = A^E + omega * A^S_t.
+
+    A^E: the trajectory's GRPO advantage on its score (``grpo_outcome_advantage``). A^S_t: turn t's return-to-go G_t
+    (``turn_returns``, discount ``gamma``) normalised within its step group: the turns of the group's trajectories
+    that answered the same environment state (``state_keys[trajectory][turn]``, ``TurnRecord.state_key``), as
+    (G_t - mean) / (std + epsilon) (G_t - mean without ``norm_adv_by_std_in_grpo``). A step group of one, a turn
+    without a state key, and every first turn get A^S = 0: a first turn answers the prompt, which the whole group
+    shares, so its step group would be the episode group again (with one turn GiGPO would be (1 + omega) x GRPO
+    rather than GRPO exactly). ``omega`` is ``step_weight``. Returns (advantages, advantages).
+    """
+    by_std = norm_adv_by_std_in_grpo
+    episode, _ = grpo_outcome_advantage(token_level_rewards, response_mask, group_ids, by_std, epsilon, segment_index)
+    returns, present = turn_returns(token_level_rewards, turn_index, gamma, segment_index)
+    entries = [
+        (i, t) for i, t in present.nonzero().tolist() if 0 < t < len(state_keys[i]) and state_keys[i][t] is not None
+    ]
+    step = torch.zeros_like(returns)
+    if entries:
+        trajectories, turns = torch.tensor(entries).T
+        keys = [(group_ids[i], state_keys[i][t]) for i, t in entries]
+        step[trajectories, turns] = _normalise_within(returns[trajectories, turns], keys, by_std, epsilon, lone_to_zero=True)
+    advantages = episode + step_weight * _on_turn_tokens(step, turn_index, response_mask, segment_index)
     return advantages, advantages
 
 

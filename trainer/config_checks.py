@@ -3,6 +3,7 @@ here; and the FSDP rank count the checks use."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 from omegaconf import DictConfig
@@ -29,8 +30,7 @@ def check_config(config: DictConfig) -> None:
     _check_verl_settings(config)
     if config.actor_rollout_ref.rollout.mode != "async":
         raise ValueError("actor_rollout_ref.rollout.mode must be 'async': rollouts run through AgentLoopManager")
-    if config.algorithm.adv_estimator not in ("grpo", "gae"):
-        raise ValueError(f"algorithm.adv_estimator={config.algorithm.adv_estimator!r}; choose grpo or gae")
+    _check_estimator(config.algorithm)
     if int(config.async_training.max_staleness) < 0:
         raise ValueError(f"async_training.max_staleness={config.async_training.max_staleness}: a lag in policy versions, 0 (synchronous) or more")
     buffer, batch = config.async_training.get("buffer_groups"), int(config.data.train_batch_size)
@@ -65,6 +65,25 @@ def check_config(config: DictConfig) -> None:
                 f"{name}.ppo_mini_batch_size={mini} must divide data.train_batch_size={config.data.train_batch_size}, "
                 f"and its {int(mini) * int(config.actor_rollout_ref.rollout.n)} samples (x rollout.n) must split over {ranks} ranks"
             )
+
+
+def _check_estimator(algorithm: DictConfig) -> None:
+    """``algorithm.adv_estimator`` and its settings."""
+    if algorithm.adv_estimator not in algorithms.ADV_ESTIMATORS:
+        raise ValueError(f"algorithm.adv_estimator={algorithm.adv_estimator!r}; choose one of {algorithms.ADV_ESTIMATORS}")
+    normalize, gamma, step_weight = algorithm.turn_grpo.normalize, algorithm.gamma, algorithm.gigpo.step_weight
+    if normalize not in algorithms.TURN_NORMALIZATIONS:
+        raise ValueError(f"algorithm.turn_grpo.normalize={normalize!r}; choose one of {algorithms.TURN_NORMALIZATIONS}")
+    if not _is_number(gamma) or not 0 <= gamma <= 1:
+        raise ValueError(f"algorithm.gamma={gamma!r} must be a number in [0, 1] (the discount per token for gae, per turn for "
+                         "turn_grpo and gigpo)")
+    if not _is_number(step_weight) or not 0 <= step_weight < math.inf:
+        raise ValueError(f"algorithm.gigpo.step_weight={step_weight!r} must be a number >= 0 (the weight of GiGPO's step-level "
+                         "advantage)")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_losses(config: DictConfig) -> None:

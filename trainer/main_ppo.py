@@ -222,19 +222,33 @@ class RayPPOTrainer:
         return penalty
 
     def _advantages(self, rollout: RolloutBatch, batch: TensorDict, rewards: torch.Tensor, metrics: dict[str, float]) -> None:
-        """GAE on the critic's values (along each trajectory's segments), or GRPO's group-normalised outcome
-        advantages (one per trajectory, on all its rows)."""
+        """``algorithm.adv_estimator``: GRPO's group-normalised outcome advantages (one per trajectory, on all its rows);
+        or, on the token rewards with each turn's own reward on its last model token (``turn_token_rewards``), GAE on
+        the critic's values (along each trajectory's segments), turn-level GRPO or GiGPO (one advantage per turn)."""
         algorithm, mask, segment_index = self.config.algorithm, batch["response_mask"].float(), batch["segment_index"]
-        if algorithm.adv_estimator == "gae":
+        estimator, gamma, by_std = algorithm.adv_estimator, float(algorithm.gamma), bool(algorithm.norm_adv_by_std_in_grpo)
+        if estimator == "grpo":
+            batch["advantages"], _ = algorithms.grpo_outcome_advantage(
+                rewards, mask, grpo_groups(rollout), by_std, segment_index=segment_index
+            )
+            return
+        rewards = algorithms.turn_token_rewards(rewards, batch["turn_rewards"], mask, segment_index)
+        if estimator == "gae":
             batch["values"] = torch.cat(self._on_ranks("compute_values", batch))
             batch["advantages"], batch["returns"] = algorithms.gae_advantage_return(
-                rewards, batch["values"], mask, float(algorithm.gamma), float(algorithm.lam), segment_index
+                rewards, batch["values"], mask, gamma, float(algorithm.lam), segment_index
             )
             metrics["critic/values/mean"] = float(algorithms.masked_mean(batch["values"], mask))
             metrics["critic/returns/mean"] = float(algorithms.masked_mean(batch["returns"], mask))
+        elif estimator == "turn_grpo":
+            batch["advantages"], _ = algorithms.turn_grpo_advantage(
+                rewards, batch["turn_index"], mask, grpo_groups(rollout), gamma, str(algorithm.turn_grpo.normalize), by_std,
+                segment_index=segment_index,
+            )
         else:
-            batch["advantages"], _ = algorithms.grpo_outcome_advantage(
-                rewards, mask, grpo_groups(rollout), bool(algorithm.norm_adv_by_std_in_grpo), segment_index=segment_index
+            batch["advantages"], _ = algorithms.gigpo_advantage(
+                rewards, batch["turn_index"], mask, grpo_groups(rollout), turn_states(rollout),
+                float(algorithm.gigpo.step_weight), gamma, by_std, segment_index=segment_index,
             )
 
     def _update(self, plan: StepPlan, batch: TensorDict, metrics: dict[str, float]) -> None:
@@ -411,6 +425,11 @@ def grpo_groups(rollout: RolloutBatch) -> list[str]:
     last = rollout.last_segments()
     uids, failures = rollout.non_tensor_batch["uid"][last], rollout.non_tensor_batch["failure"][last]
     return [f"{uid}/failed/{i}" if failure is not None else uid for i, (uid, failure) in enumerate(zip(uids, failures))]
+
+
+def turn_states(rollout: RolloutBatch) -> list[list[str | None]]:
+    """Each trajectory's turns' states (``TurnRecord.state_key``), for GiGPO's step groups."""
+    return [[turn.state_key for turn in turns or []] for turns in rollout.non_tensor_batch["turns"][rollout.last_segments()]]
 
 
 def _has_rollout_log_probs(rollout: RolloutBatch, required: bool) -> bool:

@@ -7,7 +7,9 @@ with ``done`` (the env says so), ``max_turns`` (``rollout.env.max_turns`` model 
 overflows), ``context_length`` (a rewritten context would leave no room for a turn in ``rollout.max_model_len``),
 ``env_error`` (a step kept failing after ``max_env_retries_per_turn`` retries) or
 ``aborted``. A failed step is retried after the env's ``recover()`` hook, or after ``reset()`` and a
-replay of the actions so far; a turn counts only once its step succeeds.
+replay of the actions so far; a turn counts only once its step succeeds. Each turn's record keeps its step's
+``info["reward"]`` (``TurnRecord.env_reward``) and the state it answered: the env's ``state_key()`` hook when it has
+one, else a digest of the observation (``TurnRecord.state_key``, for GiGPO).
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ async def _call(function: Any, *args: Any) -> Any:
     if inspect.iscoroutinefunction(function):
         return await function(*args)
     return await asyncio.to_thread(function, *args)
+
+
+async def _state_key(env: BaseEnv) -> str | None:
+    """The env's name for its current state (its optional ``state_key()`` hook), or None to use the observation."""
+    if not hasattr(env, "state_key"):
+        return None
+    key = await _call(env.state_key)
+    return None if key is None else str(key)
 
 
 class EnvAgentLoop(AgentLoopBase):
@@ -63,8 +73,11 @@ class EnvAgentLoop(AgentLoopBase):
         actions: list[str] = []
         env_reward = 0.0
         reason: EndReason
+        state = await _state_key(env)
         while True:
             _, text, end = await trajectory.generate_turn(self.server_manager, row["request_id"], sampling_params, budget)
+            if state is not None:
+                trajectory.turns[-1].state_key = state
             if end is not None:
                 reason = end
                 break
@@ -74,7 +87,8 @@ class EnvAgentLoop(AgentLoopBase):
                 break
             observation, done, info = stepped
             actions.append(text)
-            env_reward += float((info or {}).get("reward", 0.0))
+            trajectory.turns[-1].env_reward = float((info or {}).get("reward", 0.0))
+            env_reward += trajectory.turns[-1].env_reward
             if done:
                 reason = "done"
                 break
@@ -84,6 +98,7 @@ class EnvAgentLoop(AgentLoopBase):
             if trajectory.add_observation_within([env.format_observation(observation)], budget) is None:
                 reason = trajectory.overflow
                 break
+            state = await _state_key(env)
 
         # the reward is the worker's (agentloop.rewards): the row's reward function, else env_reward
         return trajectory.to_output(

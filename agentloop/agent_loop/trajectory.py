@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import hashlib
 import json
 import logging
 import re
@@ -63,6 +64,13 @@ def observation_delta(
     if len(ends) <= reply:
         raise ValueError("the chat template does not end assistant turns with the tokenizer's eos token")
     return full[ends[reply] + 1 :]
+
+
+def state_digest(messages: list[dict[str, Any]]) -> str:
+    """A short digest of the messages a model turn answers: the identity of the state it was in (GiGPO's step groups,
+    ``TurnRecord.state_key``) when the environment names none."""
+    text = json.dumps(messages, sort_keys=True, ensure_ascii=False, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class Observation(NamedTuple):
@@ -123,6 +131,7 @@ class Trajectory:
         # exactly the images of the messages it keeps)
         self._message_images: dict[int, tuple[dict[str, Any], list[ProcessedImage]]] = {}
         self._remember_images(self.messages, self.images)
+        self._prompt_state = state_digest(self.messages)  # the state the first turn answers
 
     @property
     def ids(self) -> list[int]:
@@ -162,12 +171,16 @@ class Trajectory:
         return output, self.add_model_turn(output), end_after(output.finish_reason)
 
     def add_model_turn(self, output: TokenOutput) -> str:
-        """Append the engine's tokens exactly, and a record of the turn; return the turn's text (without the
-        end-of-turn token)."""
+        """Append the engine's tokens exactly, and a record of the turn with the state it answered (the observation
+        before it, or the prompt); return the turn's text (without the end-of-turn token)."""
         self.response_ids += output.token_ids
         self.response_mask += [1] * len(output.token_ids)
         self.response_logprobs += output.log_probs
-        self.turns.append(TurnRecord(model_tokens=len(output.token_ids)))
+        if self.unanswered is not None:
+            state = state_digest(self.unanswered.messages)
+        else:  # the first turn answers the prompt; a turn after a rewritten context (start_segment) is not recorded
+            state = None if self.turns else self._prompt_state
+        self.turns.append(TurnRecord(model_tokens=len(output.token_ids), state_key=state))
         self.unanswered = None
         ids = output.token_ids
         # its end-of-turn token, or another stop id of the model's (Qwen's <|endoftext|>), is no part of the text

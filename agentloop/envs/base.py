@@ -11,6 +11,9 @@ class BaseEnv:
     Subclasses implement ``step``; ``reset`` starts (or restarts) an episode. When a step raises or
     times out, the loop calls ``recover()`` if the env defines one, else ``reset()`` and replays the
     actions taken so far, then retries the step (``env.max_env_retries_per_turn`` times at most).
+    An env may define ``state_key()``: a name (any value; compared as ``str``) for its current state, read after
+    ``reset`` and after each step; turns that answer the same state form GiGPO's step groups. Without it, or when
+    it returns None, the observation's text identifies the state.
     """
 
     def __init__(self, **kwargs: Any) -> None:

@@ -168,6 +168,7 @@ class RunStore:
             **{key: record.get(key) for key in TABLE_FIELDS},
             "sample": position,
             "reward": record.get("score"),
+            "turn_rewards": record.get("turn_rewards"),  # each model turn's own (None: a dump written before them)
             "num_segments": len(segments),
             "prompt_messages": row.get("prompt"),
             "ground_truth": (row.get("reward_model") or {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) else None,

@@ -17,6 +17,9 @@ class DoneAtTurn2Env(BaseEnv):
         self.steps += 1
         return f"observation {self.steps}", self.steps == 2, {"reward": 0.5}
 
+    def state_key(self) -> str:
+        return f"position {self.steps}"
+
 
 class NeverDoneEnv(BaseEnv):
     def step(self, response_text: str):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from agentloop.tasks.arithmetic.tools import CalculatorTool
 from agentloop.tools import BaseTool, ToolResponse
 
 
@@ -36,3 +37,11 @@ class SlowCreateTool(BaseTool):
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
         return ToolResponse(text="ok"), 0.0, {}
+
+
+class SteppedCalculatorTool(CalculatorTool):
+    """The calculator, with the step reward ``config.step_reward`` for each call (per-turn rewards)."""
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
+        response, _, metrics = await super().execute(instance_id, parameters, **kwargs)
+        return response, float(self.config["step_reward"]), metrics

@@ -113,8 +113,10 @@ function buildTurn(turn, n, tokens) {
   const role = turn.role || "unknown";
   const isModel = role === "assistant";
   const spanned = tokens && isNum(turn.start) && isNum(turn.end);
+  let label = `${n + 1}. ${role}${spanned ? ` · tokens ${turn.start}–${turn.end - 1}` : ""}`;
+  if (isNum(turn.reward) && turn.reward !== 0) label += ` · reward ${fmtNumber(turn.reward)}`; // its own, if it had one
   return h("div", { class: `turn ${isModel ? "turn-model" : "turn-obs"}`, "data-role": role },
-    h("div", { class: "turn-label", text: `${n + 1}. ${role}${spanned ? ` · tokens ${turn.start}–${turn.end - 1}` : ""}` }),
+    h("div", { class: "turn-label", text: label }),
     spanned ? buildTokenSpans(tokens, turn.start, turn.end, isModel) : h("pre", { class: "turn-text", text: turn.text ?? "" }),
     ...listOf(turn.tool_calls).map(buildToolCall));
 }
