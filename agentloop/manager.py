@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import ray
 import torch
@@ -114,11 +114,16 @@ class AgentLoopManager:
         # Only the loops this batch uses travel: an unrelated registration need not be importable remotely.
         return samples, {name: registered[name] for name in names}, sampling_params(self.rollout, validate)
 
-    def stream(self, steps: Iterator[list[dict[str, Any]]], groups_per_batch: int, max_staleness: int, capacity: int, version: int = 0) -> GroupStream:
+    def stream(
+        self, steps: Iterator[list[dict[str, Any]]], groups_per_batch: int, max_staleness: int, capacity: int, version: int = 0, *,
+        keep: Callable[[RolloutBatch], bool] | None = None, max_dropped: int = 0,
+    ) -> GroupStream:
         """Roll out continuously: each item of ``steps`` is one training step's rows; finished GRPO groups wait
-        in a bounded buffer for ``GroupStream.take`` (see ``agentloop.streaming``)."""
+        in a bounded buffer for ``GroupStream.take`` (see ``agentloop.streaming``); ``keep`` drops the groups it
+        refuses as they finish (dynamic sampling)."""
         return GroupStream(
-            self.workers, self.pool, self._prepare, self._finish_batch, steps, groups_per_batch, max_staleness, capacity, version
+            self.workers, self.pool, self._prepare, self._finish_batch, steps, groups_per_batch, max_staleness, capacity, version,
+            keep=keep, max_dropped=max_dropped,
         )
 
     def _check_failures(self, batch: RolloutBatch) -> None:

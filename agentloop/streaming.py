@@ -14,6 +14,11 @@ back padded once all of its samples are done, into a bounded buffer that ``take`
 
 A group may still finish later than its step (a slow tool call while other groups overtake it); one that
 ``take`` finds older than its ``min_version`` is dropped and its row regenerated, never trained on.
+
+With a ``keep`` check (dynamic sampling: the trainer's ``algorithm.filter_groups``), a finished group it refuses is
+dropped at once and gives its place among the steps' groups to a new one, so every batch still holds
+``groups_per_batch`` kept groups; once ``max_dropped`` groups were dropped while a batch waits, ``take`` returns the
+kept groups it has, if any.
 """
 
 from __future__ import annotations
@@ -67,13 +72,15 @@ class GroupStream:
     ``steps`` yields one training step's rows at a time, which ``prepare`` turns into samples; ``take`` returns
     the next ``groups_per_batch``-sized batch of finished groups, given its failure check and metrics by
     ``finish_batch(batch, stats, elapsed_s)``; ``set_version`` tells the stream which policy the servers hold.
-    A dead worker is replaced through ``workers``, a dead server through ``servers``.
+    A dead worker is replaced through ``workers``, a dead server through ``servers``. ``keep(group_batch)``, when
+    given, decides whether a finished group is trained on (see the module docstring; ``max_dropped`` <= 0: no limit).
     """
 
     def __init__(
         self, workers: WorkerPool, servers: ServerPool, prepare: Callable[[list[dict[str, Any]]], Prepared],
         finish_batch: Callable[[RolloutBatch, RouterStats, float], RolloutBatch], steps: Iterator[list[dict[str, Any]]],
-        groups_per_batch: int, max_staleness: int, capacity: int, version: int = 0,
+        groups_per_batch: int, max_staleness: int, capacity: int, version: int = 0, *,
+        keep: Callable[[RolloutBatch], bool] | None = None, max_dropped: int = 0,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
@@ -89,6 +96,8 @@ class GroupStream:
         self.groups_per_batch = groups_per_batch
         self.max_staleness = max_staleness
         self.capacity = capacity
+        self._keep = keep
+        self.max_dropped = max_dropped
         self.version = version  # the policy version the servers hold
         self._first_version = version
         self._steps = steps
@@ -101,6 +110,8 @@ class GroupStream:
         self._buffer: list[tuple[Group, RolloutBatch]] = []
         self._stats: list[RouterStats] = []
         self._regenerated = 0
+        self._finished = 0  # groups finished since the last take (kept or not)
+        self._dropped = 0  # of those, the groups keep refused
         self._holds = 0
         self._last_take = time.perf_counter()
         self._error: BaseException | None = None
@@ -113,7 +124,8 @@ class GroupStream:
 
     def take(self, min_version: int, timeout_s: float) -> RolloutBatch:
         """The next batch: ``groups_per_batch`` finished groups, in the order they finished, none with a token
-        older than ``min_version`` (older ones are dropped and regenerated); waits up to ``timeout_s``."""
+        older than ``min_version`` (older ones are dropped and regenerated); waits up to ``timeout_s``. Fewer groups
+        (at least one) once ``max_dropped`` groups were dropped by ``keep`` meanwhile."""
         self.servers.check()  # a server that died is replaced (its sessions were re-homed already)
         deadline = time.monotonic() + timeout_s
         with self._changed:
@@ -123,22 +135,33 @@ class GroupStream:
                 self._drop_older_than(min_version)
                 if len(self._buffer) >= self.groups_per_batch:
                     break
+                if self._buffer and 0 < self.max_dropped <= self._dropped:
+                    logger.warning(
+                        "dynamic sampling dropped %d groups while a batch waited, the limit (algorithm.filter_groups."
+                        "max_num_gen_batches x data.train_batch_size): training on the %d kept groups there are",
+                        self._dropped, len(self._buffer),
+                    )
+                    break
                 if not (self._steps_left or self._queued or self._in_flight):
                     raise RuntimeError(f"the rows ran out: {len(self._buffer)} finished groups left, a batch needs {self.groups_per_batch}")
                 if deadline <= time.monotonic():
                     raise TimeoutError(
                         f"timed out after {timeout_s:.0f}s waiting for {self.groups_per_batch} finished groups ({len(self._buffer)} "
-                        f"ready, {len(self._in_flight)} in flight; actor_rollout_ref.rollout.generate_timeout_s)"
+                        f"ready, {len(self._in_flight)} in flight, {self._dropped} dropped by dynamic sampling; "
+                        "actor_rollout_ref.rollout.generate_timeout_s)"
                     )
                 self._changed.wait(min(1.0, deadline - time.monotonic()))
             taken, self._buffer = self._buffer[: self.groups_per_batch], self._buffer[self.groups_per_batch :]
             stats, self._stats = RouterStats.merge(self._stats) if self._stats else RouterStats([]), []
             regenerated, self._regenerated = self._regenerated, 0
+            finished, self._finished, dropped, self._dropped = self._finished, 0, self._dropped, 0
             buffered = len(self._buffer)
             self._changed.notify_all()
         now = time.perf_counter()
         batch = self._finish_batch(RolloutBatch.concat([group_batch for _, group_batch in taken]), stats, now - self._last_take)
         batch.meta_info.update({"async/regenerated_groups": regenerated, "async/buffered_groups": buffered})
+        if self._keep is not None:
+            batch.meta_info.update({"dynamic_sampling/finished_groups": finished, "dynamic_sampling/dropped_groups": dropped})
         self._last_take = now
         return batch
 
@@ -270,6 +293,11 @@ class GroupStream:
                     raise result
                 group = self._in_flight.pop(group_id)
                 result.non_tensor_batch["policy_version"] = object_array([group.version] * len(result))
+                self._finished += 1
+                if self._keep is not None and not self._keep(result):
+                    self._dropped += 1
+                    self._started -= 1  # its place among the steps' groups goes to the new group that replaces it
+                    continue
                 self._buffer.append((group, result))
             self._changed.notify_all()
 

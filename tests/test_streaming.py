@@ -92,6 +92,29 @@ def test_the_stream_runs_ahead_within_the_bound_and_regenerates_late_groups(mana
         stream.stop()
 
 
+def test_groups_the_keep_check_refuses_are_dropped_and_replaced(manager, caplog):
+    """Dynamic sampling's side of the stream: a refused group gives its place among the steps' groups to a new one (else
+    the staleness gate, counting it, would hold back the group that completes the batch), and once ``max_dropped``
+    groups were dropped while a batch waits, ``take`` returns the kept groups there are."""
+    stream = manager.stream(
+        iter([[row(step, 0), row(step, 1)] for step in range(3)]), groups_per_batch=2, max_staleness=0, capacity=4, version=0,
+        keep=lambda group: not str(group.non_tensor_batch["index"][0]).endswith(".1"), max_dropped=2,
+    )
+    try:
+        # version 0 admits step 0's two groups only; 0.1 is dropped, and 1.0 takes its place while 0.0 waits out its delay
+        batch = stream.take(min_version=0, timeout_s=60)
+        assert sorted(name for name, _, _ in groups_of(batch)) == ["0.0", "1.0"]
+        assert (batch.meta_info["dynamic_sampling/dropped_groups"], batch.meta_info["dynamic_sampling/finished_groups"]) == (1, 3)
+        stream.set_version(1)  # admits step 1's second group (no weights pushed: the tokens stay of version 0)
+        # 1.1 and 2.1 are dropped too: the limit, with 2.0 alone kept
+        batch = stream.take(min_version=0, timeout_s=60)
+        assert [name for name, _, _ in groups_of(batch)] == ["2.0"] and batch.meta_info["dynamic_sampling/dropped_groups"] == 2
+        assert "dynamic sampling dropped 2 groups while a batch waited" in caplog.text
+        assert stream.untrained_rows() == (3, []), "dropped rows are not replayed after a resume"
+    finally:
+        stream.stop()
+
+
 def test_a_worker_that_dies_mid_stream_is_replaced_and_its_groups_run_again(manager):
     restarts = manager.workers.restarts
     stream = manager.stream(iter([[row(0, 0), row(0, 1)]]), groups_per_batch=2, max_staleness=0, capacity=2, version=0)

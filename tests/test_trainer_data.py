@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 
 import pytest
 
@@ -84,6 +85,22 @@ def test_batch_sampler_replays_rows_handed_out_but_not_trained():
     assert resumed.state(handed_out=3, untrained=[7]) == {"sampler_position": 4, "untrained_rows": [7]}
     with pytest.raises(ValueError, match="3 rows to train, not whole batches of data.train_batch_size=2"):
         resumed.restore({"sampler_position": 0, "untrained_rows": [1, 2, 3]})
+
+
+def test_batch_sampler_replays_a_short_batch_for_readers_that_take_rows_as_they_come():
+    """Dynamic sampling drops rows it generated: an async run's checkpoint may leave rows to replay that are not
+    whole batches; the last replayed batch goes out short, then the order continues where it was."""
+    sampler = BatchSampler(12, 4, shuffle=False, size_key="data.gen_batch_size")
+    state = {"sampler_position": 2, "untrained_rows": [5, 6, 7, 0, 1]}
+    with pytest.raises(ValueError, match="5 rows to train, not whole batches of data.gen_batch_size=4"):
+        sampler.restore(state)
+    sampler.restore(state, partial_replay=True)
+    assert list(sampler.batches(3)) == [[5, 6, 7, 0], [1], [8, 9, 10, 11]]
+    assert list(itertools.islice(sampler.batches(None), 5))[3:] == [[0, 1, 2, 3], [4, 5, 6, 7]], "None: epoch after epoch"
+    # saved after the short batch went out: nothing left to replay, the order goes on after batch 2
+    assert sampler.state(handed_out=2, untrained=[1]) == {"sampler_position": 2, "untrained_rows": [1]}
+    assert sampler.state(handed_out=3) == {"sampler_position": 3, "untrained_rows": []}
+    assert sampler.state(handed_out=1) == {"sampler_position": 2, "untrained_rows": [1]}
 
 
 def test_main_job_config_builds_its_data_on_first_use(tmp_path, monkeypatch):

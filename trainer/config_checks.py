@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from agentloop.config import check_known_keys, config_keys
 from agentloop.config_keys import ALWAYS_ON
 from trainer import algorithms
+from trainer.overlong import OverlongBuffer
 from trainer.rollout_correction import RolloutCorrection
 
 
@@ -37,6 +38,7 @@ def check_config(config: DictConfig) -> None:
     if buffer is not None and int(buffer) < batch:
         raise ValueError(f"async_training.buffer_groups={buffer} cannot hold one batch of {batch} GRPO groups (data.train_batch_size); "
                          f"set it to at least {batch}, or null for (1 + max_staleness) batches")
+    _check_dynamic_sampling(config)
     if not config.data.train_files:
         raise ValueError("data.train_files is empty: name one or more .parquet / .jsonl files")
     ranks = world_size(config)
@@ -97,6 +99,19 @@ def _check_losses(config: DictConfig) -> None:
     if actor.get("loss_scale_factor") is not None and not float(actor.loss_scale_factor) > 0:
         raise ValueError(f"actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor} must be > 0, or null for the response length")
     RolloutCorrection.from_config(config)
+
+
+def _check_dynamic_sampling(config: DictConfig) -> None:
+    """``data.gen_batch_size`` (only with dynamic sampling) and ``reward_model.overlong_buffer``."""
+    generation, batch = config.data.gen_batch_size, int(config.data.train_batch_size)
+    if generation is not None and int(generation) <= 0:
+        raise ValueError(f"data.gen_batch_size={generation} must be positive (rows per generation batch), or null")
+    if generation is not None and int(generation) != batch and not config.algorithm.filter_groups.enable:
+        raise ValueError(
+            f"data.gen_batch_size={generation} differs from data.train_batch_size={batch}: a generation batch of another "
+            "size needs dynamic sampling (algorithm.filter_groups.enable=true), which keeps train_batch_size of its groups"
+        )
+    OverlongBuffer.from_config(config)
 
 
 def _check_verl_settings(config: DictConfig) -> None:

@@ -80,13 +80,17 @@ class BatchSampler:
     ``batches(count)`` reads the next batches without moving; ``state(handed_out, untrained)`` is what a
     checkpoint records once some of them went out, and ``restore`` continues from it with the same order.
     Rows handed out but not trained (an async run's stream generates ahead) are replayed first, so a
-    resumed run trains every row exactly once. A last partial batch of an epoch is dropped.
+    resumed run trains every row exactly once; dynamic sampling, which drops rows it generated, may leave a
+    last replayed batch short. A last partial batch of an epoch is dropped. ``size_key`` names the batch size's
+    config key in errors.
     """
 
-    def __init__(self, num_rows: int, batch_size: int, *, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(
+        self, num_rows: int, batch_size: int, *, shuffle: bool = True, seed: int = 0, size_key: str = "data.train_batch_size"
+    ) -> None:
         if batch_size > num_rows:
-            raise ValueError(f"data.train_batch_size={batch_size} is larger than the dataset ({num_rows} rows)")
-        self.num_rows, self.batch_size, self.shuffle, self.seed = num_rows, batch_size, shuffle, seed
+            raise ValueError(f"{size_key}={batch_size} is larger than the dataset ({num_rows} rows)")
+        self.num_rows, self.batch_size, self.shuffle, self.seed, self.size_key = num_rows, batch_size, shuffle, seed, size_key
         self.position = 0  # batches of the order handed out before
         self.replay: list[int] = []  # rows to hand out first, whole batches
         self.batches_per_epoch = num_rows // batch_size
@@ -102,8 +106,9 @@ class BatchSampler:
         epoch, batch = divmod(position, self.batches_per_epoch)
         return self._order(epoch)[batch * self.batch_size : (batch + 1) * self.batch_size]
 
-    def batches(self, count: int) -> Iterator[list[int]]:
-        """The next ``count`` batches of row indices: the replayed rows first, then the order."""
+    def batches(self, count: int | None) -> Iterator[list[int]]:
+        """The next ``count`` batches of row indices (None: without end, epoch after epoch): the replayed rows
+        first, then the order."""
         replayed = [self.replay[start : start + self.batch_size] for start in range(0, len(self.replay), self.batch_size)]
         ordered = (self.batch(self.position + k) for k in itertools.count())
         return itertools.islice(itertools.chain(replayed, ordered), count)
@@ -111,18 +116,20 @@ class BatchSampler:
     def state(self, handed_out: int, untrained: Sequence[int] = ()) -> dict[str, Any]:
         """The checkpoint's data state once ``handed_out`` of ``batches``' batches went out and the rows
         ``untrained`` of them have not been trained yet."""
-        replayed = len(self.replay) // self.batch_size
+        replayed = -(-len(self.replay) // self.batch_size)  # batches, the last one possibly short
         return {
             "sampler_position": self.position + max(0, handed_out - replayed),
             "untrained_rows": [*untrained, *self.replay[handed_out * self.batch_size :]],
         }
 
-    def restore(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's ``state`` (older checkpoints have no ``untrained_rows``)."""
+    def restore(self, state: dict[str, Any], partial_replay: bool = False) -> None:
+        """Continue from a checkpoint's ``state`` (older checkpoints have no ``untrained_rows``); with
+        ``partial_replay`` (a reader that takes rows as they come: a stream, dynamic sampling) the rows to replay
+        need not make whole batches."""
         replay = [int(index) for index in state.get("untrained_rows", [])]
-        if len(replay) % self.batch_size:
+        if len(replay) % self.batch_size and not partial_replay:
             raise ValueError(
-                f"the checkpoint left {len(replay)} rows to train, not whole batches of data.train_batch_size="
+                f"the checkpoint left {len(replay)} rows to train, not whole batches of {self.size_key}="
                 f"{self.batch_size}: resume with the batch size it was saved with"
             )
         self.position, self.replay = int(state["sampler_position"]), replay

@@ -6,11 +6,12 @@ whatever its ``hydra.searchpath`` says, verl's other keys are accepted (those th
 listed in one warning), and an unknown key fails with the closest known keys named.
 
 One step (``RayPPOTrainer.step``, then ``learn``): rows → ``AgentLoopManager.generate_sequences`` (rollouts,
-rewards in ``rm_scores``) → servers sleep (``rollout.free_cache_engine``) → plan where the old log-probs come
+rewards in ``rm_scores``; with ``algorithm.filter_groups``, more generation batches until enough groups with a
+signal) → servers sleep (``rollout.free_cache_engine``) → plan where the old log-probs come
 from (``StepPlan``) → score: old log-probs (unless the one update step scores them itself), reference
-log-probs, KL in the reward if asked, rollout correction (``algorithm.rollout_correction``) → advantages
-(GRPO, or GAE on the critic's values) → updates: critic, then policy → full weights pushed to every rollout
-server → servers wake.
+log-probs, overlong penalty and KL in the reward if asked, rollout correction (``algorithm.rollout_correction``) →
+advantages (GRPO, or GAE on the critic's values) → overlong filtering if asked → updates: critic, then policy → full
+weights pushed to every rollout server → servers wake.
 Checkpoints every ``trainer.save_freq`` steps; ``trainer.resume_mode=auto`` continues from the newest one.
 """
 
@@ -21,9 +22,10 @@ import functools
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import hydra
 import numpy as np
@@ -46,9 +48,11 @@ from agentloop.waiting import wait_for
 from trainer import algorithms, checkpoint
 from trainer.config_checks import check_config, warn_ignored_keys, world_size
 from trainer.data import BatchSampler, load_dataset
+from trainer.dynamic_sampling import GroupFilter, group_uids, trainable_groups
 from trainer.fsdp_workers import needs_reference, push_weights, rank_gpus, start_workers
 from trainer.micro_batches import split_trajectories, trajectory_sizes
 from trainer.async_training import async_settings, staleness_metrics
+from trainer.overlong import OverlongBuffer, mask_length_ended
 from trainer.rollout_correction import RolloutCorrection, correct_batch, old_log_probs_in_update
 from trainer.rollout_dump import RolloutDumps
 from trainer.tracking import Tracking, plot, summarize
@@ -73,7 +77,14 @@ class RayPPOTrainer:
         self.rows = self._load(config.data.train_files)
         self.val_rows = self._load(config.data.val_files) if config.data.val_files else []
         check_job(config, {"train": self.rows, "validation": self.val_rows})
-        self.sampler = BatchSampler(len(self.rows), int(config.data.train_batch_size), shuffle=config.data.shuffle, seed=config.data.seed)
+        self.group_filter = GroupFilter.from_config(config)  # dynamic sampling (None: off)
+        self.overlong = OverlongBuffer.from_config(config)  # the overlong penalty (None: off)
+        # rows per generation batch: verl's data.gen_batch_size (dynamic sampling), else the training batch's
+        generation = "gen_batch_size" if config.data.gen_batch_size is not None else "train_batch_size"
+        self.sampler = BatchSampler(
+            len(self.rows), int(config.data[generation]), shuffle=config.data.shuffle, seed=config.data.seed,
+            size_key=f"data.{generation}",
+        )
         self.total_steps = int(config.trainer.total_training_steps or self.sampler.batches_per_epoch * int(config.trainer.total_epochs))
         self.world_size = world_size(config)
         if not ray.is_initialized():  # only now: config and data errors need no cluster
@@ -84,7 +95,7 @@ class RayPPOTrainer:
         self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
         self.max_staleness, self.partial_rollout, self.correction = async_settings(config, RolloutCorrection.from_config(config))
         self.stream: GroupStream | None = None  # the rollouts running ahead of training, while an async run fits
-        self.fit_from_step = 0  # the step the current fit started after (a resume's checkpoint)
+        self.handed_out = 0  # batches the sampler handed out to synchronous steps since the fit (or resume) began
         self.dumps = RolloutDumps(config.trainer.rollout_data_dir, self.tokenizer) if config.trainer.rollout_data_dir else None
 
         with tqdm(total=2, desc="starting rollout servers and agent-loop workers", bar_format=STARTUP_BAR) as startup:
@@ -138,14 +149,63 @@ class RayPPOTrainer:
         push_weights(self.workers, self.manager, float(self.config.trainer.step_timeout_s), version)
         return time.perf_counter() - start
 
-    def step(self, step: int, indices: list[int]) -> dict[str, float]:
-        """One rollout, update and weight push; returns the step's metrics."""
+    def step(self, step: int, batches: Iterator[list[int]]) -> dict[str, float]:
+        """One rollout of the next of ``batches`` (with dynamic sampling, of as many as it takes), update and weight
+        push; returns the step's metrics."""
         start, busy = time.perf_counter(), self.manager.pool.busy_s()
-        rollout = self.manager.generate_sequences([self.rows[i] for i in indices])
+        if self.group_filter is None:
+            rollout, sampling = self.manager.generate_sequences(self._draw(batches)), {}
+        else:
+            rollout, sampling = self._sample_dynamically(step, batches)
         gen = time.perf_counter() - start
         if self.config.actor_rollout_ref.rollout.free_cache_engine:
             self.manager.sleep()
-        return {**self.learn(step, rollout, start, gen), "perf/idle_share/servers": self.manager.pool.idle_share_since(busy, start)}
+        metrics = self.learn(step, rollout, start, gen) if rollout is not None else self._skip(step, start, gen)
+        return {**metrics, **sampling, "perf/idle_share/servers": self.manager.pool.idle_share_since(busy, start)}
+
+    def _draw(self, batches: Iterator[list[int]]) -> list[dict[str, Any]]:
+        """The rows of the sampler's next batch (counted: the checkpoint's data state continues after it)."""
+        self.handed_out += 1
+        return [self.rows[index] for index in next(batches)]
+
+    def _sample_dynamically(self, step: int, batches: Iterator[list[int]]) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """Dynamic sampling, synchronously: generation batches, each without its groups whose metric does not vary,
+        until they hold ``data.train_batch_size`` groups (the first that many are kept, as verl does) or
+        ``max_num_gen_batches`` were made (then the groups there are: as many as split over the ranks); None when no
+        group is left to train."""
+        wanted, limit = int(self.config.data.train_batch_size), self.group_filter.max_num_gen_batches
+        kept: list[RolloutBatch] = []
+        groups = made = dropped = 0
+        while groups < wanted:
+            if 0 < limit <= made:
+                warnings.warn(
+                    f"step {step}: after {made} generation batches (algorithm.filter_groups.max_num_gen_batches={limit}), "
+                    f"{groups} of the {wanted} groups a batch holds have a {self.group_filter.metric} that varies: training on those",
+                    stacklevel=2,
+                )
+                break
+            informative, groups_dropped = self.group_filter.keep(self.manager.generate_sequences(self._draw(batches)))
+            made, dropped = made + 1, dropped + groups_dropped
+            if informative is not None:
+                kept.append(informative)
+                groups += len(group_uids(informative))
+        rollout, surplus = trainable_groups(RolloutBatch.concat(kept), wanted, self.world_size) if kept else (None, 0)
+        return rollout, {
+            "dynamic_sampling/generation_batches": made,
+            "dynamic_sampling/dropped_groups": dropped,
+            "dynamic_sampling/surplus_groups": surplus,  # groups with a signal beyond the batch (or the ranks' split)
+            "dynamic_sampling/kept_groups": len(group_uids(rollout)) if rollout is not None else 0,
+        }
+
+    def _skip(self, step: int, start: float, waited_s: float) -> dict[str, float]:
+        """A step that dynamic sampling left nothing to train: the policy stays as it is, and is pushed as version
+        ``step`` all the same (versions count steps); returns the step's timings."""
+        warnings.warn(
+            f"step {step}: dynamic sampling (algorithm.filter_groups) left no group to train; the policy is not updated "
+            "this step", stacklevel=2,
+        )
+        push_s, waited_s = self._push(step, waited_s)
+        return {"timing_s/gen": waited_s, "timing_s/weight_push": push_s, "timing_s/step": time.perf_counter() - start}
 
     def learn(self, step: int, rollout: RolloutBatch, start: float, waited_s: float) -> dict[str, float]:
         """Train policy version ``step - 1`` on ``rollout`` and push the result; returns the step's metrics.
@@ -155,10 +215,14 @@ class RayPPOTrainer:
         """
         if "policy_version" not in rollout.non_tensor_batch:  # synchronous: generated by the policy about to train
             rollout.non_tensor_batch["policy_version"] = object_array([step - 1] * len(rollout))
+        # the overlong penalty joins the score itself (verl's token-level scores): metrics, dumps and estimators see it
+        metrics = self.overlong.shape(rollout) if self.overlong is not None else {}
         plan = self._plan(step, rollout)
-        batch, metrics = rollout.batch.clone(), {}
+        batch = rollout.batch.clone()
         rewards = self._score(plan, batch, metrics)
         self._advantages(rollout, batch, rewards, metrics)
+        if self.config.algorithm.overlong_filtering:  # after the advantages: the group statistics still count them
+            metrics.update(mask_length_ended(rollout, batch))
         self._update(plan, batch, metrics)
         timing = {"gen": waited_s, "train": time.perf_counter() - start - waited_s}  # train: scoring passes and updates
         timing["weight_push"], waited_s = self._push(step, waited_s)
@@ -298,15 +362,16 @@ class RayPPOTrainer:
             step,
             lambda shards, hf: self._wait([w.save_checkpoint.remote(str(shards), str(hf)) for w in self.workers], "the checkpoint save"),
             self.tokenizer,
-            {**self._data_state(step), "kl_coef": self.kl_coef},
+            {**self._data_state(), "kl_coef": self.kl_coef},
             int(self.config.trainer.max_actor_ckpt_to_keep or 0),
         )
 
-    def _data_state(self, step: int) -> dict[str, Any]:
-        """Where the data continues after ``step``: past the batches handed out, with the rows of those that
-        were not trained yet (an async run's stream generates ahead) to replay first."""
+    def _data_state(self) -> dict[str, Any]:
+        """Where the data continues: past the batches handed out (a synchronous step may take several: dynamic
+        sampling), with the rows of those that were not trained yet (an async run's stream generates ahead) to replay
+        first."""
         if self.stream is None:
-            return self.sampler.state(step - self.fit_from_step)
+            return self.sampler.state(self.handed_out)
         handed_out, rows = self.stream.untrained_rows()
         position = {id(row): index for index, row in enumerate(self.rows)}
         return self.sampler.state(handed_out, [position[id(row)] for row in rows])
@@ -318,7 +383,7 @@ class RayPPOTrainer:
             return 0
         state = checkpoint.read_trainer_state(directory)
         self._wait([w.load_checkpoint.remote(str(directory / checkpoint.WORKERS)) for w in self.workers], "the checkpoint load")
-        self.sampler.restore(state)
+        self.sampler.restore(state, partial_replay=self.group_filter is not None)
         self.kl_coef = float(state.get("kl_coef", self.kl_coef))
         # the servers start from the base model: give them the restored policy
         self._push_weights(int(state["step"]))
@@ -336,15 +401,21 @@ class RayPPOTrainer:
         try:
             if self.val_rows and trainer.val_before_train and done == 0:
                 tracking.log(self._validate_showing(progress), step=0)
-            self.fit_from_step = done
-            batches = self.sampler.batches(self.total_steps - done)
+            self.handed_out = 0
+            # dynamic sampling draws rows beyond one batch per step: on into later epochs as far as it takes
+            batches = self.sampler.batches(None if self.group_filter is not None else self.total_steps - done)
             if self.max_staleness:
                 steps = ([self.rows[i] for i in indices] for indices in batches)
                 groups = int(self.config.data.train_batch_size)  # one GRPO group per row
                 buffer = int(self.config.async_training.buffer_groups or (1 + self.max_staleness) * groups)
-                self.stream = self.manager.stream(steps, groups, self.max_staleness, buffer, version=done)
+                keep, max_dropped = None, 0
+                if self.group_filter is not None:  # groups dropped as they finish, up to max_num_gen_batches batches' worth a step
+                    keep, max_dropped = self.group_filter.keeps, max(0, self.group_filter.max_num_gen_batches) * groups
+                self.stream = self.manager.stream(
+                    steps, groups, self.max_staleness, buffer, version=done, keep=keep, max_dropped=max_dropped
+                )
             for step in range(done + 1, self.total_steps + 1):
-                metrics = self.step(step, next(batches)) if self.stream is None else self._learn_streamed(step)
+                metrics = self.step(step, batches) if self.stream is None else self._learn_streamed(step)
                 last = step == self.total_steps
                 if self.val_rows and int(trainer.test_freq) > 0 and (step % int(trainer.test_freq) == 0 or last):
                     metrics.update(self._validate_showing(progress))  # beside the stream's rollouts, if any
@@ -366,11 +437,19 @@ class RayPPOTrainer:
         return tracking.history
 
     def _learn_streamed(self, step: int) -> dict[str, float]:
-        """An async step: train on the first groups the stream finished (none older than the staleness bound)."""
+        """An async step: train on the first groups the stream finished (none older than the staleness bound; with
+        dynamic sampling, none whose metric does not vary)."""
         start, busy = time.perf_counter(), self.manager.pool.busy_s()
         rollout = self.stream.take(step - 1 - self.max_staleness, float(self.config.actor_rollout_ref.rollout.generate_timeout_s))
-        metrics = self.learn(step, rollout, start, waited_s=time.perf_counter() - start)
-        return {**metrics, "perf/idle_share/servers": self.manager.pool.idle_share_since(busy, start)}
+        waited_s, sampling = time.perf_counter() - start, {}
+        if self.group_filter is not None:  # a batch short of groups (the drop limit) trains as many as split over the ranks
+            rollout, surplus = trainable_groups(rollout, int(self.config.data.train_batch_size), self.world_size)
+            sampling = {
+                "dynamic_sampling/surplus_groups": surplus,
+                "dynamic_sampling/kept_groups": len(group_uids(rollout)) if rollout is not None else 0,
+            }
+        metrics = self.learn(step, rollout, start, waited_s) if rollout is not None else self._skip(step, start, waited_s)
+        return {**metrics, **sampling, "perf/idle_share/servers": self.manager.pool.idle_share_since(busy, start)}
 
     def _validate_showing(self, progress: tqdm) -> dict[str, float]:
         progress.set_description(f"validating on {len(self.val_rows)} rows")
