@@ -172,7 +172,15 @@ def greedy(manager):
 
 @pytest.fixture(scope="module")
 def sampled(manager):
-    """Sampled at temperature 1: the replies are random, and their rollout logprobs are the model's own."""
+    """Sampled at temperature 1: the replies are random, and their rollout logprobs are the model's own. A random reply
+    may call a tool the program does not have, which the Agents SDK raises on (its sample fails, and the manager refuses
+    the batch): such a batch is drawn again."""
+    for _ in range(3):
+        try:
+            return rollout(manager, validate=False)
+        except RuntimeError as error:
+            if "ModelBehaviorError" not in str(error):
+                raise
     return rollout(manager, validate=False)
 
 
