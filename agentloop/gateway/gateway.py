@@ -12,6 +12,7 @@ requests 4xx (OpenAI's error shape), a call past the session's token budget 400 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import secrets
@@ -64,6 +65,11 @@ class Gateway:
         self.template_kwargs = dict(config.data.get("apply_chat_template_kwargs") or {})
         self.parse_tool_calls = get_parser(self.rollout.multi_turn.format)
         self.spell = token_bytes(tokenizer)
+        # read once: resolving the config's interpolations costs a millisecond or two, and would for every session
+        self.limits = SessionLimits(
+            budget=int(self.rollout.response_length), prompt_length=int(self.rollout.prompt_length),
+            max_model_len=max_model_len(self.rollout), max_tokens_per_call=None, deadline=0.0,
+        )
         self.sessions: dict[str, Session] = {}
         self.url = ""
         self._started: asyncio.Task | None = None
@@ -84,11 +90,7 @@ class Gateway:
         sample = Router.current_sample()
         if sample is None:
             raise RuntimeError("Gateway.open must be called from a sample's agent loop (within Router.running_sample)")
-        limits = SessionLimits(
-            budget=int(self.rollout.response_length), prompt_length=int(self.rollout.prompt_length),
-            max_model_len=max_model_len(self.rollout), max_tokens_per_call=max_tokens_per_call,
-            deadline=time.monotonic() + timeout_s,
-        )
+        limits = dataclasses.replace(self.limits, max_tokens_per_call=max_tokens_per_call, deadline=time.monotonic() + timeout_s)
         session = Session(
             secrets.token_urlsafe(24), secrets.token_urlsafe(24), sample, dict(sampling_params), limits, self.tokenizer,
             self.template_kwargs,
@@ -146,7 +148,7 @@ class Gateway:
             if body.stream:
                 include_usage = bool((body.stream_options or {}).get("include_usage"))
                 return StreamingResponse(_as_events(completion, include_usage), media_type="text/event-stream")
-            return completion
+            return JSONResponse(completion)  # (plain JSON already: FastAPI's own encoding of a returned dict costs more)
 
         return app
 

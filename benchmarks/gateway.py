@@ -1,0 +1,257 @@
+"""Session gateway overhead: the same turns as direct ``Router.generate`` calls and as OpenAI chat completions
+through gateway sessions.
+
+    python -m benchmarks.gateway [--calls 100] [--tokens 8] [--turns 5] [--sessions 64] [--session-calls 3] [--repeats 3]
+
+One ``hf`` server on one CPU thread, the routers and the gateway in this process (as in an agent-loop worker), the
+tiny default model, every turn exactly ``--tokens`` new tokens (``ignore_eos``). (a) ``router.generate`` of the turn's
+context ids, rendered beforehand; (b) the same conversation posted to ``/chat/completions`` of a session opened by
+``gateway_for`` + ``Gateway.open`` (an ``httpx`` client on a keep-alive connection): the gateway renders the messages,
+records the call, generates through its own router and answers in OpenAI's shape. Pairs alternate which path goes
+first (the second of a pair finds the prompt in the engine's prefix cache). Single-turn: ``--calls`` pairs of one call
+each. Multi-turn: conversations of ``--turns`` calls, each adding a user message after the reply (the gateway appends
+its template delta); its figures are over the extending calls (2nd onwards), at least ``--calls`` of them.
+
+The overhead per call (target <= 5 ms): median (b) minus median (a), and the median of the per-call differences; both
+carry the engine's noise, which on a shared machine is larger than the overhead. Without it: ``own``, (b) less the
+``generate`` of the gateway's router within that call, split into the handler's work (``Gateway._complete`` less that
+``generate``: rendering or delta, the reply decoded, the records) and HTTP (the call as the client times it less
+``Gateway._complete``: client, uvicorn, FastAPI, JSON both ways).
+
+Then ``--sessions`` conversations of ``--session-calls`` calls at once on two servers, through the gateway and
+directly through one router, ``--repeats`` times interleaved: calls/s of each (medians) and b/a; every session's
+recorded trajectory is checked to be its own conversation exactly (no tokens of another session).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import ray
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from agentloop.agent_loop.trajectory import observation_delta
+from agentloop.config import compose_config
+from agentloop.gateway import Gateway, Session, gateway_for
+from agentloop.router import Router
+from agentloop.server.rollout_server import RolloutServer
+
+THREADS = 1  # per server: two servers share the two cores with this process, which serves the gateway
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def conversation_texts(tag: str, calls: int) -> list[str]:
+    """The user message of each call of conversation ``tag``: its own words, so a session's tokens name it."""
+    return [f"conversation {tag}, question {k}: what comes next?" for k in range(calls)]
+
+
+class Paths:
+    """The two ways to run a conversation (one user message per call), each returning every call's seconds."""
+
+    def __init__(
+        self, router: Router, gateway: Gateway, tokenizer: PreTrainedTokenizerBase, params: dict[str, Any], clients: int
+    ) -> None:
+        self.router, self.gateway, self.tokenizer, self.params = router, gateway, tokenizer, params
+        # a client per session at once, as each agent has its own: one client's pool of many connections costs
+        # httpcore time quadratic in them (at 64 sessions it, not the gateway, would be measured)
+        self.idle_clients = [httpx.AsyncClient(timeout=120) for _ in range(clients)]
+        self.sessions: list[tuple[Session, list[str], list[dict[str, Any]]]] = []  # kept for the leakage check
+
+    async def direct(self, tag: str, texts: list[str]) -> list[float]:
+        """(a) The context ids of each call built as the gateway records them (the first message rendered, then after
+        each reply its eos and the next message's template delta), computed before the call is timed."""
+        eos = self.tokenizer.eos_token_id
+        ids = list(self.tokenizer.apply_chat_template([user(texts[0])], add_generation_prompt=True, return_dict=False))
+        seconds = []
+        with Router.running_sample(tag):
+            for k in range(len(texts)):
+                if k:
+                    ids += ([] if ids[-1] == eos else [eos]) + observation_delta(self.tokenizer, [user(texts[k])])
+                start = time.perf_counter()
+                output = await self.router.generate(tag, ids, dict(self.params))
+                seconds.append(time.perf_counter() - start)
+                assert len(output.token_ids) == self.params["max_new_tokens"], output
+                ids += output.token_ids
+        return seconds
+
+    async def through_gateway(self, tag: str, texts: list[str]) -> list[float]:
+        """(b) A session of the conversation: each call sends the messages so far, the replies as returned."""
+        with Router.running_sample(tag):
+            session = self.gateway.open(self.params, timeout_s=600, max_tokens_per_call=None)
+        url, headers = self.gateway.base_url(session) + "/chat/completions", {"Authorization": f"Bearer {session.api_key}"}
+        messages: list[dict[str, Any]] = []
+        completions, seconds = [], []
+        client = self.idle_clients.pop()
+        try:
+            for text in texts:
+                messages.append(user(text))
+                start = time.perf_counter()
+                response = await client.post(url, headers=headers, json={"model": "m", "messages": messages})
+                seconds.append(time.perf_counter() - start)
+                response.raise_for_status()
+                completion = response.json()
+                assert len(completion["choices"][0]["token_ids"]) == self.params["max_new_tokens"], completion
+                completions.append(completion)
+                messages.append({"role": "assistant", "content": completion["choices"][0]["message"]["content"]})
+        finally:
+            self.idle_clients.append(client)
+            self.gateway.close(session)
+        self.sessions.append((session, texts, completions))
+        return seconds
+
+
+def check_own_trajectories(tokenizer: PreTrainedTokenizerBase, sessions: list[tuple[Session, list[str], list[dict]]]) -> None:
+    """Each session recorded exactly its own conversation: its first message rendered, then per call the tokens the
+    gateway returned for it and the eos and template delta of its own next message, and each call's context as the
+    gateway returned it."""
+    eos = tokenizer.eos_token_id
+    for session, texts, completions in sessions:
+        trajectory = session.trajectory
+        expected = list(tokenizer.apply_chat_template([user(texts[0])], add_generation_prompt=True, return_dict=False))
+        assert trajectory.prompt_ids == expected, f"session {texts[0]!r}: its prompt is not its own first message"
+        for k, completion in enumerate(completions):
+            if k:
+                expected += ([] if expected[-1] == eos else [eos]) + observation_delta(tokenizer, [user(texts[k])])
+            assert completion["prompt_token_ids"] == expected, f"session {texts[0]!r}, call {k}: another context"
+            expected += completion["choices"][0]["token_ids"]
+        assert trajectory.ids == expected, f"session {texts[0]!r}: its trajectory holds tokens it was never given"
+
+
+class Clock:
+    """Seconds per call of an object's async method, timed by wrapping it on that object (calls one at a time)."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.seconds: list[float] = []
+        original = getattr(owner, name)
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                self.seconds.append(time.perf_counter() - start)
+
+        setattr(owner, name, timed)
+
+
+async def paired(
+    calls: int, turns: int, direct: Callable[[str, list[str]], Awaitable[list[float]]],
+    gateway: Callable[[str, list[str]], Awaitable[list[float]]], tag: str,
+) -> tuple[list[float], list[float]]:
+    """Conversations of ``turns`` calls on both paths, alternating which goes first, until ``calls`` calls of each
+    (from the 2nd call of each conversation when ``turns`` > 1) are timed: the seconds of those calls, in pairs."""
+    direct_s: list[float] = []
+    gateway_s: list[float] = []
+    pair = 0
+    while len(direct_s) < calls:
+        texts = conversation_texts(f"{tag}-{pair}", turns)
+        if pair % 2:
+            b, a = await gateway(f"{tag}-{pair}-b", texts), await direct(f"{tag}-{pair}-a", texts)
+        else:
+            a, b = await direct(f"{tag}-{pair}-a", texts), await gateway(f"{tag}-{pair}-b", texts)
+        direct_s += a[1 if turns > 1 else 0:]
+        gateway_s += b[1 if turns > 1 else 0:]
+        pair += 1
+    return direct_s, gateway_s
+
+
+async def concurrent(run: Callable[[str, list[str]], Awaitable[list[float]]], tag: str, sessions: int, calls: int) -> float:
+    """Calls per second of ``sessions`` conversations of ``calls`` calls run at once."""
+    start = time.perf_counter()
+    await asyncio.gather(*(run(f"{tag}-{i}", conversation_texts(f"{tag}-{i}", calls)) for i in range(sessions)))
+    return sessions * calls / (time.perf_counter() - start)
+
+
+def ms(seconds: list[float]) -> float:
+    return 1000 * statistics.median(seconds)
+
+
+async def paths(servers: list[ray.actor.ActorHandle], tokenizer, config, params: dict[str, Any], clients: int) -> Paths:
+    """The two paths over ``servers``, each with its own router: what the gateway's router does is the gateway's."""
+    gateway = await gateway_for(Router(servers), tokenizer, config)
+    return Paths(Router(servers), gateway, tokenizer, params, clients)
+
+
+async def measure(args: argparse.Namespace, servers: list[ray.actor.ActorHandle], tokenizer, config) -> None:
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True, "max_new_tokens": args.tokens}
+    one = await paths(servers[:1], tokenizer, config, params, clients=1)
+    complete, generate = Clock(one.gateway, "_complete"), Clock(one.gateway.router, "generate")
+
+    await paired(4, 2, one.direct, one.through_gateway, "warm-up")
+    rows = []
+    for name, turns in (("single-turn", 1), (f"multi-turn ({args.turns} calls, from the 2nd)", args.turns)):
+        complete.seconds.clear(), generate.seconds.clear()
+        one.sessions.clear()
+        direct_s, gateway_s = await paired(args.calls, turns, one.direct, one.through_gateway, name.split()[0])
+        check_own_trajectories(tokenizer, one.sessions)
+        handled = [seconds for i, seconds in enumerate(complete.seconds) if turns == 1 or i % turns]
+        generated = [seconds for i, seconds in enumerate(generate.seconds) if turns == 1 or i % turns]
+        rows.append((
+            name, len(direct_s), ms(direct_s), ms(gateway_s), ms(gateway_s) - ms(direct_s),
+            ms([b - a for a, b in zip(direct_s, gateway_s)]), ms([b - g for b, g in zip(gateway_s, generated)]),
+            ms([h - g for h, g in zip(handled, generated)]), ms([b - h for b, h in zip(gateway_s, handled)]),
+        ))
+    await asyncio.gather(*(client.aclose() for client in one.idle_clients))
+
+    both = await paths(servers, tokenizer, config, params, clients=args.sessions)
+    await concurrent(both.direct, "warm-up-direct", args.sessions, 1)
+    await concurrent(both.through_gateway, "warm-up-gateway", args.sessions, 1)  # (each client's connection opens)
+    direct_rates, gateway_rates = [], []
+    for repeat in range(args.repeats):
+        direct_rates.append(await concurrent(both.direct, f"direct-{repeat}", args.sessions, args.session_calls))
+        both.sessions.clear()
+        gateway_rates.append(await concurrent(both.through_gateway, f"gateway-{repeat}", args.sessions, args.session_calls))
+        check_own_trajectories(tokenizer, both.sessions)
+    await asyncio.gather(*(client.aclose() for client in both.idle_clients))
+
+    print(f"one hf server, {THREADS} thread; {args.tokens} new tokens per call; medians (ms)")
+    print(f"{'calls':<40} {'n':>3} {'(a) direct':>10} {'(b) gateway':>11} {'b-a':>6} {'pairs':>6} {'own':>6} {'handler':>8} "
+          f"{'HTTP':>6}")
+    for name, count, a, b, overhead, pairs, own, handler, http in rows:
+        print(f"{name:<40} {count:3d} {a:10.2f} {b:11.2f} {overhead:6.2f} {pairs:6.2f} {own:6.2f} {handler:8.2f} {http:6.2f}")
+    print("b-a: the overhead per call, target <= 5 ms; pairs: median of the per-call differences; own: (b) less its router's "
+          "generate, the overhead without the engine's noise, of which handler: Gateway._complete less the generate, and "
+          "HTTP: the client's time less Gateway._complete")
+    direct_rate, gateway_rate = statistics.median(direct_rates), statistics.median(gateway_rates)
+    print(f"{args.sessions} sessions x {args.session_calls} calls at once, two servers ({args.repeats} repeats, medians): "
+          f"(a) direct {direct_rate:.1f} calls/s, (b) gateway {gateway_rate:.1f} calls/s, b/a {gateway_rate / direct_rate:.3f}; "
+          f"{len(both.sessions)} sessions' trajectories checked after each repeat: each exactly its own")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=100, help="timed calls per path, single-turn and multi-turn")
+    parser.add_argument("--tokens", type=int, default=8, help="new tokens per call")
+    parser.add_argument("--turns", type=int, default=5, help="calls per multi-turn conversation")
+    parser.add_argument("--sessions", type=int, default=64)
+    parser.add_argument("--session-calls", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    config = compose_config([
+        f"actor_rollout_ref.rollout.resources_per_server.CPU={THREADS}",
+        # room for every turn of the longest conversation: its replies and its questions' deltas (about 25 tokens)
+        f"data.max_response_length={max(args.turns, args.session_calls) * (args.tokens + 64)}",
+    ])
+    tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    servers = [RolloutServer.remote(config, rank) for rank in range(2)]
+    try:
+        ray.get([server.__ray_ready__.remote() for server in servers], timeout=600)
+        asyncio.run(measure(args, servers, tokenizer, config))
+    finally:
+        for server in servers:
+            ray.kill(server)
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
