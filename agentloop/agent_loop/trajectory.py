@@ -59,7 +59,8 @@ def observation_delta(
     """
     template_kwargs = template_kwargs or {}
     full = _render(tokenizer, _BASE + list(messages), add_generation_prompt=True, **template_kwargs)
-    ends = [i for i, token in enumerate(full) if token == tokenizer.eos_token_id]
+    eos = tokenizer.eos_token_id  # (a property that looks the token up: once, not per token)
+    ends = [i for i, token in enumerate(full) if token == eos]
     reply = _eos_before_base_reply(tokenizer, json.dumps(template_kwargs, sort_keys=True))
     if len(ends) <= reply:
         raise ValueError("the chat template does not end assistant turns with the tokenizer's eos token")
