@@ -13,11 +13,14 @@ import ray
 
 from agentloop.models.tiny_qwen import tiny_model_path
 from agentloop.models.tiny_vlm import tiny_vlm_path
-from tests.support.models import ScriptedModel, build_coin_model, build_ok_model, build_scripted_model
+from tests.support.models import ScriptedModel, build_coin_model, build_ok_model, build_scripted_model, corridor_warm_start
 
 REPO = Path(__file__).resolve().parent.parent
 # fixture -> the model it needs, built before the first test by one bounded subprocess
-MODEL_FIXTURES = {"model_path": "tiny", "scripted_model": "scripted", "ok_model": "ok", "coin_model": "coin", "vlm_path": "vlm"}
+MODEL_FIXTURES = {
+    "model_path": "tiny", "scripted_model": "scripted", "ok_model": "ok", "coin_model": "coin", "vlm_path": "vlm",
+    "corridor_model": "corridor",
+}
 BUILD_TIMEOUT_S = float(os.environ.get("AGENTLOOP_TEST_BUILD_TIMEOUT_S", 1800))
 # Every Ray instance the tests and the jobs they start make is their own: ray.init() would otherwise join one that
 # other work on this machine started (a second suite, a training run), and fail or disturb it. A test that
@@ -82,6 +85,12 @@ def ok_model() -> str:
 @pytest.fixture(scope="session")
 def coin_model() -> str:
     return build_coin_model()
+
+
+@pytest.fixture(scope="session")
+def corridor_model() -> str:
+    """The corridor task's warm start (``agentloop.tasks.corridor.warm_start``), as its config loads it."""
+    return corridor_warm_start()
 
 
 @pytest.fixture(scope="session")

@@ -89,7 +89,7 @@ def test_the_warm_start_conversations_follow_the_clues_then_ignore_them():
     assert set(drawn) == set(SIDES) and drawn.count("left") / len(drawn) == pytest.approx(0.5, abs=0.1)
 
 
-def test_the_benchmark_smoke_run_trains_grpo_through_the_config(local_ray, tmp_path):
+def test_the_benchmark_smoke_run_trains_grpo_through_the_config(local_ray, corridor_model, tmp_path):
     from benchmarks.credit import main
 
     (row,) = main(["--smoke", "--estimators", "grpo", "--out", str(tmp_path)])
