@@ -11,9 +11,9 @@ import logging
 from collections import Counter
 from typing import Any
 
-from hydra.utils import get_method
 from omegaconf import DictConfig
 
+from agentloop.agent_loop.external_agent import agent_program
 from agentloop.interactions import check_interaction_config
 from agentloop.registry import BUILTIN_AGENT_LOOPS, check_agent_names, default_agent_loop, resolve_agent_loops
 from agentloop.rewards import reward_function_for
@@ -58,14 +58,10 @@ def check_job(config: DictConfig, rows: dict[str, list[dict[str, Any]]]) -> None
 
 def _external_agent_problems(external: DictConfig) -> list[str]:
     """The built-in ``external_agent`` needs one program: an importable function or a command line."""
-    if bool(external.function) == bool(external.command):
-        return ["rows use external_agent: set exactly one of actor_rollout_ref.rollout.agent.external.function (the dotted "
-                "path of `async def agent(base_url, api_key, row)`) and .command (a command line)"]
-    if external.function:
-        try:
-            get_method(str(external.function))
-        except Exception as error:
-            return [f"actor_rollout_ref.rollout.agent.external.function={external.function!r} cannot be imported: {error}"]
+    try:
+        agent_program(external.function, external.command)
+    except ValueError as error:
+        return [f"rows use external_agent: {error}"]
     return []
 
 

@@ -20,9 +20,9 @@ from agentloop.config import compose_config
 from agentloop.dumps import read_rollout_dump
 from agentloop.rows import write_rows
 from tests.support.config import small_config
+from tests.test_async_training import fit
 from trainer.config_checks import check_config
 from trainer.dynamic_sampling import GroupFilter, select_groups, trainable_groups
-from trainer.main_ppo import RayPPOTrainer
 from trainer.overlong import OverlongBuffer, mask_length_ended, overlong_penalty
 
 PROMPT, RESPONSE = 3, 8
@@ -166,14 +166,6 @@ def coin_config(coin_model: str, tmp_path, *overrides: str, sources: tuple[str, 
         f"trainer.default_local_dir={tmp_path / 'run'}", f"trainer.rollout_data_dir={tmp_path / 'run' / 'rollouts'}",
         "algorithm.filter_groups.enable=true", *overrides,
     )
-
-
-def fit(config) -> list[dict]:
-    trainer = RayPPOTrainer(config)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.shutdown()
 
 
 def trained_groups(tmp_path, step: int) -> dict[str, list[dict]]:

@@ -165,7 +165,7 @@ def test_a_failing_program_fails_its_sample_with_the_reason(server, tokenizer, s
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ((), "set exactly one of actor_rollout_ref.rollout.agent.external.function"),
+        ((), "rows use external_agent: external_agent needs exactly one of actor_rollout_ref.rollout.agent.external.function"),
         (("actor_rollout_ref.rollout.agent.external.function=examples.no_such.agent",), "cannot be imported"),
     ],
 )

@@ -38,6 +38,23 @@ from agentloop.rewards import call_reward_function, reward_function_for
 STDERR_TAIL_CHARS = 2000
 
 
+def agent_program(function: str | None, command: str | None) -> Callable[..., Any] | None:
+    """The program ``external_agent`` runs: the function ``function`` names, imported (None: the program is
+    ``command``). ValueError unless exactly one of the two is set, or when the function cannot be imported."""
+    if bool(function) == bool(command):
+        raise ValueError(
+            "external_agent needs exactly one of actor_rollout_ref.rollout.agent.external.function (the dotted path "
+            "of `async def agent(base_url, api_key, row)`) and .command (a command line); "
+            f"got function={function!r}, command={command!r}"
+        )
+    if not function:
+        return None
+    try:
+        return get_method(str(function))
+    except Exception as error:
+        raise ValueError(f"actor_rollout_ref.rollout.agent.external.function={function!r} cannot be imported: {error}") from error
+
+
 class ExternalAgentLoop(AgentLoopBase):
     """Runs a user's agent program against a gateway session; the session's calls are the trajectory."""
 
@@ -48,12 +65,7 @@ class ExternalAgentLoop(AgentLoopBase):
         super().__init__(**kwargs)
         settings = self.rollout.agent.external
         self.function, self.command = function or settings.function, command or settings.command
-        if bool(self.function) == bool(self.command):
-            raise ValueError(
-                "external_agent needs exactly one of actor_rollout_ref.rollout.agent.external.function (the dotted path "
-                "of `async def agent(base_url, api_key, row)`) and .command (a command line); "
-                f"got function={self.function!r}, command={self.command!r}"
-            )
+        self.agent = agent_program(self.function, self.command)
         self.timeout_s = float(timeout_s or settings.timeout_s)
         self.max_tokens_per_call = max_tokens_per_call or settings.get("max_tokens_per_call")
 
@@ -85,11 +97,7 @@ class ExternalAgentLoop(AgentLoopBase):
             ) from None
 
     async def _call_function(self, base_url: str, api_key: str, row: dict[str, Any]) -> Any:
-        try:
-            agent: Callable[..., Any] = get_method(self.function)
-        except Exception as error:
-            raise ValueError(f"actor_rollout_ref.rollout.agent.external.function={self.function!r} cannot be imported: {error}") from error
-        return await run_in_own_thread(agent, base_url, api_key, row)
+        return await run_in_own_thread(self.agent, base_url, api_key, row)
 
     async def _run_command(self, base_url: str, api_key: str, row: dict[str, Any]) -> float | None:
         """The command in its own process group (killed whole on timeout or cancellation); its last stdout line."""
