@@ -61,8 +61,9 @@ def test_grpo_steps_in_bypass_mode_with_validation_loggers_and_rollout_dumps(loc
     history = run(config)
     assert [line["step"] for line in history] == [0, 1, 2]
     assert read_jsonl(out / "metrics.jsonl") == history
-    assert set(history[0]) == {"step", "val/score/mean", "val/score/arithmetic"}
-    assert "val/score/mean" in history[2] and "val/score/mean" not in history[1]
+    assert set(history[0]) == {"step", "val/score/mean", "val/score/arithmetic", "timing_s/validation", "timing_s/startup"}
+    assert history[0]["timing_s/validation"] > 0 and history[0]["timing_s/startup"] > 0
+    assert "val/score/mean" in history[2] and "val/score/mean" not in history[1] and "timing_s/startup" not in history[1]
     for metrics in history[1:]:
         assert {"timing_s/weight_push", "actor/pg_loss", "actor/lr", "critic/score/mean"} <= set(metrics)
         assert metrics["num_turns/mean"] >= 2

@@ -186,7 +186,7 @@ def test_verls_rollout_keys_set_the_sglang_launch_flags():
         check_config(compose_config(["data.train_files=[x]", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
 
 
-def test_left_padding_that_every_row_has_is_not_computed(model_path):
+def test_padding_that_every_row_has_is_not_computed(model_path):
     from trainer.vision import model_inputs
 
     batch = make_batch([(prompt - 3, response) for prompt, response in LENGTHS if prompt > 3])  # every prompt >= 3 pads short
@@ -196,8 +196,15 @@ def test_left_padding_that_every_row_has_is_not_computed(model_path):
         pad = torch.randint(1, 1000, (len(batch), extra)) if key == "input_ids" else torch.zeros(len(batch), extra, dtype=torch.long)
         widened[key] = torch.cat([pad, batch[key]], dim=1)
     assert model_inputs(widened)["input_ids"].shape[1] == PROMPT + RESPONSE - 3
+    # and as many columns of right padding on every response (a longer data.max_response_length)
+    right = TensorDict({key: torch.cat([value, torch.zeros(len(batch), extra, dtype=value.dtype)], dim=1)
+                        for key, value in widened.items() if key != "position_ids"}, batch_size=[len(batch)])
+    right["position_ids"] = torch.cat([widened["position_ids"], widened["position_ids"][:, -1:] + torch.arange(1, extra + 1)], dim=1)
+    assert model_inputs(right)["input_ids"].shape[1] == PROMPT + RESPONSE - 3
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     with torch.no_grad():
-        expected, computed = (response_log_probs(model, b, 1.0)[0] for b in (batch, widened))
+        expected, computed, padded = (response_log_probs(model, b, 1.0)[0] for b in (batch, widened, right))
     mask = batch["response_mask"].bool()
     assert torch.allclose(computed[mask], expected[mask], atol=1e-5)
+    assert padded.shape == right["responses"].shape and torch.equal(padded[:, :RESPONSE], computed)
+    assert not padded[:, RESPONSE:].any()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
 from tensordict import TensorDict
@@ -33,18 +34,27 @@ from trainer.rollout_correction import RolloutCorrection, correct, correct_batch
 from trainer.micro_batches import MicroBatching, is_stand_in, trajectory_sizes
 from trainer.sharding import load_sharded
 from trainer.trainable import Trainable
-from trainer.vision import forward_logits
+from trainer.vision import attended_columns, forward_logits
 
 if TYPE_CHECKING:
     from agentloop import AgentLoopManager
 
 
 def response_log_probs(model: torch.nn.Module, batch: TensorDict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies of the response tokens under ``model`` (logits / temperature), ``[b, R]``."""
+    """Log-probs and entropies of the response tokens under ``model`` (logits / temperature), ``[b, R]`` (0 on the
+    columns of right padding in every row, which the forward pass skips)."""
     responses = batch["responses"]
-    logits = forward_logits(model, batch)[:, -responses.shape[1] - 1 : -1].float() / temperature
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-    return log_probs, algorithms.entropy_from_logits(logits)
+    width = held_response_columns(batch)
+    logits = forward_logits(model, batch)[:, -width - 1 : -1].float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses[:, :width].unsqueeze(-1)).squeeze(-1)
+    padding = (0, responses.shape[1] - width)
+    return F.pad(log_probs, padding), F.pad(algorithms.entropy_from_logits(logits), padding)
+
+
+def held_response_columns(batch: TensorDict) -> int:
+    """How many response columns some row of ``batch`` holds (the forward pass ends at the last, ``attended_columns``)."""
+    mask = batch["attention_mask"]
+    return batch["responses"].shape[1] - (mask.shape[1] - attended_columns(mask)[1])
 
 
 def has_dropout(model: torch.nn.Module) -> bool:
@@ -56,8 +66,10 @@ def has_dropout(model: torch.nn.Module) -> bool:
 
 
 def response_values(critic: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
-    """The critic's value of the state before each response token, ``[b, R]``."""
-    return forward_logits(critic, batch)[:, -batch["responses"].shape[1] - 1 : -1, 0].float()
+    """The critic's value of the state before each response token, ``[b, R]`` (0 on columns of right padding in every row)."""
+    width = held_response_columns(batch)
+    values = forward_logits(critic, batch)[:, -width - 1 : -1, 0].float()
+    return F.pad(values, (0, batch["responses"].shape[1] - width))
 
 
 def policy_gradient_loss(
@@ -93,7 +105,7 @@ class FSDPWorker:
     """One rank of the policy (plus reference policy and critic when configured).
 
     Two phases, because rank 0's own node and port must be known before the group forms: construct
-    every rank, ask rank 0 for ``rendezvous_address()``, then call ``init_group`` on all of them.
+    every rank, ask rank 0 for ``rendezvous_address()``, then call ``init_group`` with it on all of them.
     ``config`` is the full composed config; ``total_steps`` sizes the LR schedules.
     """
 
@@ -109,15 +121,18 @@ class FSDPWorker:
             sock.bind(("", 0))
             return ray.util.get_node_ip_address(), sock.getsockname()[1]
 
-    def init_group(self, master_addr: str, master_port: int) -> None:
-        """Join the process group and load this rank's shards of the models."""
+    def init_group(self, rendezvous: tuple[str, int]) -> None:
+        """Join the process group at rank 0's ``rendezvous_address()`` and load this rank's shards of the models."""
         config = self._config
+        master_addr, master_port = rendezvous
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         cuda = bool(ray.get_gpu_ids())  # start_workers gave this rank a GPU
         # a collective waits at most as long as the trainer waits for a step
         timeout = datetime.timedelta(seconds=float(config.trainer.step_timeout_s))
         dist.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world_size, timeout=timeout)
         self.device = "cuda" if cuda else "cpu"
+        if not cuda:  # Ray gives an actor without CPUs one thread: the ranks share the node's cores instead
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // min(self.world_size, int(config.trainer.n_gpus_per_node))))
         self.mesh = init_device_mesh(self.device, (self.world_size,))
         self.samples_per_prompt = int(config.actor_rollout_ref.rollout.n)
         self.actor = config.actor_rollout_ref.actor
@@ -295,29 +310,40 @@ class FSDPWorker:
         dist.destroy_process_group()
 
 
-def start_workers(
-    config: DictConfig, world_size: int, total_steps: int, timeout_s: float, worker_class: Any = FSDPWorker
-) -> list[ray.actor.ActorHandle]:
-    """Start ``world_size`` ranks, form their process group at rank 0's address, and wait for the models."""
+def launch_workers(
+    config: DictConfig, world_size: int, total_steps: int, worker_class: Any = FSDPWorker
+) -> tuple[list[ray.actor.ActorHandle], list[ray.ObjectRef]]:
+    """Start ``world_size`` ranks without waiting for them: returns the actors and their ``init_group`` calls, which
+    form the process group at rank 0's address and load the models while the caller starts everything else."""
     # One GPU per rank; on CPU the ranks claim no logical CPU, so they never wait behind the servers.
     gpus = rank_gpus(config, world_size)
     workers = [
         worker_class.options(num_gpus=gpus, num_cpus=0).remote(config, rank, world_size, total_steps)
         for rank in range(world_size)
     ]
+    rendezvous = workers[0].rendezvous_address.remote()  # Ray hands its value to each init_group once it is ready
+    return workers, [worker.init_group.remote(rendezvous) for worker in workers]
+
+
+def join_workers(workers: list[ray.actor.ActorHandle], loading: list[ray.ObjectRef], timeout_s: float) -> list[ray.actor.ActorHandle]:
+    """Wait for launched ranks to form their group and load their models; on any failure none is left running."""
     try:
-        address, port = wait_for([workers[0].rendezvous_address.remote()], timeout_s, "FSDP rank 0 to start")[0]
         wait_for(
-            [worker.init_group.remote(address, port) for worker in workers],
-            timeout_s,
-            f"{world_size} FSDP ranks to form a group at {address}:{port} and load their models "
-            f"(cluster resources: {ray.cluster_resources()})",
+            loading, timeout_s,
+            f"{len(workers)} FSDP ranks to start, form a group and load their models (cluster resources: {ray.cluster_resources()})",
         )
     except BaseException:
         for worker in workers:
             ray.kill(worker)
         raise
     return workers
+
+
+def start_workers(
+    config: DictConfig, world_size: int, total_steps: int, timeout_s: float, worker_class: Any = FSDPWorker
+) -> list[ray.actor.ActorHandle]:
+    """Start ``world_size`` ranks, form their process group at rank 0's address, and wait for the models."""
+    return join_workers(*launch_workers(config, world_size, total_steps, worker_class), timeout_s)
 
 
 def rank_gpus(config: DictConfig, world_size: int) -> int:

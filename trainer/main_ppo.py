@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 
 import hydra
 import numpy as np
+import psutil
 import ray
 import torch
 from hydra.errors import ConfigCompositionException
@@ -49,7 +50,7 @@ from trainer import algorithms, checkpoint
 from trainer.config_checks import check_config, warn_ignored_keys, world_size
 from trainer.data import BatchSampler, load_dataset
 from trainer.dynamic_sampling import GroupFilter, group_uids, trainable_groups
-from trainer.fsdp_workers import needs_reference, push_weights, rank_gpus, start_workers
+from trainer.fsdp_workers import join_workers, launch_workers, needs_reference, push_weights, rank_gpus
 from trainer.micro_batches import split_trajectories, trajectory_sizes
 from trainer.async_training import async_settings, staleness_metrics
 from trainer.overlong import OverlongBuffer, mask_length_ended
@@ -88,7 +89,7 @@ class RayPPOTrainer:
         self.total_steps = int(config.trainer.total_training_steps or self.sampler.batches_per_epoch * int(config.trainer.total_epochs))
         self.world_size = world_size(config)
         if not ray.is_initialized():  # only now: config and data errors need no cluster
-            ray.init(address=config.trainer.ray_address)
+            ray.init(address=config.trainer.ray_address, **ray_init_kwargs(config))
         rank_gpus(config, self.world_size)  # a trainer.device the cluster lacks fails here, before any server starts
         self.output_dir = Path(config.trainer.default_local_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -98,17 +99,27 @@ class RayPPOTrainer:
         self.handed_out = 0  # batches the sampler handed out to synchronous steps since the fit (or resume) began
         self.dumps = RolloutDumps(config.trainer.rollout_data_dir, self.tokenizer) if config.trainer.rollout_data_dir else None
 
+        # the ranks load while the servers and workers start; each failure leaves nothing running
+        timeout_s = float(config.trainer.startup_timeout_s)
+        ranks, loading = launch_workers(config, self.world_size, self.total_steps)
         with tqdm(total=2, desc="starting rollout servers and agent-loop workers", bar_format=STARTUP_BAR) as startup:
-            self.manager = AgentLoopManager(config)
+            try:
+                self.manager = AgentLoopManager(config)
+            except BaseException:
+                for rank in ranks:
+                    ray.kill(rank)
+                raise
             self.config = config = self.manager.config  # with absolute paths, for every process
             startup.update()
             startup.set_description_str(f"starting {self.world_size} FSDP ranks")
             try:
-                self.workers = start_workers(config, self.world_size, self.total_steps, float(config.trainer.startup_timeout_s))
+                self.workers = join_workers(ranks, loading, timeout_s)
             except BaseException:
                 self.manager.shutdown()
                 raise
             startup.update()
+        # from the command's start (imports and Ray included) to servers, workers and ranks ready
+        self.startup_s = time.time() - psutil.Process().create_time()
 
     def _load(self, files: Any) -> list[dict[str, Any]]:
         data = self.config.data
@@ -346,11 +357,12 @@ class RayPPOTrainer:
 
     def validate(self) -> dict[str, float]:
         """Score ``data.val_files`` with ``rollout.val_kwargs``: mean score (per trajectory) overall and per data source."""
+        start = time.perf_counter()
         output = self.manager.generate_sequences(self.val_rows, validate=True)
         scores = algorithms.trajectory_sums(output.batch["rm_scores"].sum(-1), output.batch["segment_index"])
         last = output.last_segments()
         sources = np.asarray([row or "unknown" for row in output.non_tensor_batch.get("data_source", [None] * len(output))])[last]
-        metrics = {"val/score/mean": float(scores.mean())}
+        metrics = {"val/score/mean": float(scores.mean()), "timing_s/validation": time.perf_counter() - start}
         for source in sorted(set(sources)):
             metrics[f"val/score/{source}"] = float(scores[torch.from_numpy(sources == source)].mean())
         return metrics
@@ -399,8 +411,10 @@ class RayPPOTrainer:
         progress = tqdm(total=self.total_steps, initial=done, desc="training steps", dynamic_ncols=True)
         tracking = Tracking(self.config, self.output_dir, progress.write, resume_step=done)
         try:
+            startup = {"timing_s/startup": self.startup_s}  # on the first line this run logs
             if self.val_rows and trainer.val_before_train and done == 0:
-                tracking.log(self._validate_showing(progress), step=0)
+                tracking.log({**startup, **self._validate_showing(progress)}, step=0)
+                startup = {}
             self.handed_out = 0
             # dynamic sampling draws rows beyond one batch per step: on into later epochs as far as it takes
             batches = self.sampler.batches(None if self.group_filter is not None else self.total_steps - done)
@@ -415,7 +429,8 @@ class RayPPOTrainer:
                     steps, groups, self.max_staleness, buffer, version=done, keep=keep, max_dropped=max_dropped
                 )
             for step in range(done + 1, self.total_steps + 1):
-                metrics = self.step(step, batches) if self.stream is None else self._learn_streamed(step)
+                metrics = {**startup, **(self.step(step, batches) if self.stream is None else self._learn_streamed(step))}
+                startup = {}
                 last = step == self.total_steps
                 if self.val_rows and int(trainer.test_freq) > 0 and (step % int(trainer.test_freq) == 0 or last):
                     metrics.update(self._validate_showing(progress))  # beside the stream's rollouts, if any
@@ -521,6 +536,11 @@ def _has_rollout_log_probs(rollout: RolloutBatch, required: bool) -> bool:
             "needs: return the engine's log_probs from those loops, or turn the correction off"
         )
     return not missing
+
+
+def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
+    """``ray_kwargs.ray_init``'s set values, for a Ray instance this job starts (joining a cluster ignores them)."""
+    return {key: value for key, value in OmegaConf.to_container(config.ray_kwargs.ray_init).items() if value is not None}
 
 
 def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:

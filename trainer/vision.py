@@ -18,14 +18,22 @@ from tensordict import TensorDict
 from agentloop.models.loading import without_vision_tokens
 
 
+def attended_columns(attention_mask: torch.Tensor) -> tuple[int, int]:
+    """The columns ``[start, end)`` that some row attends. The rest is padding in every row: left of the prompts
+    (padded to ``data.max_prompt_length``) and right of the responses (padded to ``data.max_response_length``),
+    often several times a micro-batch's longest."""
+    attended = attention_mask.any(0).int()
+    return int(attended.argmax()), len(attended) - int(attended.flip(0).argmax())
+
+
 def model_inputs(batch: TensorDict) -> dict[str, torch.Tensor]:
     """The keyword arguments of the model's forward for this (micro-)batch, text or vision.
 
-    Columns that are left padding in every row are dropped (prompts are padded to ``data.max_prompt_length``,
-    often several times a micro-batch's longest): positions are explicit, so no remaining logit changes.
+    Columns that are padding in every row are dropped (``attended_columns``): positions are explicit, so no
+    remaining logit changes.
     """
-    first = int(batch["attention_mask"].any(0).int().argmax())
-    inputs = {key: batch[key][..., first:] for key in ("input_ids", "attention_mask", "position_ids")}
+    start, end = attended_columns(batch["attention_mask"])
+    inputs = {key: batch[key][..., start:end] for key in ("input_ids", "attention_mask", "position_ids")}
     if "image_grid_thw" not in batch.keys():
         return inputs
     inputs["position_ids"] = inputs["position_ids"].transpose(0, 1)  # [b, 4, L] -> [4, b, L]
