@@ -132,26 +132,27 @@ class Judge:
 
     # ------------------------------------------------------------------ generative
 
-    async def generate(self, prompt_ids: list[int], **sampling: Any) -> str:
-        """The judge's reply to exact prompt ids, decoded (``sampling`` overrides ``reward_model.rollout``'s)."""
+    async def generate(self, prompt_ids: list[int], timeout_s: float | None = None, **sampling: Any) -> str:
+        """The judge's reply to exact prompt ids, decoded (``sampling`` overrides ``reward_model.rollout``'s, ``timeout_s``
+        ``reward_model.timeout_s``)."""
         if self.router is None:
             raise RuntimeError("this judge is a discriminative reward model (reward_model.kind): call score()")
-        start = time.perf_counter()
+        start, timeout_s = time.perf_counter(), self.timeout_s if timeout_s is None else timeout_s
         try:
             output = await asyncio.wait_for(
-                self.router.generate(f"judge-{uuid.uuid4()}", list(prompt_ids), {**self.sampling, **sampling}), self.timeout_s
+                self.router.generate(f"judge-{uuid.uuid4()}", list(prompt_ids), {**self.sampling, **sampling}), timeout_s
             )
         except asyncio.TimeoutError:
-            raise self._failed(prompt_ids, start, JudgeError(f"the judge gave no answer within reward_model.timeout_s={self.timeout_s:g}s")) from None
+            raise self._failed(prompt_ids, start, JudgeError(f"the judge gave no answer within {timeout_s:g}s (reward_model.timeout_s)")) from None
         except Exception as error:  # its server failed, or it refused the request (too long a prompt)
             raise self._failed(prompt_ids, start, JudgeError(f"the judge call failed: {type(error).__name__}: {error}")) from error
         text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
         self._record(JudgeCall(self.tokenizer.decode(prompt_ids), text, len(prompt_ids), len(output.token_ids), time.perf_counter() - start))
         return text
 
-    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> str:
+    async def chat(self, messages: list[dict[str, Any]], timeout_s: float | None = None, **sampling: Any) -> str:
         """The judge's reply to chat ``messages`` (rendered with its chat template and the generation prompt)."""
-        return await self.generate(self._render(messages, add_generation_prompt=True), **sampling)
+        return await self.generate(self._render(messages, add_generation_prompt=True), timeout_s, **sampling)
 
     async def grade(self, messages: list[dict[str, Any]], read: Callable[[str], float], **sampling: Any) -> float:
         """``read(reply)`` of the judge's reply to ``messages``; a reader that raises ``JudgeUnparsable`` (or any
