@@ -44,3 +44,22 @@ def test_the_reward_is_the_reward_models_score_of_the_conversation(manager, rewa
         scores.append(expected)
     assert len(set(scores)) == 3  # the conversations differ, and so do their scores
     assert batch.meta_info["judge/calls"] == 3
+
+
+def test_a_verl_job_with_a_reward_model_trains_on_its_scores(reward_model_path, model_path, tmp_path):
+    """verl's keys (reward_model.enable, reward_model.model.path) take effect: the job's samples are scored by the
+    reward model (its kind read from the checkpoint), not by the data source's rule, and no key is warned away."""
+    from tests.support.verl_job import data as verl_data
+    from tests.test_verl_dropin import JOB, dumped_samples, run_verl_job
+
+    train = verl_data.write_split(str(tmp_path / "gsm8k"), "tool", "train", 4)
+    result = run_verl_job(
+        tmp_path, "gsm8k_multiturn_grpo", f"actor_rollout_ref.model.path={model_path}",
+        f"data.train_files={train}", f"data.val_files={train}",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={JOB / 'config/tool_config/gsm8k_tool_config.yaml'}",
+        "reward_model.enable=True", f"reward_model.model.path={reward_model_path}",
+    )
+    assert "reward_model.enable" not in result.stdout + result.stderr
+    samples = dumped_samples(tmp_path)
+    assert samples and all(record["reward_parts"]["reward_source"] == "reward_model" for record in samples)
+    assert all(len(record["extra"]["judge_calls"]) == 1 for record in samples)

@@ -10,6 +10,8 @@ its own.
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Callable
 
 import ray
@@ -20,6 +22,17 @@ from agentloop.server.rollout_server import RolloutServer
 from agentloop.server_pool import ServerPool
 
 KINDS = ("generative", "discriminative")
+
+
+def judge_kind(config: DictConfig) -> str:
+    """``reward_model.kind``, with ``auto`` read from the checkpoint: discriminative for a sequence-classification
+    architecture (verl's reward models), else generative."""
+    settings = config.reward_model
+    if settings.kind != "auto":
+        return str(settings.kind)
+    manifest = Path(str(settings.model.path or config.actor_rollout_ref.model.path)) / "config.json"
+    architectures = json.loads(manifest.read_text()).get("architectures") or [] if manifest.is_file() else []
+    return "discriminative" if any(name.endswith("ForSequenceClassification") for name in architectures) else "generative"
 
 
 def judge_server_config(config: DictConfig) -> DictConfig:
@@ -46,8 +59,10 @@ def judge_server_config(config: DictConfig) -> DictConfig:
 
 
 def start_judge_pool(config: DictConfig, on_replaced: Callable[[int, ray.actor.ActorHandle], None]) -> ServerPool | None:
-    """The judge's servers, loading (``ServerPool.wait_until_serving``), or None when ``reward_model.enable`` is off."""
+    """The judge's servers, loading (``ServerPool.wait_until_serving``), or None when ``reward_model.enable`` is off.
+    Sets ``config.reward_model.kind`` to the kind served (``auto`` resolved), which the workers read."""
     if not config.reward_model.enable:
         return None
+    config.reward_model.kind = judge_kind(config)
     server_class = RolloutServer if config.reward_model.kind == "generative" else RewardModelServer
     return ServerPool(judge_server_config(config), on_replaced, server_class=server_class)
