@@ -39,7 +39,7 @@ from typing import Any, Callable
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from agentloop.judge import Judge, active_judge
+from agentloop.judge.session import active_judge
 from agentloop.protocol import AgentLoopOutput
 from agentloop.reward_score import default_compute_score, has_scorer
 
@@ -85,7 +85,7 @@ def reward_function_for(config: DictConfig, data_source: str | None, builtin: bo
     return default_compute_score if builtin and has_scorer(data_source) else None
 
 
-def judge_arguments(function: Callable[..., Any], judge: Judge | None) -> dict[str, Any]:
+def judge_arguments(function: Callable[..., Any], judge: Any) -> dict[str, Any]:
     """``judge`` and ``reward_router_address`` for a function that takes them (none without a judge)."""
     if judge is None:
         return {}

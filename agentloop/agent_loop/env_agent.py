@@ -22,7 +22,7 @@ from hydra.utils import get_class
 
 from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.envs import BaseEnv
-from agentloop.judge import JudgeError
+from agentloop.judge.session import JudgeError
 from agentloop.protocol import AgentLoopOutput, EndReason, RewardParts
 
 

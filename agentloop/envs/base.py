@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentloop.judge import Judge, current_judge
+from agentloop.judge.session import current_judge
 
 
 class BaseEnv:
@@ -26,8 +26,8 @@ class BaseEnv:
         self.kwargs = kwargs
 
     @property
-    def judge(self) -> Judge:
-        """The judge of the sample this env serves (``reward_model.*``)."""
+    def judge(self) -> Any:
+        """The judge of the sample this env serves (an ``agentloop.judge.Judge``; ``reward_model.*``)."""
         return current_judge()
 
     def reset(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from agentloop.judge import Judge, current_judge
+from agentloop.judge.session import current_judge
 from agentloop.yaml_entries import entry_class, read_entries
 
 
@@ -18,8 +18,8 @@ class BaseInteraction:
         self.name = self.config.get("name", type(self).__name__)
 
     @property
-    def judge(self) -> Judge:
-        """The judge of the sample being answered (``reward_model.*``)."""
+    def judge(self) -> Any:
+        """The judge of the sample being answered (an ``agentloop.judge.Judge``; ``reward_model.*``)."""
         return current_judge()
 
     async def start_interaction(self, instance_id: str, **kwargs: Any) -> str:

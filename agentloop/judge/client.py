@@ -17,74 +17,25 @@ import inspect
 import itertools
 import time
 import uuid
-from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import ray
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
+from agentloop.judge.session import JudgeCall, JudgeError, JudgeUnparsable, last_call, record, serving
 from agentloop.router import Router
-
-
-@dataclass
-class JudgeCall:
-    """One call of the judge for a sample: the prompt and the reply (decoded; a reward model's score as text),
-    their token counts, the seconds it took, and why it failed (None: it did not)."""
-
-    prompt: str
-    text: str
-    prompt_tokens: int
-    response_tokens: int
-    latency_s: float
-    error: str | None = None
-
-
-class JudgeError(RuntimeError):
-    """A judge call that failed; ``text`` is what the judge answered, if anything."""
-
-    def __init__(self, message: str, text: str = "") -> None:
-        super().__init__(f"{message}; the judge's text: {text!r}")
-        self.text = text
-
-
-class JudgeUnparsable(JudgeError):
-    """A reply that a reader (``Judge.grade``) cannot turn into a grade."""
-
-    def __init__(self, text: str, why: str) -> None:
-        super().__init__(f"the judge's reply cannot be read ({why})", text)
-
-
-_current: ContextVar[Judge | None] = ContextVar("agentloop_judge", default=None)
-_calls: ContextVar[list[JudgeCall] | None] = ContextVar("agentloop_judge_calls", default=None)
-
-
-def active_judge() -> Judge | None:
-    """The judge of the running sample, or None when no judge is served."""
-    return _current.get()
-
-
-def current_judge() -> Judge:
-    """The judge of the running sample (reward functions, environments and interactions call it)."""
-    judge = active_judge()
-    if judge is None:
-        raise RuntimeError("no judge is served: set reward_model.enable=true (and reward_model.model.path)")
-    return judge
 
 
 @contextlib.contextmanager
 def judge_session(judge: Judge | None, sample: str) -> Iterator[list[JudgeCall]]:
     """Within it, ``judge`` is the current judge of the sample ``sample``; yields the list its calls are recorded in."""
-    calls: list[JudgeCall] = []
-    tokens = _current.set(judge), _calls.set(calls)
-    try:
-        yield calls
-    finally:
-        _current.reset(tokens[0])
-        _calls.reset(tokens[1])
-        if judge is not None and judge.router is not None:
-            judge.router.take_versions(sample)  # the judge's own sessions are the sample's there: forgotten with it
+    with serving(judge) as calls:
+        try:
+            yield calls
+        finally:
+            if judge is not None and judge.router is not None:
+                judge.router.take_versions(sample)  # the judge's own sessions are the sample's there: forgotten with it
 
 
 class Judge:
@@ -147,7 +98,7 @@ class Judge:
         except Exception as error:  # its server failed, or it refused the request (too long a prompt)
             raise self._failed(prompt_ids, start, JudgeError(f"the judge call failed: {type(error).__name__}: {error}")) from error
         text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
-        self._record(JudgeCall(self.tokenizer.decode(prompt_ids), text, len(prompt_ids), len(output.token_ids), time.perf_counter() - start))
+        record(JudgeCall(self.tokenizer.decode(prompt_ids), text, len(prompt_ids), len(output.token_ids), time.perf_counter() - start))
         return text
 
     async def chat(self, messages: list[dict[str, Any]], timeout_s: float | None = None, **sampling: Any) -> str:
@@ -163,9 +114,9 @@ class Judge:
             return float(await grade if inspect.isawaitable(grade) else grade)
         except Exception as error:
             failure = error if isinstance(error, JudgeError) else JudgeUnparsable(text, f"{type(error).__name__}: {error}")
-            calls = _calls.get()
-            if calls:
-                calls[-1].error = str(failure)
+            call = last_call()
+            if call is not None:
+                call.error = str(failure)
             raise failure from None
 
     # ------------------------------------------------------------------ discriminative
@@ -183,7 +134,7 @@ class Judge:
             raise self._failed(ids, start, JudgeError(f"the reward model gave no score within reward_model.timeout_s={self.timeout_s:g}s")) from None
         except Exception as error:
             raise self._failed(ids, start, JudgeError(f"the reward model failed: {type(error).__name__}: {error}")) from error
-        self._record(JudgeCall(self.tokenizer.decode(ids), repr(value), len(ids), 0, time.perf_counter() - start))
+        record(JudgeCall(self.tokenizer.decode(ids), repr(value), len(ids), 0, time.perf_counter() - start))
         return value
 
     # ------------------------------------------------------------------
@@ -192,11 +143,5 @@ class Judge:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))
 
     def _failed(self, prompt_ids: list[int], start: float, error: JudgeError) -> JudgeError:
-        self._record(JudgeCall(self.tokenizer.decode(prompt_ids), error.text, len(prompt_ids), 0, time.perf_counter() - start, str(error)))
+        record(JudgeCall(self.tokenizer.decode(prompt_ids), error.text, len(prompt_ids), 0, time.perf_counter() - start, str(error)))
         return error
-
-    @staticmethod
-    def _record(call: JudgeCall) -> None:
-        calls = _calls.get()
-        if calls is not None:
-            calls.append(call)
