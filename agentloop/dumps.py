@@ -12,8 +12,8 @@ trajectory's ``end_reason``), ``num_turns``, and counts over all its segments fo
 ``model_tokens``, ``tool_calls``, ``tool_errors``); ``turn_rewards`` (each model turn's own reward,
 ``TurnRecord.reward``: what its tools, the interaction or the environment reported for it); ``reward_parts`` (JSON: the
 reward, its source, its parts by source, the interaction's turn scores and what a reward function returned) and
-``extra`` (JSON: the loop's ``extra_fields``, its metrics, and its tool errors and env retries by kind, failure and
-missing rollout log-probs where it has them).
+``extra`` (JSON: the loop's ``extra_fields``, its metrics, and its tool errors and env retries by kind, failure, the
+judge's calls (``judge_calls``: prompt, reply, tokens, seconds, error) and missing rollout log-probs where it has them).
 
 Per segment (``SEGMENT_COLUMNS``): ``rewritten_by`` (the context strategy that made its context; None for the first),
 verl's ``input`` and ``output`` (its context and response, decoded), the exact ``prompt_ids``, ``response_ids``,
@@ -185,6 +185,7 @@ def _extra(fields: dict[str, np.ndarray], i: int, loop_turns: list[TurnRecord]) 
         "tool_errors": tool_errors_by_kind(loop_turns),
         "env_retries": env_retries_by_kind(loop_turns),
         "failure": dataclasses.asdict(failure) if failure is not None else None,
+        "judge_calls": [dataclasses.asdict(call) for call in _field(fields, "judge_calls", i) or []],
         "rollout_log_probs_missing": _field(fields, "rollout_log_probs_missing", i),
     }
     extra = dict(_field(fields, "extra_fields", i) or {})

@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.batch import RolloutBatch
+from agentloop.judge.pool import start_judge_pool
 from agentloop.metrics import rollout_metrics
 from agentloop.registry import check_agent_names, default_agent_loop, resolve_agent_loops
 from agentloop.router import RouterStats
@@ -46,10 +47,13 @@ class AgentLoopManager:
         check_agent_names({self.default_agent_loop}, self._agent_loops())
 
         # a replacement server is handed to every worker (the workers start second: they are given the servers)
+        self.judges = start_judge_pool(config, lambda rank, server: self.workers.give_judge(rank, server))
         self.pool = ServerPool(config, lambda rank, server: self.workers.give_server(rank, server))
-        # the workers load their tokenizers while the servers load their engines
-        self.workers = WorkerPool(config, self.pool)
         try:
+            if self.judges is not None:  # the workers are given the judges' HTTP addresses (reward_router_address)
+                self.judges.wait_until_serving()
+            # the workers load their tokenizers while the servers load their engines
+            self.workers = WorkerPool(config, self.pool, self.judges)
             self.pool.wait_until_serving()
             self.workers.wait_until_ready(timeout)
         except BaseException:  # a server or worker that failed to start: none of them is left running
@@ -80,6 +84,7 @@ class AgentLoopManager:
             raise ValueError("generate_sequences needs at least one row")
         samples, agent_loops, params = self._prepare(rows, validate)
 
+        self._check_judges()
         self.pool.check()  # a server that died since the last call is replaced before this one starts
         start = time.perf_counter()
         # Each trajectory's turns are individually bounded by request_timeout_s; the batch as a whole
@@ -95,6 +100,7 @@ class AgentLoopManager:
     def _finish_batch(self, batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -> RolloutBatch:
         """Fail on too many failed samples (``_check_failures``), else give ``batch`` its rollout metrics and the
         supervision so far (cumulative: replaced and given-up servers, replaced workers)."""
+        self._check_judges()  # a judge that died during the rollout is replaced, whether or not the batch fails for it
         self._check_failures(batch)
         batch.meta_info = {
             **rollout_metrics(batch, stats, elapsed_s),
@@ -102,7 +108,13 @@ class AgentLoopManager:
             "supervision/servers_given_up": len(self.pool.given_up),
             "supervision/worker_restarts": self.workers.restarts,
         }
+        if self.judges is not None:
+            batch.meta_info["supervision/judge_restarts"] = sum(event.kind == "restarted" for event in self.judges.events)
         return batch
+
+    def _check_judges(self) -> None:
+        if self.judges is not None:
+            self.judges.check()
 
     def _prepare(self, rows: list[dict[str, Any]], validate: bool = False) -> Prepared:
         """Rows checked and expanded into samples (``n`` per row, consecutive, one ``uid`` each), the specs of the
@@ -173,12 +185,16 @@ class AgentLoopManager:
         self.pool.update_weights(ref, version)
 
     def sleep(self) -> None:
-        """Free every server's KV cache."""
+        """Free every server's KV cache (the judge's too, with ``reward_model.rollout.free_cache_engine``)."""
         self.pool.sleep()
+        if self.judges is not None and self.config.reward_model.rollout.free_cache_engine:
+            self.judges.sleep()
 
     def wake_up(self) -> None:
         """Re-allocate every server's KV cache."""
         self.pool.wake_up()
+        if self.judges is not None and self.config.reward_model.rollout.free_cache_engine:
+            self.judges.wake_up()
 
     def server_info(self) -> list[dict[str, Any]]:
         """Where each live server runs (node id, host, pid)."""
@@ -187,8 +203,11 @@ class AgentLoopManager:
     def shutdown(self, graceful: bool = True) -> None:
         """Stop workers and servers and release their resources (a server's engine is asked to stop first, when
         ``graceful``)."""
-        self.workers.shutdown()
+        if hasattr(self, "workers"):  # (not when a judge server failed to start)
+            self.workers.shutdown()
         self.pool.shutdown(graceful)
+        if self.judges is not None:
+            self.judges.shutdown(graceful)
 
 
 def sampling_params(rollout: DictConfig, validate: bool) -> dict[str, Any]:

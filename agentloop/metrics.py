@@ -1,7 +1,7 @@
 """Per-step aggregates of a rollout batch: timings, router balance and cache hits, turns, tool calls, end reasons.
 
 Named as verl names them where verl has a name (``num_turns/*``, ``tool_call_counts/*``,
-``timing_s/agent_loop/*``); the rest under ``rollout/`` and ``multi_turn/``.
+``timing_s/agent_loop/*``); the rest under ``rollout/``, ``multi_turn/`` and ``judge/``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,22 @@ def rollout_metrics(batch: RolloutBatch, stats: RouterStats, elapsed_s: float) -
         "rollout/failed_samples": sum(failure is not None for failure in fields["failure"]),
         **spread("rollout/segments_per_trajectory", trajectory_sizes(batch.batch["segment_index"])),
         **turn_metrics(fields["num_turns"], fields["end_reason"], fields["turns"]),
+        **judge_metrics(fields["judge_calls"]),
+    }
+
+
+def judge_metrics(judge_calls: np.ndarray) -> dict[str, Any]:
+    """The judge's calls of a batch (``agentloop.judge.JudgeCall`` lists, one per trajectory): how many, their tokens,
+    latency and failures; nothing when the judge was not called."""
+    calls = [call for record in judge_calls for call in record]
+    if not calls:
+        return {}
+    return {
+        "judge/calls": len(calls),
+        "judge/prompt_tokens": sum(call.prompt_tokens for call in calls),
+        "judge/response_tokens": sum(call.response_tokens for call in calls),
+        **spread("judge/latency_s", [call.latency_s for call in calls]),
+        "judge/failures": sum(call.error is not None for call in calls),
     }
 
 

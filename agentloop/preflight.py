@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from agentloop.agent_loop.external_agent import agent_program
 from agentloop.interactions import check_interaction_config
 from agentloop.registry import BUILTIN_AGENT_LOOPS, check_agent_names, default_agent_loop, resolve_agent_loops
+from agentloop.judge.pool import judge_kind
 from agentloop.rewards import reward_function_for
 from agentloop.rows import verl_row_fields
 from agentloop.tools.toolset import check_tool_config
@@ -91,7 +92,10 @@ def _interaction_names(rows: dict[str, list[dict[str, Any]]], interactions: set[
 
 
 def _warn_unrewarded(config: DictConfig, rows: dict[str, list[dict[str, Any]]], default_loop: str) -> None:
-    """Data sources whose rows get no reward function and run a loop without reward parts of its own."""
+    """Data sources whose rows get no reward function and run a loop without reward parts of its own (none when a
+    discriminative reward model scores every sample)."""
+    if config.reward_model.get("enable") and judge_kind(config) == "discriminative":
+        return
     unrewarded = sorted({
         str(row.get("data_source"))
         for split_rows in rows.values()

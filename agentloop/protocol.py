@@ -276,8 +276,8 @@ class Segment:
 
 
 # Where a sample's reward came from (``agentloop.rewards``): the loop set it, a reward function computed it, the
-# reward parts added up, or nothing scored it.
-RewardSource = Literal["agent_loop", "reward_function", "reward_parts", "none"]
+# discriminative reward model scored it, the reward parts added up, or nothing scored it.
+RewardSource = Literal["agent_loop", "reward_function", "reward_model", "reward_parts", "none"]
 
 
 @dataclass
@@ -299,7 +299,8 @@ class AgentLoopOutput:
     ``turns``, ``observation_roles`` and ``num_turns``) and which default to "not reported": ``end_reason`` (None
     counts as ``unknown``), ``turns`` (one ``TurnRecord`` per model turn), ``observation_roles`` (who spoke in each
     masked span, in order) and ``reward_parts``. The worker sets ``reward_source`` and ``reward_extra_info`` (what
-    a reward function returned) when it scores the sample, and ``failure`` when its loop raised.
+    a reward function returned) when it scores the sample, ``failure`` when its loop raised, and ``judge_calls`` (the
+    judge's calls for the sample, ``agentloop.judge.JudgeCall``) with ``reward_model.enable``.
     ``extra_fields`` is the loop's own: the framework carries it into the batch and the dumps and never reads it.
 
     A trajectory whose context was rewritten (a context strategy, or a loop that sends contexts that are not exact
@@ -327,6 +328,7 @@ class AgentLoopOutput:
     reward_source: RewardSource | None = None
     reward_extra_info: dict[str, Any] = field(default_factory=dict)
     failure: Failure | None = None
+    judge_calls: list[Any] = field(default_factory=list)
     rollout_log_probs_missing: bool = False
     segments: list[Segment] = field(default_factory=list)
     rewritten_by: str | None = None
@@ -364,7 +366,7 @@ class AgentLoopOutput:
 # The fields of AgentLoopOutput that the padded batch carries per sample, as non_tensor_batch columns of these names.
 BATCH_FIELDS = (
     "num_turns", "reward_score", "metrics", "extra_fields", "end_reason", "turns", "observation_roles", "reward_parts",
-    "reward_source", "reward_extra_info", "failure", "rollout_log_probs_missing",
+    "reward_source", "reward_extra_info", "failure", "judge_calls", "rollout_log_probs_missing",
 )
 
 

@@ -7,8 +7,9 @@ The rule, in order:
 2. Otherwise the reward function for the row's ``data_source`` scores the whole response, decoded with
    ``skip_special_tokens=True`` (tool observations included, as verl decodes it): the dotted path in
    ``custom_reward_function.by_data_source[data_source]``, else ``custom_reward_function.path`` (a
-   ``.py`` file or ``pkg://module``) with ``.name`` and ``.reward_kwargs``, else the built-in scorer for
-   the data source (``agentloop.reward_score``).
+   ``.py`` file or ``pkg://module``) with ``.name`` and ``.reward_kwargs``; else, with a discriminative reward
+   model (``reward_model.kind``), its score of the conversation (the row's prompt and the response as the
+   assistant's message: verl's DisRM); else the built-in scorer for the data source (``agentloop.reward_score``).
 3. Otherwise the loop's own reward parts (``AgentLoopOutput.reward_parts``) add up: the tools'
    ``calc_reward``, the interaction's ``calculate_score`` and the environment's ``info["reward"]`` values (a
    task whose tools judge the answer, such as the quick start's). With no parts either, the reward is 0.
@@ -20,7 +21,9 @@ solution_str, ground_truth, extra_info, **reward_kwargs) -> float | dict`` (a di
 ``"score"``; every key goes to ``AgentLoopOutput.reward_extra_info``, and a plain float is recorded as
 ``acc``, as verl does), sync or ``async``. Sync functions run in a thread, off the
 worker's event loop; every call is bounded by ``custom_reward_function.timeout_s``, past which the
-sample fails (see ``rollout.max_failed_sample_ratio``).
+sample fails (see ``rollout.max_failed_sample_ratio``). With ``reward_model.enable``, a function that takes them
+(by name, or ``**kwargs``) is also given ``judge`` (``agentloop.judge.Judge``: an ``async`` function awaits its
+calls, while the other samples' rollouts go on) and verl's ``reward_router_address`` (a judge server's HTTP base URL).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any, Callable
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
+from agentloop.judge.session import active_judge
 from agentloop.protocol import AgentLoopOutput
 from agentloop.reward_score import default_compute_score, has_scorer
 
@@ -66,8 +70,9 @@ def _load_named(path: str, name: str) -> Callable[..., Any]:
     return getattr(module, name)
 
 
-def reward_function_for(config: DictConfig, data_source: str | None) -> Callable[..., Any] | None:
-    """The function that scores samples of ``data_source`` (rule 2 above), or None."""
+def reward_function_for(config: DictConfig, data_source: str | None, builtin: bool = True) -> Callable[..., Any] | None:
+    """The function that scores samples of ``data_source`` (rule 2 above), or None; the built-in scorers only with
+    ``builtin``."""
     section = config.get("custom_reward_function") or {}
     dotted = (section.get("by_data_source") or {}).get(data_source)
     if dotted:
@@ -77,7 +82,18 @@ def reward_function_for(config: DictConfig, data_source: str | None) -> Callable
         kwargs = section.get("reward_kwargs") or {}
         kwargs = OmegaConf.to_container(kwargs) if isinstance(kwargs, DictConfig) else dict(kwargs)
         return functools.partial(function, **kwargs) if kwargs else function
-    return default_compute_score if has_scorer(data_source) else None
+    return default_compute_score if builtin and has_scorer(data_source) else None
+
+
+def judge_arguments(function: Callable[..., Any], judge: Any) -> dict[str, Any]:
+    """``judge`` and ``reward_router_address`` for a function that takes them (none without a judge)."""
+    if judge is None:
+        return {}
+    offered = {"judge": judge, "reward_router_address": judge.reward_router_address}
+    parameters = inspect.signature(function).parameters
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return offered
+    return {name: value for name, value in offered.items() if name in parameters}
 
 
 async def call_reward_function(function: Callable[..., Any], timeout_s: float, **arguments: Any) -> tuple[float, dict[str, Any]]:
@@ -108,13 +124,19 @@ async def score_output(config: DictConfig, tokenizer: Any, row: dict[str, Any], 
     if output.reward_score is not None:  # (a loop that scored with a reward function itself says so)
         output.reward_source = output.reward_source or "agent_loop"
         return
-    function = reward_function_for(config, row.get("data_source"))
+    judge = active_judge()
+    reward_model = judge is not None and judge.kind == "discriminative"
+    function = reward_function_for(config, row.get("data_source"), builtin=not reward_model)
+    # what the trainer sees of the response: cut to the batch's response length, as in the padded batch
+    response = output.response_ids[: int(config.actor_rollout_ref.rollout.response_length)]
+    if function is None and reward_model:
+        conversation = [*row["prompt"], {"role": "assistant", "content": tokenizer.decode(response, skip_special_tokens=True)}]
+        output.reward_score, output.reward_source = await judge.score(conversation), "reward_model"
+        return
     if function is None:
         output.reward_source = "reward_parts" if parts else "none"
         output.reward_score = sum(parts.values()) if parts else None
         return
-    # what the trainer sees of the response: cut to the batch's response length, as in the padded batch
-    response = output.response_ids[: int(config.actor_rollout_ref.rollout.response_length)]
     score, extras = await call_reward_function(
         function,
         float((config.get("custom_reward_function") or {}).get("timeout_s") or 60),
@@ -122,6 +144,7 @@ async def score_output(config: DictConfig, tokenizer: Any, row: dict[str, Any], 
         solution_str=tokenizer.decode(response, skip_special_tokens=True),
         ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
         extra_info={**(row.get("extra_info") or {}), "num_turns": output.num_turns, "rollout_reward_scores": parts},
+        **judge_arguments(function, judge),
     )
     output.reward_score = score
     output.reward_source, output.reward_extra_info = "reward_function", extras

@@ -42,8 +42,11 @@ class ServerEvent:
 class ServerPool:
     """Starts, probes, replaces and controls the rollout servers of one manager."""
 
-    def __init__(self, config: DictConfig, on_replaced: Callable[[int, ray.actor.ActorHandle], None]) -> None:
+    def __init__(
+        self, config: DictConfig, on_replaced: Callable[[int, ray.actor.ActorHandle], None], server_class: Any = RolloutServer
+    ) -> None:
         self.config = config
+        self.server_class = server_class  # RolloutServer, or an actor class with its probes and controls (a judge's)
         self.rollout = config.actor_rollout_ref.rollout
         self.on_replaced = on_replaced
         self.supervision = self.rollout.supervision
@@ -73,7 +76,7 @@ class ServerPool:
         self.addresses = self._start_http(self.servers) if self.rollout.http.enable else []
 
     def _spawn(self, rank: int) -> ray.actor.ActorHandle:
-        return RolloutServer.options(
+        return self.server_class.options(
             num_cpus=self.bundle.get("CPU", 0),
             num_gpus=self.bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank),

@@ -55,3 +55,14 @@ async def picture_turns(trajectory: Any, router: Any, request_id: str, sampling_
             message = {"role": "user", "content": [{"type": "text", "text": f"and picture {turn + 1}?"}, {"type": "image", "image": picture}]}
             trajectory.add_observation(trajectory.observation([message]))
     return trajectory.to_output(num_turns=2 * spec["turns"])
+
+
+def rule_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any]) -> float:
+    """A reward that costs nothing: 1.0 (the baseline of ``benchmarks.judge``)."""
+    return 1.0
+
+
+async def judged_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any], judge: Any) -> float:
+    """A judge call of exactly ``extra_info.judge_length`` tokens (eos ignored) on the row's prompt text; 1.0."""
+    await judge.chat([{"role": "user", "content": extra_info["judge_prompt"]}], max_new_tokens=extra_info["judge_length"], ignore_eos=True)
+    return 1.0

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from agentloop.agent_loop.base import DictConfigWrap
+from agentloop.judge import Judge, judge_session
 from agentloop.batch import RolloutBatch, object_array
 from agentloop.models.loading import load_processor, structure
 from agentloop.postprocess import pad_outputs
@@ -27,9 +28,12 @@ logger = logging.getLogger(__name__)
 
 @ray.remote
 class AgentLoopWorker:
-    """Owns a router over every rollout server and turns a chunk of rows into a padded batch."""
+    """Owns a router over every rollout server (and a ``Judge`` over the judge's, with ``reward_model.enable``) and turns
+    a chunk of rows into a padded batch."""
 
-    def __init__(self, config: DictConfig, servers: list[ray.actor.ActorHandle]) -> None:
+    def __init__(
+        self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: tuple[list[ray.actor.ActorHandle], list[str]] | None = None
+    ) -> None:
         self.config = config
         self.rollout = config.actor_rollout_ref.rollout
         path = config.actor_rollout_ref.model.path
@@ -41,6 +45,7 @@ class AgentLoopWorker:
             servers, request_timeout_s=self.rollout.request_timeout_s,
             health_timeout_s=self.rollout.supervision.health_timeout_s, group_affinity_slack=slack,
         )
+        self.judge = Judge.from_config(config, *judges) if judges is not None else None
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._groups: dict[int, asyncio.Task] = {}  # streamed groups in flight
         self._finished: list[tuple[int, RolloutBatch | Exception]] = []
@@ -113,10 +118,21 @@ class AgentLoopWorker:
         """Route to ``server`` for ``rank`` from now on (the manager replaced a dead one)."""
         self.router.replace(rank, server)
 
+    def replace_judge(self, rank: int, server: ray.actor.ActorHandle, address: str | None) -> None:
+        """Call ``server`` (at ``address``) for the judge's ``rank`` from now on."""
+        self.judge.replace(rank, server, address)
+
     async def _run_one(
         self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
     ) -> tuple[AgentLoopOutput, float]:
         start = time.perf_counter()
+        with judge_session(self.judge, row["request_id"]) as judge_calls:
+            output = await self._run_loop(row, sampling_params, agent_loops)
+        output.judge_calls = judge_calls
+        output.set_policy_versions(self.router.take_versions(row["request_id"]))
+        return output, time.perf_counter() - start
+
+    async def _run_loop(self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]) -> AgentLoopOutput:
         try:
             with self.router.running_sample(row["request_id"], row.get("uid")):
                 loop = build_agent_loop(
@@ -130,9 +146,8 @@ class AgentLoopWorker:
                 )
                 output = await loop.run(dict(sampling_params), **row)
                 await score_output(self.config, self.tokenizer, row, output)
-        except Exception as error:  # one sample's fault (a loop's bug, a reward function that raises) stays its own
+                return output
+        except Exception as error:  # one sample's fault (a loop's bug, a reward function or judge that fails) stays its own
             logger.warning("agent loop %r failed on sample %s (dataset index %s): %s: %s",
                            row["agent_name"], row["request_id"], row["index"], type(error).__name__, error)
-            output = failed_output(error, self._pad_id)
-        output.set_policy_versions(self.router.take_versions(row["request_id"]))
-        return output, time.perf_counter() - start
+            return failed_output(error, self._pad_id)

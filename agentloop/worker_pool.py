@@ -29,21 +29,24 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerPool:
-    """``rollout.agent.num_workers`` agent-loop workers, each routing to the current servers of ``servers``.
+    """``rollout.agent.num_workers`` agent-loop workers, each routing to the current servers of ``servers`` (and
+    calling the judge's current ones, ``judges``, serving by now, when there is a judge).
 
     ``handles`` holds the live worker of each slot; ``restarts`` counts the workers replaced so far.
     """
 
-    def __init__(self, config: DictConfig, servers: ServerPool) -> None:
+    def __init__(self, config: DictConfig, servers: ServerPool, judges: ServerPool | None = None) -> None:
         self.config = config
         self.rollout = config.actor_rollout_ref.rollout
         self.servers = servers
+        self.judges = judges
         self.restarts = 0
         self._lock = threading.RLock()  # the stream's thread and the caller's both replace dead workers
         self.handles = [self._start() for _ in range(int(self.rollout.agent.num_workers))]
 
     def _start(self) -> ray.actor.ActorHandle:
-        return AgentLoopWorker.options(num_cpus=0).remote(self.config, self.servers.servers)
+        judges = (self.judges.servers, self.judges.addresses) if self.judges is not None else None
+        return AgentLoopWorker.options(num_cpus=0).remote(self.config, self.servers.servers, judges)
 
     def wait_until_ready(self, timeout_s: float) -> None:
         """Wait for every worker to start (load its tokenizer)."""
@@ -65,6 +68,13 @@ class WorkerPool:
         with self._lock:
             for worker in self.handles:
                 worker.replace_server.remote(rank, server)
+
+    def give_judge(self, rank: int, server: ray.actor.ActorHandle) -> None:
+        """Hand the replacement judge ``server`` of ``rank`` to every worker."""
+        address = self.judges.addresses[rank] if self.judges.addresses else None
+        with self._lock:
+            for worker in self.handles:
+                worker.replace_judge.remote(rank, server, address)
 
     def shutdown(self) -> None:
         for worker in self.handles:

@@ -12,6 +12,7 @@ import pytest
 import ray
 
 from agentloop.models.tiny_qwen import tiny_model_path
+from agentloop.models.tiny_reward_model import tiny_reward_model_path
 from agentloop.models.tiny_vlm import tiny_vlm_path
 from tests.support.models import ScriptedModel, build_coin_model, build_ok_model, build_scripted_model, corridor_warm_start
 
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 # fixture -> the model it needs, built before the first test by one bounded subprocess
 MODEL_FIXTURES = {
     "model_path": "tiny", "scripted_model": "scripted", "ok_model": "ok", "coin_model": "coin", "vlm_path": "vlm",
-    "corridor_model": "corridor",
+    "corridor_model": "corridor", "reward_model_path": "reward_model",
 }
 BUILD_TIMEOUT_S = float(os.environ.get("AGENTLOOP_TEST_BUILD_TIMEOUT_S", 1800))
 # Every Ray instance the tests and the jobs they start make is their own: ray.init() would otherwise join one that
@@ -91,6 +92,12 @@ def coin_model() -> str:
 def corridor_model() -> str:
     """The corridor task's warm start (``agentloop.tasks.corridor.warm_start``), as its config loads it."""
     return corridor_warm_start()
+
+
+@pytest.fixture(scope="session")
+def reward_model_path() -> str:
+    """The tiny sequence-classification reward model (``agentloop.models.tiny_reward_model``)."""
+    return tiny_reward_model_path()
 
 
 @pytest.fixture(scope="session")

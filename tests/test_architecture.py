@@ -22,11 +22,11 @@ LAYERS = [
     ["trainer", "agentloop.tasks", "agentloop.viewer"],
     ["agentloop", "agentloop.config", "agentloop.testing"],
     ["agentloop.manager"],
-    ["agentloop.worker", "agentloop.worker_pool", "agentloop.streaming", "agentloop.metrics", "agentloop.dumps", "agentloop.registry", "agentloop.postprocess", "agentloop.server_pool", "agentloop.preflight"],
-    ["agentloop.agent_loop", "agentloop.gateway"],
+    ["agentloop.worker", "agentloop.worker_pool", "agentloop.streaming", "agentloop.metrics", "agentloop.dumps", "agentloop.registry", "agentloop.postprocess", "agentloop.server_pool", "agentloop.preflight", "agentloop.judge", "agentloop.judge.pool"],
+    ["agentloop.agent_loop", "agentloop.gateway", "agentloop.judge.client"],
     ["agentloop.router"],
-    ["agentloop.server"],
-    ["agentloop.tools", "agentloop.interactions", "agentloop.envs", "agentloop.rewards", "agentloop.reward_score", "agentloop.models"],
+    ["agentloop.server", "agentloop.judge.reward_model_server"],
+    ["agentloop.tools", "agentloop.interactions", "agentloop.envs", "agentloop.rewards", "agentloop.reward_score", "agentloop.models", "agentloop.judge.session"],
     ["agentloop.protocol", "agentloop.policy_versions", "agentloop.batch", "agentloop.rows", "agentloop.waiting", "agentloop.yaml_entries", "agentloop.config_keys", "agentloop.images", "agentloop.allocator"],
 ]
 

@@ -6,7 +6,7 @@ with ``done`` (the env says so), ``max_turns`` (``rollout.env.max_turns`` model 
 ``length`` (the next turn or observation would not fit in ``rollout.response_length``: it never
 overflows), ``context_length`` (a rewritten context would leave no room for a turn in ``rollout.max_model_len``),
 ``env_error`` (a step kept failing after ``max_env_retries_per_turn`` retries) or
-``aborted``. A failed step is retried after the env's ``recover()`` hook, or after ``reset()`` and a
+``aborted``; a step whose judge call fails (``agentloop.judge.JudgeError``) fails the sample. A failed step is retried after the env's ``recover()`` hook, or after ``reset()`` and a
 replay of the actions so far; a turn counts only once its step succeeds. Each turn's record keeps its step's
 ``info["reward"]`` (``TurnRecord.env_reward``) and the state it answered: the env's ``state_key()`` hook when it has
 one, else a digest of the observation (``TurnRecord.state_key``, for GiGPO).
@@ -22,6 +22,7 @@ from hydra.utils import get_class
 
 from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.envs import BaseEnv
+from agentloop.judge.session import JudgeError
 from agentloop.protocol import AgentLoopOutput, EndReason, RewardParts
 
 
@@ -130,6 +131,8 @@ class EnvAgentLoop(AgentLoopBase):
                 return await asyncio.wait_for(_call(env.step, text), timeout)
             except asyncio.TimeoutError:
                 kind = "timeout"
+            except JudgeError:  # the judge's failure is the sample's, with the judge's text (a retry would ask again)
+                raise
             except Exception as error:  # an env's failure is retried, then ends the trajectory cleanly
                 kind = type(error).__name__
             retries[kind] = retries.get(kind, 0) + 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from agentloop.judge.session import current_judge
+
 
 class BaseEnv:
     """An environment stepped on each model turn.
@@ -14,10 +16,19 @@ class BaseEnv:
     An env may define ``state_key()``: a name (any value; compared as ``str``) for its current state, read after
     ``reset`` and after each step; turns that answer the same state form GiGPO's step groups. Without it, or when
     it returns None, the observation's text identifies the state.
+
+    With ``reward_model.enable``, an ``async`` step may await ``self.judge`` (``agentloop.judge.Judge``) to grade the
+    turn: its grade as ``info["reward"]`` is the turn's reward (``TurnRecord.env_reward``), and its feedback may go
+    into the observation. A judge call that fails fails the sample (it is not retried as the env's own failures are).
     """
 
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
+
+    @property
+    def judge(self) -> Any:
+        """The judge of the sample this env serves (an ``agentloop.judge.Judge``; ``reward_model.*``)."""
+        return current_judge()
 
     def reset(self) -> None:
         """Start the episode."""

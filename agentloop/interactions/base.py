@@ -5,15 +5,22 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from agentloop.judge.session import current_judge
 from agentloop.yaml_entries import entry_class, read_entries
 
 
 class BaseInteraction:
-    """A simulated user. One instance serves every trajectory; state lives under ``instance_id``."""
+    """A simulated user. One instance serves every trajectory; state lives under ``instance_id``. With
+    ``reward_model.enable``, ``generate_response`` may await ``self.judge`` to grade the turn (its ``turn_score``)."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = dict(config)
         self.name = self.config.get("name", type(self).__name__)
+
+    @property
+    def judge(self) -> Any:
+        """The judge of the sample being answered (an ``agentloop.judge.Judge``; ``reward_model.*``)."""
+        return current_judge()
 
     async def start_interaction(self, instance_id: str, **kwargs: Any) -> str:
         """Begin a conversation (``kwargs`` come from the row's ``extra_info.interaction_kwargs``)."""

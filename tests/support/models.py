@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from agentloop.models.cache import cache_root
 from agentloop.models.sft import finetune
 from agentloop.models.tiny_qwen import tiny_model_path
+from agentloop.models.tiny_reward_model import tiny_reward_model_path
 from agentloop.models.tiny_vlm import tiny_vlm_path
 from agentloop.tasks.corridor.warm_start import warm_start_path as corridor_warm_start
 from agentloop.tools.parsers import format_hermes as call
@@ -136,7 +137,7 @@ def says_yes(data_source: str, solution_str: str, ground_truth: Any, extra_info:
 
 BUILDERS = {
     "tiny": tiny_model_path, "scripted": build_scripted_model, "ok": build_ok_model, "coin": build_coin_model, "vlm": tiny_vlm_path,
-    "corridor": corridor_warm_start,
+    "corridor": corridor_warm_start, "reward_model": tiny_reward_model_path,
 }
 
 

@@ -1,0 +1,65 @@
+"""``RewardModelServer``: a discriminative reward model (verl's DisRM), a sequence-classification checkpoint, for
+one data-parallel rank of the judge's pool; it answers the pool's probes and controls as a ``RolloutServer`` does."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from typing import Any
+
+import ray
+import torch
+from omegaconf import DictConfig
+from transformers import AutoModelForSequenceClassification
+
+from agentloop.server.hf_engine import resolve_device
+
+
+@ray.remote
+class RewardModelServer:
+    """``score(ids)``: the model's first logit at the last token of a rendered conversation."""
+
+    def __init__(self, config: DictConfig, rank: int) -> None:
+        rollout = config.actor_rollout_ref.rollout
+        torch.set_num_threads(max(1, int(rollout.resources_per_server.get("CPU", 1))))
+        self.rank = rank
+        self.device = resolve_device(str(rollout.hf.device))
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            config.actor_rollout_ref.model.path, dtype=getattr(torch, str(rollout.dtype))
+        ).to(self.device).eval()
+        self._requests, self._busy_s, self._busy_since = 0, 0.0, 0.0
+
+    async def score(self, ids: list[int]) -> float:
+        self._requests += 1
+        if self._requests == 1:
+            self._busy_since = time.perf_counter()
+        try:
+            return await asyncio.to_thread(self._forward, ids)  # the event loop keeps answering probes
+        finally:
+            self._requests -= 1
+            if not self._requests:
+                self._busy_s += time.perf_counter() - self._busy_since
+
+    @torch.no_grad()
+    def _forward(self, ids: list[int]) -> float:
+        return float(self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0, 0])
+
+    async def in_flight(self) -> int:
+        return self._requests
+
+    async def busy_s(self) -> float:
+        return self._busy_s + (time.perf_counter() - self._busy_since if self._requests else 0.0)
+
+    def node_info(self) -> dict[str, Any]:
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(), "pid": os.getpid()}
+
+    async def sleep(self) -> None:
+        """Nothing to release: a reward model keeps no cache."""
+
+    async def wake_up(self) -> None:
+        """Nothing to restore."""
+
+    async def shutdown(self) -> None:
+        """Nothing to stop beyond the actor."""

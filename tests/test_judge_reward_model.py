@@ -1,0 +1,65 @@
+"""A discriminative reward model (reward_model.kind=discriminative, verl's DisRM) on real Ray: with no reward
+function set, each sample's reward is the model's score of its conversation, as a plain forward of the checkpoint
+gives it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from agentloop import AgentLoopManager
+from tests.support.config import small_config
+
+
+@pytest.fixture(scope="module")
+def manager(local_ray, ok_model, reward_model_path):
+    manager = AgentLoopManager(small_config(
+        f"actor_rollout_ref.model.path={ok_model}", "reward_model.enable=true", "reward_model.kind=discriminative",
+        f"reward_model.model.path={reward_model_path}",
+    ))
+    yield manager
+    manager.shutdown()
+
+
+def test_the_reward_is_the_reward_models_score_of_the_conversation(manager, reward_model_path):
+    rows = [{"prompt": [{"role": "user", "content": f"hello {i}"}], "extra_info": {"index": i}} for i in range(3)]
+    batch = manager.generate_sequences(rows)
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_path)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_path, dtype=torch.float32).eval()
+    policy_tokenizer = AutoTokenizer.from_pretrained(manager.config.actor_rollout_ref.model.path)
+    fields = batch.non_tensor_batch
+    scores = []
+    for i, row in enumerate(rows):
+        length = int(batch.batch["response_mask"][i].sum())
+        response = policy_tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
+        conversation = [*row["prompt"], {"role": "assistant", "content": response}]
+        ids = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
+        with torch.no_grad():
+            expected = float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+        assert fields["reward_source"][i] == "reward_model" and fields["failure"][i] is None
+        assert fields["reward_score"][i] == pytest.approx(expected, abs=1e-5)
+        (call,) = fields["judge_calls"][i]
+        assert call.prompt_tokens == len(ids) and call.error is None
+        scores.append(expected)
+    assert len(set(scores)) == 3  # the conversations differ, and so do their scores
+    assert batch.meta_info["judge/calls"] == 3
+
+
+def test_a_verl_job_with_a_reward_model_trains_on_its_scores(reward_model_path, model_path, tmp_path):
+    """verl's keys (reward_model.enable, reward_model.model.path) take effect: the job's samples are scored by the
+    reward model (its kind read from the checkpoint), not by the data source's rule, and no key is warned away."""
+    from tests.support.verl_job import data as verl_data
+    from tests.test_verl_dropin import JOB, dumped_samples, run_verl_job
+
+    train = verl_data.write_split(str(tmp_path / "gsm8k"), "tool", "train", 4)
+    result = run_verl_job(
+        tmp_path, "gsm8k_multiturn_grpo", f"actor_rollout_ref.model.path={model_path}",
+        f"data.train_files={train}", f"data.val_files={train}",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={JOB / 'config/tool_config/gsm8k_tool_config.yaml'}",
+        "reward_model.enable=True", f"reward_model.model.path={reward_model_path}",
+    )
+    assert "reward_model.enable" not in result.stdout + result.stderr
+    samples = dumped_samples(tmp_path)
+    assert samples and all(record["reward_parts"]["reward_source"] == "reward_model" for record in samples)
+    assert all(len(record["extra"]["judge_calls"]) == 1 for record in samples)
