@@ -119,8 +119,9 @@ WORKLOADS = {
 UNMATCHED = [
     "agentloop validates on 64 rows before training and every 10 steps (the quick start's test_freq); TRL does not "
     "evaluate. Counts against agentloop in start-up, whole run and time to reward (not in step times).",
-    "agentloop re-scores the old log-probs on the ranks, writes a rollout dump and pushes weights each step; TRL skips "
-    "the old-log-prob pass when each batch is used once. Counts against agentloop.",
+    "agentloop writes a rollout dump and pushes weights each step (neither exists in TRL's one process). Counts "
+    "against agentloop. (Neither runs a separate old-log-prob pass: one update per batch takes them from its own "
+    "forward passes.)",
     "agentloop trains on two FSDP ranks (two processes, one core each), TRL in one process using both cores.",
     "TRL generates a turn for the whole batch with transformers' generate (each turn waits for its longest sample) and "
     "re-reads the prompt every turn; agentloop's engine batches continuously and reuses the prefix cache.",

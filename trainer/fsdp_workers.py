@@ -132,7 +132,7 @@ class FSDPWorker:
         dist.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world_size, timeout=timeout)
         self.device = "cuda" if cuda else "cpu"
         if not cuda:  # Ray gives an actor without CPUs one thread: the ranks share the node's cores instead
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // min(self.world_size, int(config.trainer.n_gpus_per_node))))
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // min(self.world_size, int(config.trainer.n_gpus_per_node))))
         self.mesh = init_device_mesh(self.device, (self.world_size,))
         self.samples_per_prompt = int(config.actor_rollout_ref.rollout.n)
         self.actor = config.actor_rollout_ref.actor
