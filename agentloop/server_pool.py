@@ -43,10 +43,12 @@ class ServerPool:
     """Starts, probes, replaces and controls the rollout servers of one manager."""
 
     def __init__(
-        self, config: DictConfig, on_replaced: Callable[[int, ray.actor.ActorHandle], None], server_class: Any = RolloutServer
+        self, config: DictConfig, on_replaced: Callable[[int, ray.actor.ActorHandle], None], server_class: Any = RolloutServer,
+        role: str = "rollout server", section: str = "actor_rollout_ref.rollout",
     ) -> None:
         self.config = config
         self.server_class = server_class  # RolloutServer, or an actor class with its probes and controls (a judge's)
+        self.role, self.section = role, section  # what the messages call the servers, and where their keys are
         self.rollout = config.actor_rollout_ref.rollout
         self.on_replaced = on_replaced
         self.supervision = self.rollout.supervision
@@ -57,9 +59,8 @@ class ServerPool:
         wait_for(
             [self.placement_group.ready()],
             self.startup_timeout_s,
-            f"resources for {size} rollout server(s) of {self.bundle} each "
-            f"(cluster has {ray.cluster_resources()}; lower actor_rollout_ref.rollout.resources_per_server "
-            "or data_parallel_size)",
+            f"resources for {size} {role}(s) of {self.bundle} each "
+            f"(cluster has {ray.cluster_resources()}; lower {section}.resources_per_server or data_parallel_size)",
         )
         self.servers = [self._spawn(rank) for rank in range(size)]  # loading their engines until ``wait_until_serving``
         self.addresses: list[str] = []
@@ -72,7 +73,7 @@ class ServerPool:
 
     def wait_until_serving(self) -> None:
         """Wait for the servers started with the pool to load their engines, then start their HTTP fronts."""
-        wait_for([server.__ray_ready__.remote() for server in self.servers], self.startup_timeout_s, "rollout servers to load their engines")
+        wait_for([server.__ray_ready__.remote() for server in self.servers], self.startup_timeout_s, f"{self.role}s to load their engines")
         self.addresses = self._start_http(self.servers) if self.rollout.http.enable else []
 
     def _spawn(self, rank: int) -> ray.actor.ActorHandle:
@@ -114,17 +115,17 @@ class ServerPool:
             self.given_up[rank] = cause
             self.events.append(ServerEvent(rank, "given_up", cause))
             logger.error(
-                "rollout server %d died again (%s) after %d restarts within %ss (rollout.supervision); no longer restarting it",
-                rank, cause, len(recent), self.supervision.window_s,
+                "%s %d died again (%s) after %d restarts within %ss (rollout.supervision); no longer restarting it",
+                self.role, rank, cause, len(recent), self.supervision.window_s,
             )
             if not self.live_ranks:
-                raise RuntimeError(f"every rollout server has died and was given up; the last cause: {cause}")
+                raise RuntimeError(f"every {self.role} has died and was given up; the last cause: {cause}")
             return
         recent.append(now)
-        logger.warning("rollout server %d is dead (%s); starting a replacement", rank, cause)
+        logger.warning("%s %d is dead (%s); starting a replacement", self.role, rank, cause)
         ray.kill(self.servers[rank])  # a hung server holds its bundle until it is gone
         server = self._spawn(rank)
-        wait_for([server.__ray_ready__.remote()], self.startup_timeout_s, f"the replacement of rollout server {rank} to start")
+        wait_for([server.__ray_ready__.remote()], self.startup_timeout_s, f"the replacement of {self.role} {rank} to start")
         if self.weights is not None:
             wait_for([server.update_weights.remote(self.weights, self.version)], self.startup_timeout_s, f"the latest weights on server {rank}")
         if self.asleep:
@@ -197,7 +198,7 @@ class ServerPool:
         results = self._call("shutdown", (), self.startup_timeout_s, replace=False) if graceful else {}
         stuck = [rank for rank, outcome in results.items() if isinstance(outcome, BaseException)]
         if stuck:
-            logger.warning("rollout servers %s did not shut down cleanly; killing them", stuck)
+            logger.warning("%ss %s did not shut down cleanly; killing them", self.role, stuck)
         for server in self.servers:
             ray.kill(server)
         remove_placement_group(self.placement_group)

@@ -65,4 +65,6 @@ def start_judge_pool(config: DictConfig, on_replaced: Callable[[int, ray.actor.A
         return None
     config.reward_model.kind = judge_kind(config)
     server_class = RolloutServer if config.reward_model.kind == "generative" else RewardModelServer
-    return ServerPool(judge_server_config(config), on_replaced, server_class=server_class)
+    return ServerPool(
+        judge_server_config(config), on_replaced, server_class=server_class, role="judge server", section="reward_model.rollout"
+    )
