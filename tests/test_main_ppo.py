@@ -21,7 +21,7 @@ from tests.support.config import small_config
 from tests.support.runs import signal_at_checkpoint
 from trainer.algorithms import adaptive_kl_coef
 from trainer.data import BatchSampler
-from trainer.main_ppo import run
+from trainer.main_ppo import ray_address, ray_init_kwargs, run
 
 TOOL_RUN = [
     "data.train_batch_size=2",
@@ -177,6 +177,16 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
     for step in (3, 4):
         indices = {int(record["index"]) for record in read_rollout_dump(dumps / f"step_{step:06d}.parquet")[1]}
         assert sorted(indices) == sorted(expected[step - 1])
+
+
+def test_a_job_starts_a_ray_of_its_own_unless_told_which_to_join(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_address(compose_config()) == "local"  # not ray.init()'s default: any cluster running on this machine
+    assert ray_address(compose_config(["trainer.ray_address=auto"])) == "auto"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # as `ray job submit` sets it for its driver
+    assert ray_address(compose_config()) == "10.0.0.1:6379"
+    assert ray_init_kwargs(compose_config()) == {"include_dashboard": False}
+    assert ray_init_kwargs(compose_config(["ray_kwargs.ray_init.num_cpus=4"])) == {"include_dashboard": False, "num_cpus": 4}
 
 
 def test_config_and_data_errors_are_named(local_ray, tmp_path):

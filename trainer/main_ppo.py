@@ -89,7 +89,7 @@ class RayPPOTrainer:
         self.total_steps = int(config.trainer.total_training_steps or self.sampler.batches_per_epoch * int(config.trainer.total_epochs))
         self.world_size = world_size(config)
         if not ray.is_initialized():  # only now: config and data errors need no cluster
-            ray.init(address=config.trainer.ray_address, **ray_init_kwargs(config))
+            ray.init(address=ray_address(config), **ray_init_kwargs(config))
         rank_gpus(config, self.world_size)  # a trainer.device the cluster lacks fails here, before any server starts
         self.output_dir = Path(config.trainer.default_local_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -536,6 +536,12 @@ def _has_rollout_log_probs(rollout: RolloutBatch, required: bool) -> bool:
             "needs: return the engine's log_probs from those loops, or turn the correction off"
         )
     return not missing
+
+
+def ray_address(config: DictConfig) -> str:
+    """``trainer.ray_address``; null: a Ray of its own, unless RAY_ADDRESS names one (as ``ray job submit`` does).
+    ``ray.init()`` alone would join whatever cluster another job started on this machine."""
+    return config.trainer.ray_address or os.environ.get("RAY_ADDRESS") or "local"
 
 
 def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
