@@ -4,9 +4,6 @@ one data-parallel rank of the judge's pool; it answers the pool's probes and con
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import time
 from typing import Any
 
 import ray
@@ -14,6 +11,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForSequenceClassification
 
+from agentloop.server.accounting import BusyClock, node_info
 from agentloop.server.hf_engine import resolve_device
 
 
@@ -29,31 +27,24 @@ class RewardModelServer:
         self.model = AutoModelForSequenceClassification.from_pretrained(
             config.actor_rollout_ref.model.path, dtype=getattr(torch, str(rollout.dtype))
         ).to(self.device).eval()
-        self._requests, self._busy_s, self._busy_since = 0, 0.0, 0.0
+        self._busy = BusyClock()
 
     async def score(self, ids: list[int]) -> float:
-        self._requests += 1
-        if self._requests == 1:
-            self._busy_since = time.perf_counter()
-        try:
+        with self._busy.request():
             return await asyncio.to_thread(self._forward, ids)  # the event loop keeps answering probes
-        finally:
-            self._requests -= 1
-            if not self._requests:
-                self._busy_s += time.perf_counter() - self._busy_since
 
     @torch.no_grad()
     def _forward(self, ids: list[int]) -> float:
         return float(self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0, 0])
 
     async def in_flight(self) -> int:
-        return self._requests
+        return self._busy.active
 
     async def busy_s(self) -> float:
-        return self._busy_s + (time.perf_counter() - self._busy_since if self._requests else 0.0)
+        return self._busy.seconds()
 
     def node_info(self) -> dict[str, Any]:
-        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(), "pid": os.getpid()}
+        return node_info(self.rank)
 
     async def sleep(self) -> None:
         """Nothing to release: a reward model keeps no cache."""

@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import os
-import socket
-import time
 import traceback
 from typing import Any, AsyncIterator
 
@@ -23,6 +20,7 @@ from ray.exceptions import RayTaskError
 from agentloop.allocator import keep_freed_memory
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
+from agentloop.server.accounting import BusyClock, node_info
 from agentloop.server.engine import Engine, build_engine
 from agentloop.server.weights import PackedWeights
 
@@ -49,16 +47,11 @@ class RolloutServer:
         # here, or they would be stamped with the old version and then sampled by the new weights.
         self._weights_settled = asyncio.Event()
         self._weights_settled.set()
-        self._requests, self._busy_s, self._busy_since = 0, 0.0, 0.0  # for busy_s
+        self._busy = BusyClock()
 
     def node_info(self) -> dict[str, Any]:
         """Where this server runs: Ray node id, host name and process id."""
-        return {
-            "rank": self.rank,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-        }
+        return node_info(self.rank)
 
     async def generate(
         self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, images: list[ProcessedImage] | None = None
@@ -67,18 +60,11 @@ class RolloutServer:
         # loaded when the request started
         await self._weights_settled.wait()
         version = self.policy_version
-        self._requests += 1
-        if self._requests == 1:
-            self._busy_since = time.perf_counter()
-        try:
+        with self._busy.request():
             if images:
                 output = await self.engine.generate(prompt_ids, sampling_params, request_id, images=images)
             else:  # engines written for text only keep working
                 output = await self.engine.generate(prompt_ids, sampling_params, request_id)
-        finally:
-            self._requests -= 1
-            if not self._requests:
-                self._busy_s += time.perf_counter() - self._busy_since
         output.policy_version = version
         return output
 
@@ -98,7 +84,7 @@ class RolloutServer:
     async def busy_s(self) -> float:
         """Seconds so far with at least one request in the engine (HTTP ones included): the trainer's measure
         of this server's idle time per step."""
-        return self._busy_s + (time.perf_counter() - self._busy_since if self._requests else 0.0)
+        return self._busy.seconds()
 
     async def abort(self, request_id: str) -> int:
         # one pass of the event loop first: requests that ``generate_many`` has just taken start in that pass, and
