@@ -124,8 +124,9 @@ def test_every_segment_scores_as_sampled_under_its_exact_context(server, tokeniz
         for before, after in zip(segments, segments[1:]):
             so_far = before.prompt_ids + before.response_ids
             assert after.prompt_ids[: len(so_far)] != so_far
-    else:
-        assert len(segments) >= 2
+    else:  # the model turn whose context is the first rewrite: sampled at temperature 1, an episode may end sooner
+        first_rewritten = {"sliding_window": 3, "tests.support.contexts.last_message_only": 2}[strategy]
+        assert len(segments) >= 2 if len(output.turns) >= first_rewritten else len(segments) == 1, len(output.turns)
 
 
 def test_append_is_todays_trajectory_and_a_window_starts_segments_that_drop_old_turns(server, tokenizer, scripted):
