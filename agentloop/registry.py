@@ -7,6 +7,7 @@ Loops are built per sample with ``hydra.utils.instantiate``.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -86,5 +87,14 @@ def build_agent_loop(spec: dict[str, Any], **dependencies: Any) -> Any:
     if not isinstance(target, str):
         # A decorated class travels by value; hydra would re-import it by name, which a worker may not manage.
         return target(**dependencies)
+    if all(isinstance(value, (str, int, float, bool, type(None))) for value in spec.values()):
+        return _scalar_spec_factory(tuple(sorted(spec.items())))(**dependencies)
     # _partial_ because hydra's own first parameter is named `config`, like the dependency we pass.
     return instantiate(spec, _partial_=True)(**dependencies)
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar_spec_factory(spec: tuple[tuple[str, Any], ...]) -> Any:
+    # hydra's partial of a spec whose arguments are all scalars (nothing a loop could mutate or should get its own
+    # copy of), made once per process: instantiating costs milliseconds, per sample in a worker's hottest path
+    return instantiate(dict(spec), _partial_=True)

@@ -10,7 +10,9 @@ agentloop runs ``python -m trainer.main_ppo`` (the quick start with overrides); 
 Each run is its own subprocess, timed from the command to its exit; the systems alternate, repeat after repeat.
 
 Workloads: (a) the quick start as it is; (b) every tool call first waits a lognormal latency (median 0.1 s,
-sigma 1, capped at 2 s, as ``long_tail``); (c) longer episodes allowed: 8 model turns and 512 response tokens;
+sigma 1, capped at 2 s, as ``long_tail``); (c) longer episodes: a warm start that solves in four model turns with a
+sentence each (compute, check with a second call, submit, close; ``warm_start_path(long_episodes=True)``), with 8 model
+turns and 512 response tokens allowed;
 (d) agentloop asynchronous (``arithmetic_grpo_async``) on (b), against (b)'s TRL runs.
 
 Prints, per workload, the medians over repeats of: median step time, sum of the steps, whole run, start-up
@@ -93,6 +95,7 @@ class Workload:
     title: str
     slow_tools: bool = False
     max_assistant_turns: int = 4  # the quick start's multi_turn.max_assistant_turns
+    long_episodes: bool = False  # the warm start that solves in four model turns with text (both systems train it)
     response_length: int = 128  # the quick start's data.max_response_length: model turns and tool results together
     agentloop_config: str = "arithmetic_grpo"
     trl_runs_of: str | None = None  # a workload whose TRL runs this one is compared with (TRL has no async mode)
@@ -105,13 +108,23 @@ class Workload:
         ]
         if self.slow_tools:
             overrides.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path={slow_tool_config(tools_dir)}")
+        if self.long_episodes:
+            overrides.append(f"actor_rollout_ref.model.path={warm_start(long_episodes=True)}")
         return overrides
+
+
+def warm_start(long_episodes: bool) -> str:
+    """The checkpoint both systems start from (built on first use, outside any timed run)."""
+    from agentloop.tasks.arithmetic.warm_start import warm_start_path  # torch and transformers: only when needed
+
+    return warm_start_path(str(QUICK_START_TOOLS), long_episodes=long_episodes)
 
 
 WORKLOADS = {
     "a": Workload("a", "the quick start as it is"),
     "b": Workload("b", "tool latency lognormal (median 0.1 s, sigma 1, <= 2 s)", slow_tools=True),
-    "c": Workload("c", "longer episodes allowed: 8 model turns, 512 response tokens", max_assistant_turns=8, response_length=512),
+    "c": Workload("c", "longer episodes: four model turns with text each (8 allowed, 512 response tokens)",
+                  max_assistant_turns=8, response_length=512, long_episodes=True),
     "d": Workload("d", "agentloop asynchronous (arithmetic_grpo_async) on (b)", slow_tools=True,
                   agentloop_config="arithmetic_grpo_async", trl_runs_of="b"),
 }
@@ -293,11 +306,10 @@ def trl_worker(spec: dict[str, Any]) -> None:
     from trl.chat_template_utils import qwen3_template
 
     from agentloop.tasks.arithmetic.data import cached_split
-    from agentloop.tasks.arithmetic.warm_start import warm_start_path
     from agentloop.tools.toolset import load_tool_set
     from trainer.data import BatchSampler, read_rows
 
-    model = warm_start_path(str(QUICK_START_TOOLS))
+    model = warm_start(spec["long_episodes"])
     rows = read_rows(cached_split(*TRAIN_SPLIT))
     # agentloop's order: its sampler's batches (data.seed 0, shuffled), handed to TRL unshuffled
     order = [index for batch in BatchSampler(len(rows), PROMPTS_PER_STEP, seed=0).batches(spec["steps"]) for index in batch]

@@ -31,7 +31,7 @@ from agentloop.router import Router
 from agentloop.server.engine import Engine
 from agentloop.tools.parsers import get_parser
 from agentloop.tools.schemas import ToolCall
-from agentloop.tools.toolset import checked_arguments, load_tool_set
+from agentloop.tools.toolset import argument_validator, checked_arguments, load_tool_set
 from tests.support.config import small_config
 from tests.support.hostile_outputs import HostileOutput, hostile_outputs
 from tests.support.models import TOOLS_PATH
@@ -175,7 +175,7 @@ def expected_fault(call, tool_set) -> str | None:
         return "unknown_tool"
     schema = tool.tool_schema.function.parameters.model_dump(exclude_none=True)
     try:  # arguments that fail only by a lossless type are converted (pinned in test_verl_rewards_and_code)
-        checked_arguments(call.arguments, schema)
+        checked_arguments(call.arguments, argument_validator(schema))
         return None
     except jsonschema.ValidationError:
         return "invalid_arguments"

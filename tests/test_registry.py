@@ -83,3 +83,29 @@ def test_prompt_truncation_modes(model_path, mode):
     else:
         expected = full[-8:] if mode == "left" else full[:8]
         assert loop.encode_prompt(messages) == expected
+
+
+def test_a_prompt_rendered_once_per_worker_follows_its_tokenizer_template_and_kwargs(model_path):
+    """The rendered prompt is kept for the group's other samples, and only for the same render: another template
+    on the same tokenizer, other template kwargs or other messages render anew."""
+    from transformers import AutoTokenizer
+
+    from agentloop.config import compose_config
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    config = compose_config(["data.max_prompt_length=512"])
+    loop = SingleTurnAgentLoop(server_manager=None, tokenizer=tokenizer, config=config)
+    messages = [{"role": "user", "content": "What is 3 + 4?"}]
+
+    def render(**kwargs):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)
+
+    first = loop.encode_prompt(messages)
+    first.append(-1)  # a caller's list is its own: the kept render is not changed through it
+    assert loop.encode_prompt(messages) == render()
+    assert loop.encode_prompt([{"role": "user", "content": "What is 3 + 5?"}]) != render()
+    loop.apply_chat_template_kwargs = {"custom_marker": True}
+    tokenizer.chat_template = "{% if custom_marker %}marked {% endif %}{{ messages[0]['content'] }}"
+    assert tokenizer.decode(loop.encode_prompt(messages)) == "marked What is 3 + 4?"
+    loop.apply_chat_template_kwargs = {}
+    assert tokenizer.decode(loop.encode_prompt(messages)) == "What is 3 + 4?"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,32 @@ def test_arithmetic_dataset_rows(tmp_path):
 
     assert pq.read_table(write_rows(rows, str(tmp_path / "train.parquet"))).to_pylist() == rows
     assert [json.loads(line) for line in open(write_rows(rows, str(tmp_path / "t.jsonl")))] == rows
+
+
+@pytest.mark.parametrize("long_episodes", [False, True])
+def test_the_warm_start_solutions_are_answered_by_the_real_tools_as_taught(long_episodes):
+    """Every call the warm start teaches parses, the task's tools reply with the observation it was taught, and the
+    episode scores 1; the long episodes (``benchmarks/vs_trl`` (c)) take four model turns, each with text."""
+    from agentloop.tasks.arithmetic.warm_start import conversation
+
+    tool_set = load_tool_set("config/tools/arithmetic.yaml")
+
+    async def solve(row: dict) -> int:
+        chat = conversation(row, True, random.Random(0), long_episodes=long_episodes)[len(row["prompt"]):]
+        kwargs = {name: spec["create_kwargs"] for name, spec in row["extra_info"]["tools_kwargs"].items()}
+        instance, created = f"row-{row['extra_info']['index']}", {}
+        for message, reply in zip(chat[0::2], chat[1::2]):  # (assistant call, taught tool reply) pairs
+            text, (call,) = parse_hermes(message["content"])
+            assert bool(text.strip()) == long_episodes
+            assert (await tool_set.call(call, instance, created, kwargs)).text == reply["content"]
+        assert (await tool_set.finish(instance, created))["submit_answer"] == 1.0
+        assert parse_hermes(chat[-1]["content"])[1] == []  # the closing turn calls nothing
+        return len(chat[0::2])
+
+    async def solve_all() -> list[int]:
+        return await asyncio.gather(*(solve(row) for row in make_rows(8, split="warm_start")))
+
+    assert asyncio.run(solve_all()) == [4 if long_episodes else 3] * 8
 
 
 QWEN3_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "qwen3" / "tokenizer_config.json"

@@ -49,6 +49,7 @@ class ToolSet:
     def __init__(self, tools: list[BaseTool]) -> None:
         self.tools = {tool.name: tool for tool in tools}
         self._semaphores: dict[str, asyncio.Semaphore] = {}
+        self._validators: dict[str, jsonschema.protocols.Validator] = {}
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
@@ -78,9 +79,10 @@ class ToolSet:
                 f"Error: unknown tool {_excerpt(repr(call.name), 200)}; available tools: {sorted(self.tools)}",
                 error="unknown_tool",
             )
-        parameters = tool.tool_schema.function.parameters.model_dump(exclude_none=True)
+        if tool.name not in self._validators:
+            self._validators[tool.name] = argument_validator(tool.tool_schema.function.parameters.model_dump(exclude_none=True))
         try:
-            arguments = checked_arguments(call.arguments, parameters)
+            arguments = checked_arguments(call.arguments, self._validators[tool.name])
         except jsonschema.ValidationError as error:
             return ToolResult(
                 f"Error: invalid arguments for {tool.name}: {_excerpt(error.message)}", error="invalid_arguments"
@@ -123,23 +125,26 @@ class ToolSet:
         return rewards
 
 
-def checked_arguments(arguments: dict[str, Any], parameters: dict[str, Any]) -> dict[str, Any]:
+def argument_validator(parameters: dict[str, Any]) -> jsonschema.protocols.Validator:
+    """The validator of a tool's arguments against its ``parameters`` schema, built once per tool: checking the
+    schema against its meta-schema (as ``jsonschema.validate`` does on every call) costs more than validating."""
+    cls = jsonschema.validators.validator_for(parameters)
+    cls.check_schema(parameters)
+    return cls(parameters)
+
+
+def checked_arguments(arguments: dict[str, Any], validator: jsonschema.protocols.Validator) -> dict[str, Any]:
     """The arguments if they fit the schema; else with each top-level value that fails only by a lossless
     type converted (``105`` for a string is ``"105"``, ``"3"`` for an integer is ``3``, ``"true"`` for a
     boolean is ``True``). Raises the schema's error when conversion does not make them fit."""
-    try:
-        jsonschema.validate(arguments, parameters)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))  # the error jsonschema.validate raises
+    if error is None:
         return arguments
-    except jsonschema.ValidationError as error:
-        properties = parameters.get("properties") or {}
-        converted = {name: _lossless(value, (properties.get(name) or {}).get("type")) for name, value in arguments.items()}
-        if converted == arguments:
-            raise
-        try:
-            jsonschema.validate(converted, parameters)
-        except jsonschema.ValidationError:
-            raise error from None
-        return converted
+    properties = validator.schema.get("properties") or {}
+    converted = {name: _lossless(value, (properties.get(name) or {}).get("type")) for name, value in arguments.items()}
+    if converted == arguments or jsonschema.exceptions.best_match(validator.iter_errors(converted)) is not None:
+        raise error
+    return converted
 
 
 _INTEGER = re.compile(r"-?(0|[1-9][0-9]*)")

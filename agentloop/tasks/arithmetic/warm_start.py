@@ -9,6 +9,10 @@ without tools (reward 0). The compute call is ``calculator(expression)``, or ``p
 prints, the same text). The starting policy uses the tools on a small share of the problems (5-12%
 measured with ``tool_share=0.25``; sampled copies of the operands are not always right either), and
 reinforcement has one clear thing to learn: use the tools.
+
+With ``long_episodes`` the solution takes four model turns instead of three, each with a sentence of text: compute,
+check with a second call, submit, close (about three times the response tokens). ``benchmarks/vs_trl.py`` trains
+it as its longer-episode workload; the reward is the same.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from agentloop.tools.parsers import format_hermes
 from agentloop.tools.toolset import load_tool_set
 
 
-def conversation(row: dict[str, Any], use_tools: bool, rng: random.Random, compute_tool: str = "calculator") -> list[dict[str, Any]]:
+def conversation(
+    row: dict[str, Any], use_tools: bool, rng: random.Random, compute_tool: str = "calculator", long_episodes: bool = False,
+) -> list[dict[str, Any]]:
     """One chat for ``row``: the tool-using solution (computing with ``compute_tool``), or a plain-text guess."""
     messages = list(row["prompt"])
     if not use_tools:
@@ -37,6 +43,18 @@ def conversation(row: dict[str, Any], use_tools: bool, rng: random.Random, compu
     expression = row["extra_info"]["expression"]
     value = evaluate(expression)
     arguments = {"code": f"print({expression})"} if compute_tool == "python_exec" else {"expression": expression}
+    if long_episodes:
+        return messages + [
+            {"role": "assistant", "content": f"First compute {expression} with the {compute_tool}.\n" + format_hermes(compute_tool, arguments)},
+            {"role": "tool", "content": str(value)},
+            {"role": "assistant", "content": f"The result is {value}. Then check the result with one more call.\n"
+                                             + format_hermes(compute_tool, arguments)},
+            {"role": "tool", "content": str(value)},
+            {"role": "assistant", "content": f"The value equals {value} again, so submit the final answer {value}.\n"
+                                             + format_hermes("submit_answer", {"answer": value})},
+            {"role": "tool", "content": "correct"},
+            {"role": "assistant", "content": f"Done: {expression} equals {value}, and the answer is correct."},
+        ]
     return messages + [
         {"role": "assistant", "content": format_hermes(compute_tool, arguments)},
         {"role": "tool", "content": str(value)},
@@ -46,7 +64,7 @@ def conversation(row: dict[str, Any], use_tools: bool, rng: random.Random, compu
     ]
 
 
-def warm_start_path(tools_path: str, max_operand: int = 9, tool_share: float = 0.25, seed: int = 0) -> str:
+def warm_start_path(tools_path: str, max_operand: int = 9, tool_share: float = 0.25, seed: int = 0, long_episodes: bool = False) -> str:
     """Directory of the warm-started checkpoint, trained on first use and cached (deterministic).
 
     ``tools_path`` is the job's tool YAML: the conversations render its schemas, as rollouts will.
@@ -65,7 +83,7 @@ def warm_start_path(tools_path: str, max_operand: int = 9, tool_share: float = 0
     per_problem = 4
 
     def render(row: dict[str, Any], use_tools: bool) -> str:
-        chat = conversation(row, use_tools, rng, compute_tool)
+        chat = conversation(row, use_tools, rng, compute_tool, long_episodes)
         return tokenizer.apply_chat_template(chat, tools=schemas, tokenize=False)
 
     skill = [render(row, True) for row in rows]
