@@ -7,7 +7,6 @@ The constructor takes verl's arguments too (``trainer_config``, ``processor``, `
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -95,11 +94,7 @@ class AgentLoopBase:
         prompt, for a delta appended to a conversation. Unlike ``encode_prompt``, nothing is truncated."""
         if images or videos:
             raise ValueError("images and videos need a vision-language model's processor; this loop has a text tokenizer")
-        render = functools.partial(
-            self.tokenizer.apply_chat_template, messages, tools=tools, add_generation_prompt=True, tokenize=True,
-            return_dict=False, **self.apply_chat_template_kwargs,
-        )
-        ids = list(await asyncio.get_running_loop().run_in_executor(None, render))
+        ids = await asyncio.get_running_loop().run_in_executor(None, self._render_prompt, messages, tools)
         if remove_system_prompt:
             default_system = self._default_system_prompt()
             if ids[: len(default_system)] == default_system:
