@@ -153,7 +153,7 @@ def test_a_generation_batch_of_another_size_needs_dynamic_sampling():
 
 
 def coin_config(coin_model: str, tmp_path, *overrides: str, sources: tuple[str, ...] = ()) -> object:
-    """The coin task (reward 1 for "yes"), 4 prompts x 2 samples a step on two CPU ranks; row i's data source is
+    """The coin task (reward 1 for "yes"), 4 prompts x 2 samples a step on one CPU rank; row i's data source is
     ``sources[i]`` where given (a source without a reward function scores 0), else ``coin``."""
     rows = [{"prompt": [{"role": "user", "content": f"question {i}"}], "agent_name": "single_turn_agent",
              "data_source": sources[i] if i < len(sources) else "coin", "extra_info": {"index": i}} for i in range(40)]

@@ -1,4 +1,4 @@
-"""The trainer through the real stack (two FSDP ranks on CPU, one server, the tool agent): GRPO with
+"""The trainer through the real stack (FSDP on CPU, one server, the tool agent; the killed run on two ranks): GRPO with
 validation, loggers and bypass-mode rollout correction, GAE with a critic and KL, a killed run that
 resumes, and config errors."""
 
@@ -202,7 +202,7 @@ def test_config_and_data_errors_are_named(local_ray, tmp_path):
     with pytest.raises(ValueError, match="algorithm.gigpo.step_weight=-1.0 must be a number >= 0"):
         run(small_config(f"data.train_files=[{train}]", "algorithm.gigpo.step_weight=-1.0"))
     with pytest.raises(ValueError, match="do not split over 2 ranks"):
-        run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=3"))
+        run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=3", "trainer.n_gpus_per_node=2"))
     with pytest.raises(ValueError, match="algorithm.kl_penalty='k9'; choose one of"):
         run(small_config(f"data.train_files=[{train}]", "algorithm.kl_penalty=k9"))
     with pytest.raises(ValueError, match="need one GPU each, and the Ray cluster has 0; .* or set trainer.device=cpu"):

@@ -57,9 +57,11 @@ def main(overrides: list[str]) -> None:
             *overrides,
         ]
     )
-    # the workers import the example's classes by name, so they get the repository on their path
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    # The workers import the example's classes by name, so they get the repository on their path. Through the
+    # environment the local Ray's processes inherit, not a runtime_env: with one, every actor would wait for a
+    # worker process of its own instead of taking one Ray started ahead.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=2, include_dashboard=False)
     manager = AgentLoopManager(config)
     batch = manager.generate_sequences(make_rows(4))
     for name, reward, end_reason in zip(
