@@ -13,22 +13,7 @@ import functools
 from typing import Any
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoImageProcessor,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
-    AutoProcessor,
-    AutoTokenizer,
-    Qwen2VLProcessor,
-)
-
-
-class ImageTextProcessor(Qwen2VLProcessor):
-    """A Qwen-VL processor for images only (no video processor, so no torchvision)."""
-
-    def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> None:
-        return None  # the parent insists on a video processor class
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 
 @functools.lru_cache(maxsize=16)
@@ -75,10 +60,27 @@ def load_processor(path: str) -> Any | None:
     """The checkpoint's processor (tokenizer and image processor), or None for a text-only model."""
     if not is_vision_language(path):
         return None
+    # imported here: transformers' processing and image-processing code costs ~3 CPU-seconds to import, in every
+    # process that imports this module, and most (text-only servers, workers and ranks) never load a processor
+    from transformers import AutoImageProcessor, AutoProcessor
+
     try:
         processor = AutoProcessor.from_pretrained(path)
     except Exception:  # e.g. no torchvision for the video processor
         processor = None
     if getattr(processor, "image_processor", None) is not None:
         return processor
-    return ImageTextProcessor(image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=AutoTokenizer.from_pretrained(path))
+    return _image_text_processor()(image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=AutoTokenizer.from_pretrained(path))
+
+
+@functools.cache
+def _image_text_processor() -> type:
+    """A Qwen-VL processor for images only (no video processor, so no torchvision), made on first use like the
+    imports above."""
+    from transformers import Qwen2VLProcessor
+
+    class ImageTextProcessor(Qwen2VLProcessor):
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> None:
+            return None  # the parent insists on a video processor class
+
+    return ImageTextProcessor
