@@ -64,23 +64,12 @@ def load_processor(path: str) -> Any | None:
     # process that imports this module, and most (text-only servers, workers and ranks) never load a processor
     from transformers import AutoImageProcessor, AutoProcessor
 
+    from agentloop.models.image_text_processor import ImageTextProcessor
+
     try:
         processor = AutoProcessor.from_pretrained(path)
     except Exception:  # e.g. no torchvision for the video processor
         processor = None
     if getattr(processor, "image_processor", None) is not None:
         return processor
-    return _image_text_processor()(image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=AutoTokenizer.from_pretrained(path))
-
-
-@functools.cache
-def _image_text_processor() -> type:
-    """A Qwen-VL processor for images only (no video processor, so no torchvision), made on first use like the
-    imports above."""
-    from transformers import Qwen2VLProcessor
-
-    class ImageTextProcessor(Qwen2VLProcessor):
-        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> None:
-            return None  # the parent insists on a video processor class
-
-    return ImageTextProcessor
+    return ImageTextProcessor(image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=AutoTokenizer.from_pretrained(path))
