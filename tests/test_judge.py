@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 
 import pytest
@@ -119,10 +120,17 @@ def test_an_unreadable_reply_fails_its_sample_with_the_judges_text(manager, judg
 def test_a_dead_judge_server_is_replaced_like_a_rollout_server(manager, judge_answers):
     doomed = manager.judges.servers[0]
     ray.kill(doomed)
-    # the kill lands asynchronously: on a loaded machine the batch's first probe could still find the server alive and
-    # a judge call then fail with it; this test is about a server dead before the batch (one dying mid-call fails its sample)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(doomed.node_info.remote(), timeout=60)
+    # the kill lands asynchronously (a call sent right after it can still be served): on a loaded machine the batch's
+    # first probe could find the server alive and a judge call then fail with it; this test is about a server dead
+    # before the batch (one dying mid-call fails its sample), so it probes until a call fails
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ray.get(doomed.node_info.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "the killed judge server still answers 60 s after ray.kill"
+        time.sleep(0.1)
     batch = manager.generate_sequences(rows("ask_the_judge", 2))
     assert batch.meta_info["supervision/judge_restarts"] == 1
     assert [extra["judge_text"] for extra in batch.non_tensor_batch["reward_extra_info"]] == [judge_answers[0], judge_answers[1]]
