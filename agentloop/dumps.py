@@ -35,17 +35,20 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
-from transformers import PreTrainedTokenizerBase
 
-from agentloop.batch import RolloutBatch, trajectory_ids
 from agentloop.protocol import TurnRecord, env_retries_by_kind, tool_errors_by_kind, turn_scores
 from agentloop.rows import OUTPUT_COLUMNS  # what the rollout adds per sample; everything else is a row field
+
+if TYPE_CHECKING:  # the reading half (the viewer) runs without torch, tensordict and transformers
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from agentloop.batch import RolloutBatch
 
 FORMAT = "agentloop-rollouts/1"  # segments added columns only: a file written before them reads as one segment
 LEGACY_FORMAT = "verl-jsonl (text only)"
@@ -78,6 +81,8 @@ def write_rollout_dump(
     ``token_arrays`` are extra per-token tensors of shape (B, response_length), e.g. the trainer's
     ``old_log_probs`` and ``advantages``; each becomes a column cut to each segment's response.
     """
+    from agentloop.batch import trajectory_ids  # imported here: reading a dump needs no torch
+
     arrays = {"rollout_log_probs": batch.batch["rollout_log_probs"], **token_arrays}
     rows_of: dict[int, list[int]] = {}
     for row, trajectory in enumerate(trajectory_ids(batch.batch["segment_index"]).tolist()):
@@ -151,7 +156,7 @@ def _segment(
     length = int(attention[prompt_width:].sum())
     response_ids = tensors["responses"][i, :length].tolist()
     mask = tensors["response_mask"][i, :length].tolist()
-    versions, counts = torch.unique_consecutive(tensors["rollout_policy_versions"][i, :length], return_counts=True)
+    versions, counts = tensors["rollout_policy_versions"][i, :length].unique_consecutive(return_counts=True)
     return {
         "rewritten_by": _field(batch.non_tensor_batch, "rewritten_by", i),
         "input": tokenizer.decode(prompt_ids),

@@ -9,12 +9,6 @@ sample's ``policy_version`` stamp (the version its group started under). Only th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-import torch
-
-if TYPE_CHECKING:  # the records a server imports (protocol) must not pull in tensordict through the batch
-    from agentloop.batch import RolloutBatch
 
 UNKNOWN = -1
 
@@ -50,13 +44,3 @@ def on_response(response_mask: list[int], generated: list[int]) -> list[int]:
     ``UNKNOWN``."""
     remaining = iter(generated)
     return [next(remaining, UNKNOWN) if mask else UNKNOWN for mask in response_mask]
-
-
-def oldest_versions(batch: RolloutBatch) -> torch.Tensor:
-    """Each sample's oldest policy version: its oldest model token's (``rollout_policy_versions``), or the
-    batch's ``policy_version`` stamp where no token's version is known."""
-    versions = batch.batch["rollout_policy_versions"]
-    known = versions != UNKNOWN
-    stamped = torch.tensor([int(version) for version in batch.non_tensor_batch["policy_version"]])
-    oldest = versions.masked_fill(~known, torch.iinfo(versions.dtype).max).min(-1).values
-    return torch.where(known.any(-1), oldest, stamped)

@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import ray
+import torch
 from ray.exceptions import RayActorError
 
 from agentloop.batch import RolloutBatch, object_array
-from agentloop.policy_versions import oldest_versions
+from agentloop.policy_versions import UNKNOWN
 from agentloop.router import RouterStats
 from agentloop.server_pool import ServerPool
 from agentloop.worker_pool import WorkerPool
@@ -49,6 +50,16 @@ MAX_GROUP_RESTARTS = 2  # a group whose worker dies more often than this is take
 # Rows prepared for the workers: their samples (a row's ``n`` consecutive, sharing a ``uid``), the specs of the
 # agent loops they name, and the sampling params.
 Prepared = tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]
+
+
+def oldest_versions(batch: RolloutBatch) -> torch.Tensor:
+    """Each sample's oldest policy version: its oldest model token's (``rollout_policy_versions``), or the
+    batch's ``policy_version`` stamp where no token's version is known."""
+    versions = batch.batch["rollout_policy_versions"]
+    known = versions != UNKNOWN
+    stamped = torch.tensor([int(version) for version in batch.non_tensor_batch["policy_version"]])
+    oldest = versions.masked_fill(~known, torch.iinfo(versions.dtype).max).min(-1).values
+    return torch.where(known.any(-1), oldest, stamped)
 
 
 @dataclass

@@ -27,7 +27,7 @@ LAYERS = [
     ["agentloop.router"],
     ["agentloop.server", "agentloop.judge.reward_model_server"],
     ["agentloop.tools", "agentloop.interactions", "agentloop.envs", "agentloop.rewards", "agentloop.reward_score", "agentloop.models", "agentloop.judge.session"],
-    ["agentloop.protocol", "agentloop.policy_versions", "agentloop.batch", "agentloop.rows", "agentloop.waiting", "agentloop.yaml_entries", "agentloop.config_keys", "agentloop.images", "agentloop.allocator"],
+    ["agentloop.protocol", "agentloop.policy_versions", "agentloop.batch", "agentloop.rows", "agentloop.waiting", "agentloop.yaml_entries", "agentloop.config_keys", "agentloop.images", "agentloop.allocator", "agentloop.http_server"],
 ]
 
 
@@ -92,6 +92,14 @@ def test_no_import_circle():
 
 def test_importing_agentloop_loads_no_task_and_no_model_builder():
     code = "import sys, agentloop; print(sorted(m for m in sys.modules if m.startswith(('agentloop.tasks', 'agentloop.models.')) and m != 'agentloop.models.loading'))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_viewer_starts_without_the_training_stack():
+    # browsing dumps needs none of them: importing torch, tensordict and transformers cost its command ~3 CPU-seconds
+    code = "import sys, agentloop.viewer.__main__; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'tensordict', 'transformers', 'ray'}))"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import agentloop.testing  # noqa: F401  (registers fixed_length)
 from agentloop import AgentLoopManager
-from agentloop.policy_versions import oldest_versions
+from agentloop.streaming import oldest_versions
 from tests.support.config import small_config
 
 SLOW = (0, 0)  # step 0's first row waits this long before generating

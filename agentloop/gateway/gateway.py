@@ -30,8 +30,9 @@ from transformers import PreTrainedTokenizerBase
 
 from agentloop.agent_loop.context import max_model_len
 from agentloop.gateway.session import Session, SessionLimits, SessionOver
+from agentloop.http_server import serve
 from agentloop.router import Router
-from agentloop.server.http.app import BodyLimit, serve
+from agentloop.server.http.app import BodyLimit
 from agentloop.server.http.chat import ChatBody, completion_choice, template_messages, token_bytes
 from agentloop.tools.parsers import get_parser
 

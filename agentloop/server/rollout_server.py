@@ -138,7 +138,8 @@ class RolloutServer:
         from transformers import AutoTokenizer
 
         from agentloop.models.loading import load_processor
-        from agentloop.server.http import build_app, serve
+        from agentloop.http_server import serve
+        from agentloop.server.http import build_app
 
         http = self.config.actor_rollout_ref.rollout.http
         tokenizer = AutoTokenizer.from_pretrained(self.config.actor_rollout_ref.model.path)

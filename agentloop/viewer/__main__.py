@@ -10,7 +10,7 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from agentloop.server.http.app import serve
+from agentloop.http_server import serve
 from agentloop.viewer.app import build_app
 from agentloop.viewer.export import export_step
 from agentloop.viewer.store import RunStore, StepNotFound

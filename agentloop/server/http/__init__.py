@@ -1,5 +1,5 @@
 """HTTP front of a rollout server: SGLang's native routes and OpenAI chat completions, served by uvicorn."""
 
-from agentloop.server.http.app import build_app, serve
+from agentloop.server.http.app import build_app
 
-__all__ = ["build_app", "serve"]
+__all__ = ["build_app"]

@@ -1,14 +1,10 @@
-"""The rollout server's FastAPI app: API-key check, ValueError → 400, the native and chat routes; and uvicorn."""
+"""The rollout server's FastAPI app: API-key check, ValueError → 400, the native and chat routes."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import socket
-import time
 from typing import Any
 
-import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from transformers import PreTrainedTokenizerBase
@@ -92,24 +88,3 @@ class BodyLimit:
     async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
         message = f"request body over the limit of {self.max_bytes} bytes (actor_rollout_ref.rollout.http.max_body_bytes)"
         await JSONResponse(status_code=413, content={"error": {"message": message, "code": 413}})(scope, receive, send)
-
-
-async def serve(app: FastAPI, host: str, port: int, timeout_s: float = 30.0) -> tuple[uvicorn.Server, int]:
-    """Start uvicorn on the running loop (port 0: any free port); return the server and its port."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # accepted connections inherit it: a response written in two parts (headers, body) would otherwise
-    # wait for the client's delayed ACK, about 40 ms per request
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    deadline = time.monotonic() + timeout_s
-    while not server.started:
-        if task.done():
-            task.result()  # re-raises the start-up error
-            raise RuntimeError(f"the HTTP server on {host}:{port} stopped during start-up")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the HTTP server on {host}:{port} did not start within {timeout_s}s")
-        await asyncio.sleep(0.01)
-    return server, sock.getsockname()[1]
