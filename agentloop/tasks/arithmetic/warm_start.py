@@ -6,10 +6,10 @@ from the job's ``multi_turn.tool_config_path``): in a ``tool_share`` of the conv
 ``calculator``, then ``submit_answer`` with the result (reward 1); in the rest it answers in plain text
 without tools (reward 0). The compute call is ``calculator(expression)``, or ``python_exec`` with
 ``print(expression)`` when the job's tool set has ``python_exec`` (its observation is what the sandbox
-prints, the same text). The first pass teaches the protocol on every problem until the model copies the operands
-into its call and the result into its answer; the second leaves the starting policy using the tools on a small share
-of the problems (a mean reward of 0.19 at temperature 1 with ``tool_share=0.25``), and reinforcement has one clear
-thing to learn: use the tools.
+prints, the same text). The first pass teaches the protocol on every problem, long enough for the model to
+copy the operands into its call and the result into its answer; the second leaves the starting policy using
+the tools on a small share of the problems (a mean reward of 0.19 at temperature 1 with ``tool_share=0.25``),
+and reinforcement has one clear thing to learn: use the tools.
 
 With ``long_episodes`` the solution takes four model turns instead of three, each with a sentence of text: compute,
 check with a second call, submit, close (about three times the response tokens). ``benchmarks/vs_trl.py`` trains
