@@ -90,19 +90,22 @@ def test_no_import_circle():
     assert not cycles, "\n".join(cycles)
 
 
-def test_importing_agentloop_loads_no_task_and_no_model_builder():
-    code = "import sys, agentloop; print(sorted(m for m in sys.modules if m.startswith(('agentloop.tasks', 'agentloop.models.')) and m != 'agentloop.models.loading'))"
+def printed_by_fresh_python(code: str) -> str:
+    """What ``code`` prints in a new interpreter: imports made by earlier tests do not count."""
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "[]"
+    return result.stdout.strip()
+
+
+def test_importing_agentloop_loads_no_task_and_no_model_builder():
+    code = "import sys, agentloop; print(sorted(m for m in sys.modules if m.startswith(('agentloop.tasks', 'agentloop.models.')) and m != 'agentloop.models.loading'))"
+    assert printed_by_fresh_python(code) == "[]"
 
 
 def test_the_viewer_starts_without_the_training_stack():
     # browsing dumps needs none of them: importing torch, tensordict and transformers cost its command ~3 CPU-seconds
     code = "import sys, agentloop.viewer.__main__; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'tensordict', 'transformers', 'ray'}))"
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "[]"
+    assert printed_by_fresh_python(code) == "[]"
 
 
 MAX_FUNCTION_LINES = 60
