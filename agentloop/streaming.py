@@ -29,10 +29,10 @@ import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import ray
 import torch
 from ray.exceptions import RayActorError
 
@@ -40,7 +40,7 @@ from agentloop.batch import RolloutBatch, object_array
 from agentloop.policy_versions import UNKNOWN
 from agentloop.router import RouterStats
 from agentloop.server_pool import ServerPool
-from agentloop.worker_pool import WorkerPool
+from agentloop.worker_pool import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -218,26 +218,27 @@ class GroupStream:
             self._changed.notify_all()
         self._thread.join(timeout_s)
         with contextlib.suppress(Exception):
-            ray.get([worker.cancel_groups.remote() for worker in self.workers.handles], timeout=timeout_s)
+            calls = [self.workers.call(index, "cancel_groups") for index in range(len(self.workers.handles))]
+            self.workers.wait(calls, timeout_s, "the agent-loop workers to cancel their groups")
 
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
-        polls: dict[ray.ObjectRef, tuple[int, ray.actor.ActorHandle]] = {}  # one poll per worker with groups in flight
+        polls: dict[Future, tuple[int, Worker]] = {}  # one poll per worker with groups in flight
         try:
             while not self._stopping:
                 self._start_groups()
                 busy = {group.worker for group in self._in_flight.values()} - {index for index, _ in polls.values()}
                 for index in busy:
                     worker = self.workers.handles[index]
-                    polls[worker.finished_groups.remote(POLL_S)] = (index, worker)
+                    polls[self.workers.call_on(worker, "finished_groups", POLL_S)] = (index, worker)
                 if not polls:
                     with self._changed:
                         self._changed.wait(0.1)
                     continue
-                ready, _ = ray.wait(list(polls), num_returns=1, timeout=0.1)
-                for ref in ready:
-                    self._receive(ref, *polls.pop(ref))
+                ready, _ = wait(list(polls), timeout=0.1, return_when=FIRST_COMPLETED)
+                for poll in ready:
+                    self._receive(poll, *polls.pop(poll))
         except BaseException as error:  # handed to take(), which raises it
             logger.exception("the rollout stream failed")
             with self._changed:
@@ -258,7 +259,7 @@ class GroupStream:
                 self._in_flight[group.id] = group
                 starting.append(group)
         for group in starting:
-            self.workers.handles[group.worker].start_group.remote(group.id, group.samples, group.sampling_params, group.agent_loops)
+            self.workers.call(group.worker, "start_group", group.id, group.samples, group.sampling_params, group.agent_loops)
 
     def _next_group(self) -> Group | None:
         """The next group allowed to start: a regeneration, or a new one the staleness gate admits."""
@@ -279,9 +280,9 @@ class GroupStream:
                     self._next_id += 1
         return self._queued.popleft() if self._queued else None
 
-    def _receive(self, ref: ray.ObjectRef, worker: int, handle: ray.actor.ActorHandle) -> None:
+    def _receive(self, poll: Future, worker: int, handle: Worker) -> None:
         try:
-            finished, stats = ray.get(ref)
+            finished, stats = poll.result()
         except RayActorError as error:
             lost = [group for group in self._in_flight.values() if group.worker == worker]
             logger.warning("agent-loop worker %d died (%s); restarting its %d groups on a replacement", worker, error, len(lost))
@@ -295,7 +296,7 @@ class GroupStream:
                     )
             successor = self.workers.replace(worker, handle)
             for group in lost:
-                successor.start_group.remote(group.id, group.samples, group.sampling_params, group.agent_loops)
+                self.workers.call_on(successor, "start_group", group.id, group.samples, group.sampling_params, group.agent_loops)
             return
         with self._changed:
             self._stats.append(stats)

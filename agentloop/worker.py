@@ -1,4 +1,5 @@
-"""``AgentLoopWorker``: a Ray actor that runs one asyncio task per sample and pads the results."""
+"""``AgentLoopWorker``: runs one asyncio task per sample and pads the results, as a Ray actor or on an event-loop thread
+of the driver (``agentloop.worker_pool``)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from agentloop.router import Router, RouterStats
 logger = logging.getLogger(__name__)
 
 
-@ray.remote
 class AgentLoopWorker:
     """Owns a router over every rollout server (and a ``Judge`` over the judge's, with ``reward_model.enable``) and turns
     a chunk of rows into a padded batch."""

@@ -10,7 +10,7 @@ import ray
 import torch
 
 import agentloop.testing  # noqa: F401  (registers fixed_length)
-import tests.support.probe_loops  # noqa: F401  (registers probe_multi_turn, probe_ordered_turn)
+import tests.support.probe_loops  # noqa: F401  (registers probe_multi_turn, probe_ordered_turn, probe_edits_row)
 from agentloop import AgentLoopManager
 from agentloop.router import Router
 from tests.support.config import small_config
@@ -35,6 +35,22 @@ def manager(local_ray, tmp_path_factory):
     )
     yield manager
     manager.shutdown()
+    # the agent loops ran on an event-loop thread of this process (tests' agent.num_workers=0): shut down, it is gone
+    assert not [thread for thread in threading.enumerate() if thread.name == "agent-loop-worker"]
+
+
+def test_in_driver_agent_loops_edit_copies_of_the_rows(manager):
+    assert [thread for thread in threading.enumerate() if thread.name == "agent-loop-worker"]
+    given = [{"prompt": [{"role": "user", "content": "hi"}], "agent_name": "probe_edits_row", "extra_info": {"index": 0}}]
+    batch = manager.generate_sequences(given)
+    # each sample's loop edited its own copy (the batch shows it), not the caller's row, as in a worker process
+    assert all(extra["edited"] for extra in batch.non_tensor_batch["extra_info"])
+    assert given == [{"prompt": [{"role": "user", "content": "hi"}], "agent_name": "probe_edits_row", "extra_info": {"index": 0}}]
+
+
+def test_a_negative_worker_count_is_named_before_any_server_starts(local_ray):
+    with pytest.raises(ValueError, match=r"agent.num_workers=-1: it counts agent-loop worker processes; set it >= 1, or 0"):
+        AgentLoopManager(small_config("actor_rollout_ref.rollout.agent.num_workers=-1"))
 
 
 def test_batch_shapes_groups_and_fields(manager):

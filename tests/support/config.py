@@ -14,8 +14,9 @@ SMALL = [
     "actor_rollout_ref.rollout.hf.num_blocks=256",
     "actor_rollout_ref.rollout.request_timeout_s=120",
     "actor_rollout_ref.rollout.server_startup_timeout_s=300",  # a loaded machine starts processes slowly
-    # one agent-loop worker process to start per manager; tests of several workers ask for them
-    "actor_rollout_ref.rollout.agent.num_workers=1",
+    # the agent loops on an event-loop thread of the test's process (no worker process to start: ~4 CPU-seconds);
+    # tests of worker processes (supervision, streaming, several workers) ask for them
+    "actor_rollout_ref.rollout.agent.num_workers=0",
     # one FSDP rank: a process fewer to start per trainer (~10 CPU-seconds); tests of what two ranks split ask for two
     "trainer.n_gpus_per_node=1",
 ]

@@ -37,6 +37,18 @@ class MultiTurnProbe(AgentLoopBase):
 
 
 
+@register("probe_edits_row")
+class RowEditingProbe(AgentLoopBase):
+    """One model turn, after editing its row in place: appends to the prompt, marks ``extra_info``."""
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        row["prompt"].append({"role": "user", "content": "edited"})
+        row["extra_info"]["edited"] = True
+        prompt_ids = self.encode_prompt(row["prompt"])
+        output = await self.server_manager.generate(row["request_id"], prompt_ids, sampling_params)
+        return AgentLoopOutput(prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs)
+
+
 @register("probe_fails")
 class FailingProbe(AgentLoopBase):
     """One model turn, or a bug: raises when the row's ``extra_info.fail`` is set (after its first turn)."""
