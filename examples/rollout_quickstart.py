@@ -3,6 +3,7 @@
     python examples/rollout_quickstart.py [hydra overrides, e.g. actor_rollout_ref.rollout.n=4]
 """
 
+import os
 import sys
 
 import ray
@@ -16,9 +17,14 @@ PROMPTS = ["What is 3 + 4?", "Say hello to the world.", "Compute 12 * 7 please."
 
 def main(overrides: list[str]) -> None:
     config = compose_config(
-        ["actor_rollout_ref.rollout.n=2", "data.max_response_length=32", "data.max_prompt_length=64", *overrides]
+        # one event loop in this process runs the agent loops (agent.num_workers=0): four prompts need no worker process
+        ["actor_rollout_ref.rollout.n=2", "data.max_response_length=32", "data.max_prompt_length=64",
+         "actor_rollout_ref.rollout.agent.num_workers=0", *overrides]
     )
-    ray.init(num_cpus=2, include_dashboard=False)
+    if os.environ.get("RAY_ADDRESS"):  # the cluster it names (as `ray job submit` sets it)
+        ray.init()
+    else:  # a Ray of its own on two cores
+        ray.init(num_cpus=2, include_dashboard=False)
     manager = AgentLoopManager(config)
     rows = [{"prompt": [{"role": "user", "content": text}], "data_source": "quickstart"} for text in PROMPTS]
     output = manager.generate_sequences(rows)

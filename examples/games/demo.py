@@ -54,6 +54,7 @@ def main(overrides: list[str]) -> None:
             "actor_rollout_ref.rollout.env.max_turns=4",
             "data.max_prompt_length=64",
             "data.max_response_length=96",
+            "actor_rollout_ref.rollout.agent.num_workers=0",  # the agent loops in this process: eight samples need no worker process
             *overrides,
         ]
     )
@@ -61,7 +62,10 @@ def main(overrides: list[str]) -> None:
     # environment the local Ray's processes inherit, not a runtime_env: with one, every actor would wait for a
     # worker process of its own instead of taking one Ray started ahead.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, include_dashboard=False)
+    if os.environ.get("RAY_ADDRESS"):  # the cluster it names (as `ray job submit` sets it)
+        ray.init()
+    else:  # a Ray of its own on two cores
+        ray.init(num_cpus=2, include_dashboard=False)
     manager = AgentLoopManager(config)
     batch = manager.generate_sequences(make_rows(4))
     for name, reward, end_reason in zip(
