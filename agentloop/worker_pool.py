@@ -52,7 +52,8 @@ class InDriverWorker:
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent-loop-worker", daemon=True)
         self._thread.start()
         self._worker: AgentLoopWorker | None = None
-        self.ready = asyncio.run_coroutine_threadsafe(self._build(copy.deepcopy(config), servers, judges), self._loop)
+        # copies, as an actor gets them: the worker's own server and judge lists are not the pool's
+        self.ready = asyncio.run_coroutine_threadsafe(self._build(*copy.deepcopy((config, servers, judges))), self._loop)
 
     async def _build(self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: tuple[list, list] | None) -> None:
         # built on the loop's thread: whatever the worker creates belongs to the loop that runs it
