@@ -54,13 +54,13 @@ def main(overrides: list[str]) -> None:
             "actor_rollout_ref.rollout.env.max_turns=4",
             "data.max_prompt_length=64",
             "data.max_response_length=96",
-            "actor_rollout_ref.rollout.agent.num_workers=0",  # the agent loops in this process: eight samples need no worker process
+            "actor_rollout_ref.rollout.agent.num_workers=0",  # eight samples need no worker process: loops run here
             *overrides,
         ]
     )
-    # The workers import the example's classes by name, so they get the repository on their path. Through the
-    # environment the local Ray's processes inherit, not a runtime_env: with one, every actor would wait for a
-    # worker process of its own instead of taking one Ray started ahead.
+    # Worker processes (agent.num_workers > 0) import the example's classes by name, so they get the repository on
+    # their path. Through the environment the local Ray's processes inherit, not a runtime_env: with one, every actor
+    # would wait for a worker process of its own instead of taking one Ray started ahead.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     if os.environ.get("RAY_ADDRESS"):  # the cluster it names (as `ray job submit` sets it)
         ray.init()
