@@ -40,14 +40,14 @@ class AgentLoopManager:
         _absolute_paths(config)
         self.config = config
         self.rollout = config.actor_rollout_ref.rollout
-        if not ray.is_initialized():
-            ray.init()
-        timeout = float(self.rollout.server_startup_timeout_s)
         if int(self.rollout.agent.num_workers) < 0:
             raise ValueError(
                 f"actor_rollout_ref.rollout.agent.num_workers={self.rollout.agent.num_workers}: it counts agent-loop worker "
                 "processes; set it >= 1, or 0 to run the agent loops in this process"
             )
+        if not ray.is_initialized():
+            ray.init()
+        timeout = float(self.rollout.server_startup_timeout_s)
         self.default_agent_loop = default_agent_loop(self.rollout)
         check_agent_names({self.default_agent_loop}, self._agent_loops())
 
