@@ -29,7 +29,7 @@ import yaml
 
 from agentloop.config import CONFIG_DIR, compose_config
 from agentloop.tasks.arithmetic.tools import CalculatorTool
-from trainer.main_ppo import RayPPOTrainer
+from trainer.ray_trainer import RayPPOTrainer
 
 
 class SlowCalculatorTool(CalculatorTool):

@@ -30,7 +30,7 @@ import numpy as np
 import ray
 
 from agentloop.config import compose_config
-from trainer.main_ppo import RayPPOTrainer
+from trainer.ray_trainer import RayPPOTrainer
 
 SMOKE = [
     "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.agent.num_workers=1",

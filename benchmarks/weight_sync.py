@@ -4,7 +4,7 @@
 
 Two policy ranks (FSDP2 over gloo) and one rollout server (``hf`` engine), for (a) the tiny default
 model and (b) ``medium``, a ~77M-parameter model of the same architecture with random weights, built
-once into the agentloop cache. One push is timed two ways: as the trainer does it (``trainer.main_ppo.push_weights``: rank 0 packs
+once into the agentloop cache. One push is timed two ways: as the trainer does it (``trainer.fsdp_workers.push_weights``: rank 0 packs
 its gathered dict, the servers read it from the object store) and, for comparison, through the driver
 (rank 0's dict returns to the driver, which calls ``AgentLoopManager.update_weights``).
 The baseline is one ``torch.save`` of the gathered state dict into an ``io.BytesIO``; the gather alone
@@ -31,8 +31,7 @@ from agentloop.config import compose_config
 from agentloop.models.cache import build_once, cache_root
 from agentloop.models.tiny_qwen import tiny_model_path
 from agentloop.waiting import wait_for
-from trainer.fsdp_workers import FSDPWorker, start_workers
-from trainer.main_ppo import push_weights
+from trainer.fsdp_workers import FSDPWorker, push_weights, start_workers
 
 RANKS = 2
 TIMEOUT_S = 300.0

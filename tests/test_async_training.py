@@ -25,7 +25,7 @@ from agentloop.rows import write_rows
 from tests.support.config import SMALL, small_config
 from tests.support.runs import signal_at_checkpoint
 from trainer.config_checks import check_config
-from trainer.main_ppo import RayPPOTrainer
+from trainer.ray_trainer import RayPPOTrainer
 from trainer.async_training import async_settings, staleness_metrics
 from trainer.rollout_correction import RolloutCorrection
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from agentloop.dumps import read_rollout_dump
 from agentloop.rows import write_rows
 from tests.support.config import small_config
-from trainer.main_ppo import RayPPOTrainer
+from trainer.ray_trainer import RayPPOTrainer
 
 
 def test_training_survives_a_killed_server_and_a_killed_worker(local_ray, coin_model, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from tests.support.config import small_config
 from tests.support.runs import signal_at_checkpoint
 from trainer.algorithms import adaptive_kl_coef
 from trainer.data import BatchSampler
-from trainer.main_ppo import ray_address, ray_init_kwargs, run
+from trainer.cluster import ray_address, ray_init_kwargs
+from trainer.main_ppo import run
 
 TOOL_RUN = [
     "data.train_batch_size=2",
@@ -188,6 +190,20 @@ def test_a_job_starts_a_ray_of_its_own_unless_told_which_to_join(monkeypatch):
     assert ray_address(compose_config()) == "10.0.0.1:6379"
     assert ray_init_kwargs(compose_config()) == {"include_dashboard": False}
     assert ray_init_kwargs(compose_config(["ray_kwargs.ray_init.num_cpus=4"])) == {"include_dashboard": False, "num_cpus": 4}
+
+
+def test_the_command_composes_the_quick_start_without_importing_torch(model_path):
+    """``python -m trainer.main_ppo`` starts Ray while a thread imports the trainer: its own module and the
+    composition of a config over ``ppo_trainer`` (which resolves the default model's path while merging) must not
+    pull in torch, transformers or tensordict first, or Ray would wait for them again."""
+    code = (
+        "import sys; import trainer.main_ppo; from agentloop.config import compose_config; "
+        "compose_config(config_name='arithmetic_grpo'); "
+        "print(sorted({'torch', 'transformers', 'tensordict'} & set(sys.modules)))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
 
 
 def test_config_and_data_errors_are_named(local_ray, tmp_path):

@@ -236,7 +236,7 @@ def test_dropout_in_a_module_or_a_config_is_seen():
 
 
 def test_weight_extremes_over_micro_batches_and_ranks_are_extremes_not_means():
-    from trainer.main_ppo import _mean_over_ranks
+    from trainer.ray_trainer import _mean_over_ranks
     from trainer.trainable import _accumulate
 
     # two micro-batches of one row each: weights e^0, e^1, e^-1, e^0.5 and e^0.2, e^0.3
@@ -252,7 +252,7 @@ def test_weight_extremes_over_micro_batches_and_ranks_are_extremes_not_means():
 
 def test_samples_without_rollout_log_probs_fail_a_correction_and_otherwise_log_no_correction_metrics():
     from agentloop.batch import RolloutBatch, object_array
-    from trainer.main_ppo import _has_rollout_log_probs
+    from trainer.ray_trainer import _has_rollout_log_probs
 
     fields = {"agent_name": object_array(["mine", "from_verl"]), "rollout_log_probs_missing": object_array([False, True])}
     rollout = RolloutBatch(TensorDict({}, batch_size=[2]), fields)

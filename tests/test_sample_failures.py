@@ -10,7 +10,7 @@ from agentloop import AgentLoopManager
 from agentloop.protocol import Failure
 from tests.support.config import small_config
 from trainer import algorithms
-from trainer.main_ppo import grpo_groups
+from trainer.ray_trainer import grpo_groups
 
 
 @pytest.fixture(scope="module")

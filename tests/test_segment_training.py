@@ -22,7 +22,7 @@ from tests.support.config import small_config
 from tests.support.ranks import two_ranks
 from trainer import algorithms
 from trainer.fsdp_workers import policy_gradient_loss, response_log_probs
-from trainer.main_ppo import grpo_groups
+from trainer.ray_trainer import grpo_groups
 from trainer.micro_batches import MicroBatching, balanced_groups, bins_needed, split_trajectories, trajectory_sizes
 from trainer.rollout_correction import RolloutCorrection
 from trainer.trainable import Trainable

@@ -24,7 +24,7 @@ def read_rows(path: str, prompt_key: str = "prompt") -> list[dict[str, Any]]:
     if not file.is_file():
         raise FileNotFoundError(f"data file {path!r} does not exist")
     if file.suffix == ".parquet":
-        rows = pq.read_table(file).to_pylist()
+        rows = pq.ParquetFile(file).read().to_pylist()  # one file: read_table's dataset layer imports pandas (~0.3 s)
     elif file.suffix in (".jsonl", ".json"):
         rows = []
         for number, line in enumerate(file.read_text().splitlines(), start=1):

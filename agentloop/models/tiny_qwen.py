@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from typing import TYPE_CHECKING
 
 from agentloop.models.cache import build_once, cache_root
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 # Bump when anything below changes what gets built: the cache directory is keyed by it.
 BUILD_VERSION = "1"
@@ -41,7 +41,11 @@ CHAT_TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 
 
 def tiny_model_path() -> str:
-    """Return the local directory of the tiny model, building it on first use (safe across processes)."""
+    """Return the local directory of the tiny model, building it on first use (safe across processes).
+
+    A cached model costs no import of torch or transformers (the builders import them): hydra resolves
+    ``ppo_trainer``'s default ``model.path`` while it merges any config that sets its own, before a job starts Ray.
+    """
     return build_once(cache_root() / "models" / MODEL_NAME, build_tiny_model)
 
 
@@ -73,6 +77,9 @@ def _training_corpus(rng: random.Random) -> list[str]:
 
 def build_tokenizer(rng: random.Random) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer (any text encodes) with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -94,6 +101,9 @@ def build_tokenizer(rng: random.Random) -> PreTrainedTokenizerFast:
 
 def build_tiny_model(directory: Path, seed: int = 0) -> None:
     """Build tokenizer and randomly initialised weights into ``directory`` (deterministic for a seed)."""
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
     rng = random.Random(seed)
     tokenizer = build_tokenizer(rng)
     config = Qwen3Config(

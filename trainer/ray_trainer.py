@@ -1,0 +1,535 @@
+"""The trainer of ``python -m trainer.main_ppo``: ``RayPPOTrainer`` owns the rollout manager and the FSDP ranks.
+
+One step (``RayPPOTrainer.step``, then ``learn``): rows → ``AgentLoopManager.generate_sequences`` (rollouts,
+rewards in ``rm_scores``; with ``algorithm.filter_groups``, more generation batches until enough groups with a
+signal) → servers sleep (``rollout.free_cache_engine``) → plan where the old log-probs come
+from (``StepPlan``) → score: old log-probs (unless the one update step scores them itself), reference
+log-probs, overlong penalty and KL in the reward if asked, rollout correction (``algorithm.rollout_correction``) →
+advantages (GRPO, or GAE on the critic's values) → overlong filtering if asked → updates: critic, then policy → full
+weights pushed to every rollout server → servers wake.
+Checkpoints every ``trainer.save_freq`` steps; ``trainer.resume_mode=auto`` continues from the newest one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import psutil
+import ray
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tensordict import TensorDict
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from agentloop import AgentLoopManager
+from agentloop.batch import RolloutBatch, object_array
+from agentloop.metrics import spread
+from agentloop.preflight import check_job
+from agentloop.streaming import GroupStream
+from agentloop.tools.toolset import load_tool_set
+from agentloop.waiting import wait_for
+from trainer import algorithms, checkpoint
+from trainer.config_checks import check_config, warn_ignored_keys, world_size
+from trainer.data import BatchSampler, load_dataset
+from trainer.dynamic_sampling import GroupFilter, group_uids, trainable_groups
+from trainer.fsdp_workers import join_workers, launch_workers, needs_reference, push_weights, rank_gpus
+from trainer.micro_batches import split_trajectories, trajectory_sizes
+from trainer.async_training import async_settings, staleness_metrics
+from trainer.cluster import start_ray
+from trainer.overlong import OverlongBuffer, mask_length_ended
+from trainer.rollout_correction import RolloutCorrection, correct_batch, old_log_probs_in_update
+from trainer.rollout_dump import RolloutDumps
+from trainer.tracking import Tracking, plot, summarize
+from trainer.trainable import EXTREMES
+
+
+# start-up phases are single blocking calls: the bar names each one and counts them
+STARTUP_BAR = "{desc}: {n_fmt}/{total_fmt} [{elapsed}]"
+
+
+class RayPPOTrainer:
+    """Owns the rollout manager and the FSDP ranks, and runs the training loop."""
+
+    def __init__(self, config: DictConfig) -> None:
+        check_config(config)
+        warn_ignored_keys(config)
+        config = config.copy()
+        OmegaConf.resolve(config)  # builds default data and models once, here, before any actor needs them
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+        # data errors surface before any server starts
+        self.rows = self._load(config.data.train_files)
+        self.val_rows = self._load(config.data.val_files) if config.data.val_files else []
+        check_job(config, {"train": self.rows, "validation": self.val_rows})
+        self.group_filter = GroupFilter.from_config(config)  # dynamic sampling (None: off)
+        self.overlong = OverlongBuffer.from_config(config)  # the overlong penalty (None: off)
+        # rows per generation batch: verl's data.gen_batch_size (dynamic sampling), else the training batch's
+        generation = "gen_batch_size" if config.data.gen_batch_size is not None else "train_batch_size"
+        self.sampler = BatchSampler(
+            len(self.rows), int(config.data[generation]), shuffle=config.data.shuffle, seed=config.data.seed,
+            size_key=f"data.{generation}",
+        )
+        self.total_steps = int(config.trainer.total_training_steps or self.sampler.batches_per_epoch * int(config.trainer.total_epochs))
+        self.world_size = world_size(config)
+        start_ray(config)  # unless a caller started it (``main_ppo.run`` does, beside the imports)
+        rank_gpus(config, self.world_size)  # a trainer.device the cluster lacks fails here, before any server starts
+        self.output_dir = Path(config.trainer.default_local_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
+        self.max_staleness, self.partial_rollout, self.correction = async_settings(config, RolloutCorrection.from_config(config))
+        self.stream: GroupStream | None = None  # the rollouts running ahead of training, while an async run fits
+        self.handed_out = 0  # batches the sampler handed out to synchronous steps since the fit (or resume) began
+        self.dumps = RolloutDumps(config.trainer.rollout_data_dir, self.tokenizer) if config.trainer.rollout_data_dir else None
+
+        # the ranks load while the servers and workers start; each failure leaves nothing running
+        timeout_s = float(config.trainer.startup_timeout_s)
+        ranks, loading = launch_workers(config, self.world_size, self.total_steps)
+        with tqdm(total=2, desc="starting rollout servers and agent-loop workers", bar_format=STARTUP_BAR) as startup:
+            try:
+                self.manager = AgentLoopManager(config)
+            except BaseException:
+                for rank in ranks:
+                    ray.kill(rank)
+                raise
+            self.config = config = self.manager.config  # with absolute paths, for every process
+            startup.update()
+            startup.set_description_str(f"starting {self.world_size} FSDP ranks")
+            try:
+                self.workers = join_workers(ranks, loading, timeout_s)
+            except BaseException:
+                self.manager.shutdown()
+                raise
+            startup.update()
+        # from the command's start (imports and Ray included) to servers, workers and ranks ready
+        self.startup_s = time.time() - psutil.Process().create_time()
+
+    def _load(self, files: Any) -> list[dict[str, Any]]:
+        data = self.config.data
+        return load_dataset(
+            list(files) if not isinstance(files, str) else files,
+            prompt_length=self._prompt_length_measure() if data.filter_overlong_prompts else None,
+            max_prompt_length=int(data.max_prompt_length),
+            filter_overlong_prompts=bool(data.filter_overlong_prompts),
+            prompt_key=str(data.prompt_key),
+        )
+
+    def _prompt_length_measure(self) -> Callable[[dict[str, Any]], int]:
+        """A row's prompt length as a loop renders it: with the tool schemas whenever a tool config is set."""
+        tool_config = self.config.actor_rollout_ref.rollout.multi_turn.tool_config_path
+        template_kwargs = dict(self.config.data.apply_chat_template_kwargs or {})
+
+        @functools.cache  # once, at the first row: a missing data file is reported before a bad tool config
+        def tools() -> list[dict[str, Any]] | None:
+            return (load_tool_set(tool_config).schemas or None) if tool_config else None
+
+        def prompt_length(row: dict[str, Any]) -> int:
+            return len(self.tokenizer.apply_chat_template(
+                row["prompt"], tools=tools(), add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
+            ))
+
+        return prompt_length
+
+    def _wait(self, refs: list[Any], what: str) -> list[Any]:
+        return wait_for(refs, float(self.config.trainer.step_timeout_s), what)
+
+    def _on_ranks(self, method: str, batch: TensorDict, **kwargs: Any) -> list[Any]:
+        """``method`` on every rank, each with as many whole trajectories (all their rows) in batch order."""
+        shards = split_trajectories(batch, len(trajectory_sizes(batch)) // self.world_size)
+        return self._wait([getattr(w, method).remote(s, **kwargs) for w, s in zip(self.workers, shards)], f"{method} on the FSDP ranks")
+
+    def _push_weights(self, version: int) -> float:
+        start = time.perf_counter()
+        push_weights(self.workers, self.manager, float(self.config.trainer.step_timeout_s), version)
+        return time.perf_counter() - start
+
+    def step(self, step: int, batches: Iterator[list[int]]) -> dict[str, float]:
+        """One rollout of the next of ``batches`` (with dynamic sampling, of as many as it takes), update and weight
+        push; returns the step's metrics."""
+        start, busy = time.perf_counter(), self.manager.pool.busy_s()
+        if self.group_filter is None:
+            rollout, sampling = self.manager.generate_sequences(self._draw(batches)), {}
+        else:
+            rollout, sampling = self._sample_dynamically(step, batches)
+        gen = time.perf_counter() - start
+        if self.config.actor_rollout_ref.rollout.free_cache_engine:
+            self.manager.sleep()
+        metrics = self.learn(step, rollout, start, gen) if rollout is not None else self._skip(step, start, gen)
+        return {**metrics, **sampling, "perf/idle_share/servers": self.manager.pool.idle_share_since(busy, start)}
+
+    def _draw(self, batches: Iterator[list[int]]) -> list[dict[str, Any]]:
+        """The rows of the sampler's next batch (counted: the checkpoint's data state continues after it)."""
+        self.handed_out += 1
+        return [self.rows[index] for index in next(batches)]
+
+    def _sample_dynamically(self, step: int, batches: Iterator[list[int]]) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """Dynamic sampling, synchronously: generation batches, each without its groups whose metric does not vary,
+        until they hold ``data.train_batch_size`` groups (the first that many are kept, as verl does) or
+        ``max_num_gen_batches`` were made (then the groups there are: as many as split over the ranks); None when no
+        group is left to train."""
+        wanted, limit = int(self.config.data.train_batch_size), self.group_filter.max_num_gen_batches
+        kept: list[RolloutBatch] = []
+        groups = made = dropped = 0
+        while groups < wanted:
+            if 0 < limit <= made:
+                warnings.warn(
+                    f"step {step}: after {made} generation batches (algorithm.filter_groups.max_num_gen_batches={limit}), "
+                    f"{groups} of the {wanted} groups a batch holds have a {self.group_filter.metric} that varies: training on those",
+                    stacklevel=2,
+                )
+                break
+            informative, groups_dropped = self.group_filter.keep(self.manager.generate_sequences(self._draw(batches)))
+            made, dropped = made + 1, dropped + groups_dropped
+            if informative is not None:
+                kept.append(informative)
+                groups += len(group_uids(informative))
+        rollout, surplus = trainable_groups(RolloutBatch.concat(kept), wanted, self.world_size) if kept else (None, 0)
+        return rollout, {
+            "dynamic_sampling/generation_batches": made,
+            "dynamic_sampling/dropped_groups": dropped,
+            "dynamic_sampling/surplus_groups": surplus,  # groups with a signal beyond the batch (or the ranks' split)
+            "dynamic_sampling/kept_groups": len(group_uids(rollout)) if rollout is not None else 0,
+        }
+
+    def _skip(self, step: int, start: float, waited_s: float) -> dict[str, float]:
+        """A step that dynamic sampling left nothing to train: the policy stays as it is, and is pushed as version
+        ``step`` all the same (versions count steps); returns the step's timings."""
+        warnings.warn(
+            f"step {step}: dynamic sampling (algorithm.filter_groups) left no group to train; the policy is not updated "
+            "this step", stacklevel=2,
+        )
+        push_s, waited_s = self._push(step, waited_s)
+        return {"timing_s/gen": waited_s, "timing_s/weight_push": push_s, "timing_s/step": time.perf_counter() - start}
+
+    def learn(self, step: int, rollout: RolloutBatch, start: float, waited_s: float) -> dict[str, float]:
+        """Train policy version ``step - 1`` on ``rollout`` and push the result; returns the step's metrics.
+
+        ``start``: when the step began; ``waited_s``: how long the ranks waited for the batch (the whole rollout
+        in a synchronous step, the wait for the stream's finished groups in an asynchronous one).
+        """
+        if "policy_version" not in rollout.non_tensor_batch:  # synchronous: generated by the policy about to train
+            rollout.non_tensor_batch["policy_version"] = object_array([step - 1] * len(rollout))
+        # the overlong penalty joins the score itself (verl's token-level scores): metrics, dumps and estimators see it
+        metrics = self.overlong.shape(rollout) if self.overlong is not None else {}
+        plan = self._plan(step, rollout)
+        batch = rollout.batch.clone()
+        rewards = self._score(plan, batch, metrics)
+        self._advantages(rollout, batch, rewards, metrics)
+        if self.config.algorithm.overlong_filtering:  # after the advantages: the group statistics still count them
+            metrics.update(mask_length_ended(rollout, batch))
+        self._update(plan, batch, metrics)
+        timing = {"gen": waited_s, "train": time.perf_counter() - start - waited_s}  # train: scoring passes and updates
+        timing["weight_push"], waited_s = self._push(step, waited_s)
+        if self.dumps is not None:
+            arrays = {key: batch[key] for key in ("old_log_probs", "ref_log_probs", "rollout_is_weights", "advantages") if key in batch.keys()}
+            previous_dump_s = self.dumps.submit(step, rollout, **arrays)
+            if previous_dump_s is not None:  # the previous step's dump, written while this step ran
+                timing["rollout_dump"] = previous_dump_s
+        metrics.update({
+            **batch_metrics(batch, rewards),
+            **rollout.meta_info,
+            **staleness_metrics(rollout, step - 1, self.max_staleness),
+            **{f"timing_s/{key}": value for key, value in timing.items()},
+            "timing_s/step": time.perf_counter() - start,
+            "perf/idle_share/ranks": waited_s / (time.perf_counter() - start),
+        })
+        return metrics
+
+    def _plan(self, step: int, rollout: RolloutBatch) -> StepPlan:
+        trains_actor = step >= int(self.config.trainer.critic_warmup)  # verl's rule: the actor starts at step critic_warmup
+        if self.correction.bypass_mode:
+            old_log_probs = "rollout"
+        elif trains_actor and old_log_probs_in_update(self.config, self.correction, rollout.num_trajectories):
+            old_log_probs = "update"
+        else:
+            old_log_probs = "scored"
+        logged = _has_rollout_log_probs(rollout, required=self.correction.uses_rollout_log_probs)  # else no rollout_corr/*
+        return StepPlan(old_log_probs, logged, trains_actor)
+
+    def _score(self, plan: StepPlan, batch: TensorDict, metrics: dict[str, float]) -> torch.Tensor:
+        """The old log-probs (unless the update scores them), the reference's, the KL penalty in the reward and
+        the decoupled rollout correction; returns the token rewards."""
+        if plan.old_log_probs == "rollout":  # bypass mode: two policies, the rollout's log-probs are the old ones
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        elif plan.old_log_probs == "scored":
+            batch["old_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch))
+        if needs_reference(self.config):
+            batch["ref_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch, reference=True))
+        rewards = batch["rm_scores"]
+        if self.config.algorithm.use_kl_in_reward:
+            rewards = rewards - self._kl_in_reward(batch, metrics)
+        # (bypass mode corrects on the ranks, against the current policy; an update that scores the old log-probs
+        # corrects with them, row by row)
+        if plan.old_log_probs == "scored" and plan.corrects:
+            metrics.update(correct_batch(batch, self.correction))  # importance weights; rejection narrows the mask
+        return rewards
+
+    def _kl_in_reward(self, batch: TensorDict, metrics: dict[str, float]) -> torch.Tensor:
+        """``algorithm.kl_penalty`` of the old log-probs to the reference's, times the current coefficient, which
+        then moves if ``kl_ctrl.type=adaptive``."""
+        algorithm, mask = self.config.algorithm, batch["response_mask"].float()
+        kl = algorithms.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], algorithm.kl_penalty) * mask
+        penalty = self.kl_coef * kl
+        observed_kl = float(algorithms.masked_mean(kl, mask, dim=-1).mean())  # per sequence, then over the batch
+        metrics.update({"actor/reward_kl_penalty": observed_kl, "actor/reward_kl_penalty_coeff": self.kl_coef})
+        control = algorithm.kl_ctrl
+        if control.type == "adaptive":
+            self.kl_coef = algorithms.adaptive_kl_coef(
+                self.kl_coef, observed_kl, float(control.target_kl), float(control.horizon), len(trajectory_sizes(batch))
+            )
+        return penalty
+
+    def _advantages(self, rollout: RolloutBatch, batch: TensorDict, rewards: torch.Tensor, metrics: dict[str, float]) -> None:
+        """``algorithm.adv_estimator``: GRPO's group-normalised outcome advantages (one per trajectory, on all its rows);
+        or, on the token rewards with each turn's own reward on its last model token (``turn_token_rewards``), GAE on
+        the critic's values (along each trajectory's segments), turn-level GRPO or GiGPO (one advantage per turn)."""
+        algorithm, mask, segment_index = self.config.algorithm, batch["response_mask"].float(), batch["segment_index"]
+        estimator, gamma, by_std = algorithm.adv_estimator, float(algorithm.gamma), bool(algorithm.norm_adv_by_std_in_grpo)
+        if estimator == "grpo":
+            batch["advantages"], _ = algorithms.grpo_outcome_advantage(
+                rewards, mask, grpo_groups(rollout), by_std, segment_index=segment_index
+            )
+            return
+        rewards = algorithms.turn_token_rewards(rewards, batch["turn_rewards"], mask, segment_index)
+        if estimator == "gae":
+            batch["values"] = torch.cat(self._on_ranks("compute_values", batch))
+            batch["advantages"], batch["returns"] = algorithms.gae_advantage_return(
+                rewards, batch["values"], mask, gamma, float(algorithm.lam), segment_index
+            )
+            metrics["critic/values/mean"] = float(algorithms.masked_mean(batch["values"], mask))
+            metrics["critic/returns/mean"] = float(algorithms.masked_mean(batch["returns"], mask))
+        elif estimator == "turn_grpo":
+            batch["advantages"], _ = algorithms.turn_grpo_advantage(
+                rewards, batch["turn_index"], mask, grpo_groups(rollout), gamma, str(algorithm.turn_grpo.normalize), by_std,
+                segment_index=segment_index,
+            )
+        else:
+            batch["advantages"], _ = algorithms.gigpo_advantage(
+                rewards, batch["turn_index"], mask, grpo_groups(rollout), turn_states(rollout),
+                float(algorithm.gigpo.step_weight), gamma, by_std, segment_index=segment_index,
+            )
+
+    def _update(self, plan: StepPlan, batch: TensorDict, metrics: dict[str, float]) -> None:
+        """The critic's update (GAE), then the policy's (from step ``critic_warmup`` on)."""
+        if self.config.algorithm.adv_estimator == "gae":
+            metrics.update(_mean_over_ranks(self._on_ranks("update_critic", batch)))
+        if plan.old_log_probs == "update":
+            updates = self._on_ranks("update_policy_scoring_old", batch, correction=self.correction)
+            batch["old_log_probs"] = torch.cat([old_log_probs for _, old_log_probs in updates])
+            metrics.update(correct_batch(batch, self.correction) if plan.corrects else {})  # the weights the loss used, for metrics and dumps
+            metrics.update(_mean_over_ranks([update for update, _ in updates]))
+        elif plan.trains_actor:
+            metrics.update(_mean_over_ranks(self._on_ranks("update_policy", batch, correction=self.correction)))
+
+    def _push(self, step: int, waited_s: float) -> tuple[float, float]:
+        """Push the new weights (version ``step``) to the servers and wake them; returns the push's seconds and
+        ``waited_s`` plus the ranks' wait for the servers to drain (an async run without partial rollouts)."""
+        config = self.config
+        if self.stream is None:
+            push_s = self._push_weights(step)
+        else:  # interrupting the requests in flight (partial rollouts), or once none is in flight
+            push_start = time.perf_counter()
+            with contextlib.nullcontext() if self.partial_rollout else self.stream.drained(float(config.actor_rollout_ref.rollout.generate_timeout_s)):
+                waited_s += time.perf_counter() - push_start
+                self._push_weights(step)
+            self.stream.set_version(step)
+            push_s = time.perf_counter() - push_start
+        if config.actor_rollout_ref.rollout.free_cache_engine and self.stream is None:
+            self.manager.wake_up()
+        return push_s, waited_s
+
+    def validate(self) -> dict[str, float]:
+        """Score ``data.val_files`` with ``rollout.val_kwargs``: mean score (per trajectory) overall and per data source."""
+        start = time.perf_counter()
+        output = self.manager.generate_sequences(self.val_rows, validate=True)
+        scores = algorithms.trajectory_sums(output.batch["rm_scores"].sum(-1), output.batch["segment_index"])
+        last = output.last_segments()
+        sources = np.asarray([row or "unknown" for row in output.non_tensor_batch.get("data_source", [None] * len(output))])[last]
+        metrics = {"val/score/mean": float(scores.mean()), "timing_s/validation": time.perf_counter() - start}
+        for source in sorted(set(sources)):
+            metrics[f"val/score/{source}"] = float(scores[torch.from_numpy(sources == source)].mean())
+        return metrics
+
+    def save_checkpoint(self, step: int) -> Path:
+        """``global_step_N/``: sharded workers state, the policy as a Hugging Face checkpoint, the data position."""
+        return checkpoint.save_checkpoint(
+            self.output_dir,
+            step,
+            lambda shards, hf: self._wait([w.save_checkpoint.remote(str(shards), str(hf)) for w in self.workers], "the checkpoint save"),
+            self.tokenizer,
+            {**self._data_state(), "kl_coef": self.kl_coef},
+            int(self.config.trainer.max_actor_ckpt_to_keep or 0),
+        )
+
+    def _data_state(self) -> dict[str, Any]:
+        """Where the data continues: past the batches handed out (a synchronous step may take several: dynamic
+        sampling), with the rows of those that were not trained yet (an async run's stream generates ahead) to replay
+        first."""
+        if self.stream is None:
+            return self.sampler.state(self.handed_out)
+        handed_out, rows = self.stream.untrained_rows()
+        position = {id(row): index for index, row in enumerate(self.rows)}
+        return self.sampler.state(handed_out, [position[id(row)] for row in rows])
+
+    def resume(self) -> int:
+        """Restore the checkpoint ``trainer.resume_mode`` points at; return its step (0: start fresh)."""
+        directory = checkpoint.checkpoint_to_resume(self.config, self.output_dir)
+        if directory is None:
+            return 0
+        state = checkpoint.read_trainer_state(directory)
+        self._wait([w.load_checkpoint.remote(str(directory / checkpoint.WORKERS)) for w in self.workers], "the checkpoint load")
+        self.sampler.restore(state, partial_replay=self.group_filter is not None)
+        self.kl_coef = float(state.get("kl_coef", self.kl_coef))
+        # the servers start from the base model: give them the restored policy
+        self._push_weights(int(state["step"]))
+        print(f"resumed from {directory} at step {state['step']}")
+        return int(state["step"])
+
+    def fit(self) -> list[dict[str, Any]]:
+        """Train until ``trainer.total_training_steps``; return every logged line (metrics by step)."""
+        trainer = self.config.trainer
+        done = self.resume()
+        if self.dumps is not None:
+            self.dumps.drop_after(done)
+        progress = tqdm(total=self.total_steps, initial=done, desc="training steps", dynamic_ncols=True)
+        tracking = Tracking(self.config, self.output_dir, progress.write, resume_step=done)
+        try:
+            startup = {"timing_s/startup": self.startup_s}  # on the first line this run logs
+            if self.val_rows and trainer.val_before_train and done == 0:
+                tracking.log({**startup, **self._validate_showing(progress)}, step=0)
+                startup = {}
+            self.handed_out = 0
+            # dynamic sampling draws rows beyond one batch per step: on into later epochs as far as it takes
+            batches = self.sampler.batches(None if self.group_filter is not None else self.total_steps - done)
+            if self.max_staleness:
+                steps = ([self.rows[i] for i in indices] for indices in batches)
+                groups = int(self.config.data.train_batch_size)  # one GRPO group per row
+                buffer = int(self.config.async_training.buffer_groups or (1 + self.max_staleness) * groups)
+                keep, max_dropped = None, 0
+                if self.group_filter is not None:  # groups dropped as they finish, up to max_num_gen_batches batches' worth a step
+                    keep, max_dropped = self.group_filter.keeps, max(0, self.group_filter.max_num_gen_batches) * groups
+                self.stream = self.manager.stream(
+                    steps, groups, self.max_staleness, buffer, version=done, keep=keep, max_dropped=max_dropped
+                )
+            for step in range(done + 1, self.total_steps + 1):
+                metrics = {**startup, **(self.step(step, batches) if self.stream is None else self._learn_streamed(step))}
+                startup = {}
+                last = step == self.total_steps
+                if self.val_rows and int(trainer.test_freq) > 0 and (step % int(trainer.test_freq) == 0 or last):
+                    metrics.update(self._validate_showing(progress))  # beside the stream's rollouts, if any
+                # logged first: a run killed between the two resumes from the previous checkpoint and
+                # drops this line, rather than resuming after a step it never logged
+                tracking.log(metrics, step)
+                if int(trainer.save_freq) > 0 and (step % int(trainer.save_freq) == 0 or last):
+                    self.save_checkpoint(step)
+                progress.update(1)
+        finally:
+            if self.stream is not None:
+                self.stream.stop()
+            progress.close()
+            tracking.close()
+            if self.dumps is not None:
+                self.dumps.close()
+        if tracking.history:
+            summarize(tracking.history, plot(tracking.history, self.output_dir / "training_curves.png"))
+        return tracking.history
+
+    def _learn_streamed(self, step: int) -> dict[str, float]:
+        """An async step: train on the first groups the stream finished (none older than the staleness bound; with
+        dynamic sampling, none whose metric does not vary)."""
+        start, busy = time.perf_counter(), self.manager.pool.busy_s()
+        rollout = self.stream.take(step - 1 - self.max_staleness, float(self.config.actor_rollout_ref.rollout.generate_timeout_s))
+        waited_s, sampling = time.perf_counter() - start, {}
+        if self.group_filter is not None:  # a batch short of groups (the drop limit) trains as many as split over the ranks
+            rollout, surplus = trainable_groups(rollout, int(self.config.data.train_batch_size), self.world_size)
+            sampling = {
+                "dynamic_sampling/surplus_groups": surplus,
+                "dynamic_sampling/kept_groups": len(group_uids(rollout)) if rollout is not None else 0,
+            }
+        metrics = self.learn(step, rollout, start, waited_s) if rollout is not None else self._skip(step, start, waited_s)
+        return {**metrics, **sampling, "perf/idle_share/servers": self.manager.pool.idle_share_since(busy, start)}
+
+    def _validate_showing(self, progress: tqdm) -> dict[str, float]:
+        progress.set_description(f"validating on {len(self.val_rows)} rows")
+        metrics = self.validate()
+        progress.set_description("training steps")
+        return metrics
+
+    def shutdown(self, rank_timeout_s: float = 60) -> None:
+        """Release ranks and servers, best effort (never hiding the error that ended the run); a rank still
+        in a collective its peer left (an interrupted step) is killed after ``rank_timeout_s``."""
+        try:
+            wait_for([worker.shutdown.remote() for worker in self.workers], rank_timeout_s, "the FSDP ranks to shut down")
+        except Exception as error:  # a rank stuck in a collective: killing it is all that is left
+            print(f"FSDP ranks did not shut down cleanly ({error}); killing them")
+        for worker in self.workers:
+            ray.kill(worker)
+        self.manager.shutdown()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Where a training step's old log-probs come from, and whether it corrects for the rollout policy."""
+
+    # "rollout": bypass mode, the rollout's own; "scored": a scoring pass on the ranks before the advantages;
+    # "update": the one update step's own forward passes (``old_log_probs_in_update``)
+    old_log_probs: str
+    corrects: bool  # every trajectory has rollout log-probs: rollout_corr/* weights and metrics (if configured)
+    trains_actor: bool  # the step is at or past trainer.critic_warmup
+
+
+def batch_metrics(batch: TensorDict, rewards: torch.Tensor) -> dict[str, float]:
+    """Scores and rewards (per trajectory), advantages (per model token) and lengths (per row: a segment's context and
+    response) of a trained batch, as verl names them; ``training/rows``, the rows trained (one per segment)."""
+    width, mask, segment_index = batch["prompts"].shape[1], batch["response_mask"].bool(), batch["segment_index"]
+    prompt_length = batch["attention_mask"][:, :width].sum(-1).float()
+    response_length = batch["attention_mask"][:, width:].sum(-1).float()
+    return {
+        **spread("critic/score", algorithms.trajectory_sums(batch["rm_scores"].sum(-1), segment_index)),
+        **spread("critic/rewards", algorithms.trajectory_sums(rewards.sum(-1), segment_index)),
+        **spread("critic/advantages", batch["advantages"][mask]),
+        **spread("response_length", response_length),
+        "response_length/clip_ratio": float((response_length >= batch["responses"].shape[1]).float().mean()),
+        **spread("prompt_length", prompt_length),
+        "prompt_length/clip_ratio": float((prompt_length >= width).float().mean()),
+        "training/rows": float(len(batch)),
+    }
+
+
+def grpo_groups(rollout: RolloutBatch) -> list[str]:
+    """Each trajectory's GRPO group: its ``uid``, except that a failed trajectory leaves its group (a group of one,
+    advantage 0) so the others are normalised among themselves."""
+    last = rollout.last_segments()
+    uids, failures = rollout.non_tensor_batch["uid"][last], rollout.non_tensor_batch["failure"][last]
+    return [f"{uid}/failed/{i}" if failure is not None else uid for i, (uid, failure) in enumerate(zip(uids, failures))]
+
+
+def turn_states(rollout: RolloutBatch) -> list[list[str | None]]:
+    """Each trajectory's turns' states (``TurnRecord.state_key``), for GiGPO's step groups."""
+    return [[turn.state_key for turn in turns or []] for turns in rollout.non_tensor_batch["turns"][rollout.last_segments()]]
+
+
+def _has_rollout_log_probs(rollout: RolloutBatch, required: bool) -> bool:
+    """Whether every sample has its rollout log-probs (a loop may return none, as verl allows); an error if ``required``."""
+    fields = rollout.non_tensor_batch
+    missing = sorted({str(name) for name, missing in zip(fields["agent_name"], fields["rollout_log_probs_missing"]) if missing})
+    if missing and required:
+        raise ValueError(
+            f"agent loops {missing} returned no response_logprobs, which algorithm.rollout_correction (or bypass_mode) "
+            "needs: return the engine's log_probs from those loops, or turn the correction off"
+        )
+    return not missing
+
+
+def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    # a statistic a rank could not take (e.g. importance-weight extremes on a slice without model tokens) is
+    # missing from its dict: combine over the ranks that have it (extremes by max/min, the rest by mean)
+    keys = dict.fromkeys(key for metrics in per_rank for key in metrics)
+    return {key: float(EXTREMES.get(key[-4:], np.mean)([metrics[key] for metrics in per_rank if key in metrics])) for key in keys}
