@@ -13,7 +13,6 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from agentloop.agent_loop.external_agent import agent_program
 from agentloop.interactions import check_interaction_config
 from agentloop.registry import BUILTIN_AGENT_LOOPS, check_agent_names, default_agent_loop, resolve_agent_loops
 from agentloop.judge.pool import judge_kind
@@ -59,6 +58,9 @@ def check_job(config: DictConfig, rows: dict[str, list[dict[str, Any]]]) -> None
 
 def _external_agent_problems(external: DictConfig) -> list[str]:
     """The built-in ``external_agent`` needs one program: an importable function or a command line."""
+    # here, not at the top: its session gateway imports fastapi, a third of a second on every job's start-up path
+    from agentloop.agent_loop.external_agent import agent_program
+
     try:
         agent_program(external.function, external.command)
     except ValueError as error:
