@@ -1,15 +1,13 @@
 """The games example: its env and interaction on their own, and the demo through the full stack."""
 
 import asyncio
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import ray
-
 from examples.games.guess_number import GuessNumberEnv
 from examples.games.tutor import ArithmeticTutor
+from tests.support.runs import joining_the_suite_ray
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,10 +35,8 @@ def test_tutor_interaction():
 
 
 def test_demo_runs_through_the_stack(local_ray):
-    # it joins the suite's Ray through RAY_ADDRESS, as a submitted job would (a Ray of its own costs ~10 CPU-seconds)
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     result = subprocess.run(
-        [sys.executable, "-m", "examples.games.demo"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-m", "examples.games.demo"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=joining_the_suite_ray()
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if "finish=" in line]

@@ -1,19 +1,16 @@
 """The README's run command: the rollout quickstart prints batch shapes and one decoded trajectory."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import ray
+from tests.support.runs import joining_the_suite_ray
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "rollout_quickstart.py"
 
 
 def test_rollout_quickstart_runs(local_ray):
-    # it joins the suite's Ray through RAY_ADDRESS, as a submitted job would (a Ray of its own costs ~10 CPU-seconds)
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    result = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=300, env=joining_the_suite_ray())
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "batch of 8 trajectories" in out
