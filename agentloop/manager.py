@@ -133,14 +133,14 @@ class AgentLoopManager:
 
     def stream(
         self, steps: Iterator[list[dict[str, Any]]], groups_per_batch: int, max_staleness: int, capacity: int, version: int = 0, *,
-        keep: Callable[[RolloutBatch], bool] | None = None, max_dropped: int = 0,
+        keep: Callable[[RolloutBatch], bool] | None = None, max_dropped: int = 0, order: str = "finished",
     ) -> GroupStream:
         """Roll out continuously: each item of ``steps`` is one training step's rows; finished GRPO groups wait
         in a bounded buffer for ``GroupStream.take`` (see ``agentloop.streaming``); ``keep`` drops the groups it
-        refuses as they finish (dynamic sampling)."""
+        refuses as they finish (dynamic sampling); ``order`` says which finished groups a batch takes."""
         return GroupStream(
             self.workers, self.pool, self._prepare, self._finish_batch, steps, groups_per_batch, max_staleness, capacity, version,
-            keep=keep, max_dropped=max_dropped,
+            keep=keep, max_dropped=max_dropped, order=order,
         )
 
     def _check_failures(self, batch: RolloutBatch) -> None:

@@ -11,6 +11,11 @@ back padded once all of its samples are done, into a bounded buffer that ``take`
 - **Capacity.** Buffered plus in-flight groups never exceed ``capacity``.
 - **Holds.** ``drained()`` starts nothing new and waits for the groups in flight (a weight push that must
   not interrupt any request).
+- **Order.** ``order="finished"`` hands groups out as they finish: a batch waits for no straggler, but the
+  groups that finish first are the short ones, so each batch over-represents short trajectories and the long
+  ones wait (and, past the bound, are regenerated). ``order="submitted"`` hands them out in the order their rows
+  came (regenerations keep their place): a batch holds the rows the data gave it, as in synchronous training,
+  and waits for its slowest group, while later steps' groups keep generating.
 
 A group may still finish later than its step (a slow tool call while other groups overtake it); one that
 ``take`` finds older than its ``min_version`` is dropped and its row regenerated, never trained on.
@@ -44,6 +49,7 @@ from agentloop.worker_pool import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
+ORDERS = ("finished", "submitted")
 POLL_S = 0.5  # how long a worker holds a poll for finished groups
 MAX_GROUP_RESTARTS = 2  # a group whose worker dies more often than this is taken to be what kills it
 
@@ -85,14 +91,17 @@ class GroupStream:
     ``finish_batch(batch, stats, elapsed_s)``; ``set_version`` tells the stream which policy the servers hold.
     A dead worker is replaced through ``workers``, a dead server through ``servers``. ``keep(group_batch)``, when
     given, decides whether a finished group is trained on (see the module docstring; ``max_dropped`` <= 0: no limit).
+    ``order`` is ``"finished"`` or ``"submitted"`` (the module docstring's "Order").
     """
 
     def __init__(
         self, workers: WorkerPool, servers: ServerPool, prepare: Callable[[list[dict[str, Any]]], Prepared],
         finish_batch: Callable[[RolloutBatch, RouterStats, float], RolloutBatch], steps: Iterator[list[dict[str, Any]]],
         groups_per_batch: int, max_staleness: int, capacity: int, version: int = 0, *,
-        keep: Callable[[RolloutBatch], bool] | None = None, max_dropped: int = 0,
+        keep: Callable[[RolloutBatch], bool] | None = None, max_dropped: int = 0, order: str = "finished",
     ) -> None:
+        if order not in ORDERS:
+            raise ValueError(f"unknown group order {order!r} (async_training.group_order): choose one of {list(ORDERS)}")
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         if capacity < groups_per_batch:
@@ -109,6 +118,7 @@ class GroupStream:
         self.capacity = capacity
         self._keep = keep
         self.max_dropped = max_dropped
+        self.order = order
         self.version = version  # the policy version the servers hold
         self._first_version = version
         self._steps = steps
@@ -134,9 +144,9 @@ class GroupStream:
     # ------------------------------------------------------------------ the trainer's side
 
     def take(self, min_version: int, timeout_s: float) -> RolloutBatch:
-        """The next batch: ``groups_per_batch`` finished groups, in the order they finished, none with a token
-        older than ``min_version`` (older ones are dropped and regenerated); waits up to ``timeout_s``. Fewer groups
-        (at least one) once ``max_dropped`` groups were dropped by ``keep`` meanwhile."""
+        """The next batch: ``groups_per_batch`` finished groups in the stream's ``order``, none with a token older
+        than ``min_version`` (older ones are dropped and regenerated); waits up to ``timeout_s``. Fewer groups (at
+        least one) once ``max_dropped`` groups were dropped by ``keep`` meanwhile."""
         self.servers.check()  # a server that died is replaced (its sessions were re-homed already)
         deadline = time.monotonic() + timeout_s
         with self._changed:
@@ -144,7 +154,7 @@ class GroupStream:
                 if self._error is not None:
                     raise RuntimeError(f"the rollout stream failed: {self._error!r}") from self._error
                 self._drop_older_than(min_version)
-                if len(self._buffer) >= self.groups_per_batch:
+                if self._takeable() >= self.groups_per_batch:
                     break
                 if self._buffer and 0 < self.max_dropped <= self._dropped:
                     logger.warning(
@@ -158,7 +168,8 @@ class GroupStream:
                 if deadline <= time.monotonic():
                     raise TimeoutError(
                         f"timed out after {timeout_s:.0f}s waiting for {self.groups_per_batch} finished groups ({len(self._buffer)} "
-                        f"ready, {len(self._in_flight)} in flight, {self._dropped} dropped by dynamic sampling; "
+                        f"finished, {self._takeable()} of them next in {self.order} order, {len(self._in_flight)} in flight, "
+                        f"{self._dropped} dropped by dynamic sampling; "
                         "actor_rollout_ref.rollout.generate_timeout_s)"
                     )
                 self._changed.wait(min(1.0, deadline - time.monotonic()))
@@ -175,6 +186,14 @@ class GroupStream:
             batch.meta_info.update({"dynamic_sampling/finished_groups": finished, "dynamic_sampling/dropped_groups": dropped})
         self._last_take = now
         return batch
+
+    def _takeable(self) -> int:
+        """How many groups at the buffer's head a batch may take now: all of them in finish order; in submission
+        order those that came before every group still queued or in flight (the buffer is kept sorted by id)."""
+        if self.order == "finished":
+            return len(self._buffer)
+        unfinished = min((group.id for group in (*self._queued, *self._in_flight.values())), default=None)
+        return sum(1 for group, _ in self._buffer if unfinished is None or group.id < unfinished)
 
     def set_version(self, version: int) -> None:
         """The servers now hold policy ``version``: groups of later steps may start."""
@@ -311,6 +330,8 @@ class GroupStream:
                     self._started -= 1  # its place among the steps' groups goes to the new group that replaces it
                     continue
                 self._buffer.append((group, result))
+            if self.order == "submitted":
+                self._buffer.sort(key=lambda entry: entry[0].id)
             self._changed.notify_all()
 
     def _drop_older_than(self, min_version: int) -> None:

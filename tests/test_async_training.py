@@ -47,6 +47,7 @@ def coin_overrides(coin_model: str, tmp_path, *overrides: str, partial_rollout: 
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "actor_rollout_ref.actor.optim.lr=2e-3",
         # by default pushes wait between rollouts, so each batch has one version (tests/test_partial_rollouts.py interrupts)
         "async_training.max_staleness=1", f"async_training.partial_rollout={str(partial_rollout).lower()}",
+        "async_training.group_order=submitted",  # each step trains its own rows (tests/test_dynamic_sampling.py: finish order)
         "actor_rollout_ref.rollout.free_cache_engine=false",
         "trainer.logger=[console]", f"trainer.default_local_dir={tmp_path / 'run'}",
         f"trainer.rollout_data_dir={tmp_path / 'run' / 'rollouts'}", *overrides,
@@ -90,8 +91,8 @@ def test_async_training_overlaps_stamps_versions_corrects_and_resumes(local_ray,
         assert {record["policy_version"] for record in records} == {expected}
         assert line["async/staleness/max"] == line["async/staleness/mean"] == step - 1 - expected
         assert line["async/staleness_histogram/0"] + line["async/staleness_histogram/1"] == 64
-        # the groups that finished first: rows of this step, or of the next one (started up to one step ahead)
-        assert all(int(record["index"]) < 4 * (step + 1) for record in records)
+        # in submission order a step trains its own rows (unshuffled: 4 a step), though the next step's ran beside them
+        assert {int(record["index"]) // 4 for record in records} == {step - 1}
         # the rollout's behaviour policy is the trainer's old policy only when no update came in between
         gap = line["rollout_corr/abs_log_prob_diff"]
         assert gap < 1e-5 if expected == step - 1 else gap > 1e-4
@@ -121,6 +122,8 @@ def test_async_settings_refuse_a_negative_bound_and_fall_back_where_servers_slee
     assert async_settings(separate, sequence) == (2, True, sequence)  # a configured correction is kept
     with pytest.raises(ValueError, match=r"async_training.buffer_groups=3 cannot hold one batch of 4 GRPO groups"):
         check_config(compose_config(["async_training.max_staleness=1", "async_training.buffer_groups=3", "data.train_batch_size=4"]))
+    with pytest.raises(ValueError, match=r"async_training.group_order='fifo': choose one of \['finished', 'submitted'\]"):
+        check_config(compose_config(["async_training.max_staleness=1", "async_training.group_order=fifo"]))
 
 
 def test_staleness_counts_each_sample_by_its_oldest_token():

@@ -1,6 +1,7 @@
 """The rollout stream on real Ray, workers and the hf engine: GRPO groups start as far ahead as the staleness
-bound allows and no further, come out as soon as they finish (a slow one is overtaken), and a group that
-finished too late for the batch taking it is regenerated under the current policy, never handed out."""
+bound allows and no further, come out as soon as they finish (a slow one is overtaken) or, in submission order,
+batch by batch as their rows came, and a group that finished too late for the batch taking it is regenerated under
+the current policy, never handed out."""
 
 from __future__ import annotations
 
@@ -92,6 +93,21 @@ def test_the_stream_runs_ahead_within_the_bound_and_regenerates_late_groups(mana
         stream.stop()
 
 
+def test_in_submission_order_a_batch_takes_its_own_rows_and_waits_for_a_slow_one(manager):
+    stream = manager.stream(iter([[row(step, 0), row(step, 1)] for step in range(2)]), groups_per_batch=2, max_staleness=1,
+                            capacity=4, version=0, order="submitted")
+    try:
+        with pytest.raises(TimeoutError, match=r"finished, 0 of them next in submitted order"):
+            stream.take(min_version=0, timeout_s=1)  # 0.0 is still waiting out its delay
+        first = stream.take(min_version=0, timeout_s=60)  # the timeout lost nothing
+        assert [name for name, _, _ in groups_of(first)] == ["0.0", "0.1"]
+        # step 1's groups finished while 0.0 waited out its delay: buffered for the next batch, not handed out first
+        assert first.meta_info["async/buffered_groups"] == 2
+        assert [name for name, _, _ in groups_of(stream.take(min_version=0, timeout_s=60))] == ["1.0", "1.1"]
+    finally:
+        stream.stop()
+
+
 def test_groups_the_keep_check_refuses_are_dropped_and_replaced(manager, caplog):
     """Dynamic sampling's side of the stream: a refused group gives its place among the steps' groups to a new one (else
     the staleness gate, counting it, would hold back the group that completes the batch), and once ``max_dropped``
@@ -146,3 +162,5 @@ def test_a_buffer_smaller_than_a_batch_is_refused(manager):
         manager.stream(iter([]), groups_per_batch=4, max_staleness=1, capacity=3)
     with pytest.raises(ValueError, match="max_staleness must be >= 0"):
         manager.stream(iter([]), groups_per_batch=4, max_staleness=-1, capacity=8)
+    with pytest.raises(ValueError, match=r"unknown group order 'fifo' \(async_training.group_order\)"):
+        manager.stream(iter([]), groups_per_batch=4, max_staleness=1, capacity=8, order="fifo")

@@ -2,8 +2,8 @@
 
 With ``async_training.max_staleness`` = K ≥ 1 the trainer reads its batches from a rollout stream
 (``agentloop.streaming``): GRPO groups run continuously, up to K steps ahead (step s trains policy
-version s - 1, and its groups may start from version s - 1 - K on), and each step takes the first
-``data.train_batch_size`` groups to finish. With ``async_training.partial_rollout`` (the default) a
+version s - 1, and its groups may start from version s - 1 - K on), and each step takes
+``data.train_batch_size`` finished groups: the first to finish, or its own rows' (``async_training.group_order``). With ``async_training.partial_rollout`` (the default) a
 weight push interrupts the requests in flight: the servers load the new weights and the routers continue
 each request from the tokens it has, so one trajectory may hold tokens of several versions (each
 token's version is in ``rollout_policy_versions``). Without it, a push waits until no group is in flight

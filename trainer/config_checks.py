@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from agentloop.config import check_known_keys, config_keys
 from agentloop.config_keys import ALWAYS_ON
+from agentloop.streaming import ORDERS
 from trainer import algorithms
 from trainer.overlong import OverlongBuffer
 from trainer.rollout_correction import RolloutCorrection
@@ -38,6 +39,9 @@ def check_config(config: DictConfig) -> None:
     if buffer is not None and int(buffer) < batch:
         raise ValueError(f"async_training.buffer_groups={buffer} cannot hold one batch of {batch} GRPO groups (data.train_batch_size); "
                          f"set it to at least {batch}, or null for (1 + max_staleness) batches")
+    if config.async_training.group_order not in ORDERS:
+        raise ValueError(f"async_training.group_order={config.async_training.group_order!r}: choose one of {list(ORDERS)} "
+                         "(finished: the first groups to finish; submitted: each step's own rows, in order)")
     _check_dynamic_sampling(config)
     if not config.data.train_files:
         raise ValueError("data.train_files is empty: name one or more .parquet / .jsonl files")

@@ -416,7 +416,8 @@ class RayPPOTrainer:
                 if self.group_filter is not None:  # groups dropped as they finish, up to max_num_gen_batches batches' worth a step
                     keep, max_dropped = self.group_filter.keeps, max(0, self.group_filter.max_num_gen_batches) * groups
                 self.stream = self.manager.stream(
-                    steps, groups, self.max_staleness, buffer, version=done, keep=keep, max_dropped=max_dropped
+                    steps, groups, self.max_staleness, buffer, version=done, keep=keep, max_dropped=max_dropped,
+                    order=str(self.config.async_training.group_order),
                 )
             for step in range(done + 1, self.total_steps + 1):
                 metrics = {**startup, **(self.step(step, batches) if self.stream is None else self._learn_streamed(step))}
