@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.batch import RolloutBatch
+from agentloop.cluster import start_ray
 from agentloop.judge.pool import start_judge_pool
 from agentloop.metrics import rollout_metrics
 from agentloop.registry import check_agent_names, default_agent_loop, resolve_agent_loops
@@ -29,8 +30,9 @@ class AgentLoopManager:
     """Data-parallel rollout servers (``pool``) plus ``agent.num_workers`` workers (``workers``) on the current Ray
     cluster.
 
-    Starts a local Ray instance when none is connected; to use a cluster, call
-    ``ray.init(address=...)`` first. ``server_addresses`` lists each server's HTTP base URL
+    When this process is not connected to Ray yet, it joins ``trainer.ray_address`` (or RAY_ADDRESS) or starts a Ray
+    of its own with ``ray_kwargs.ray_init``, as the trainer's command does (``agentloop.cluster``): never whatever
+    cluster another job left running on the machine. ``server_addresses`` lists each server's HTTP base URL
     (``rollout.http``).
     """
 
@@ -45,8 +47,7 @@ class AgentLoopManager:
                 f"actor_rollout_ref.rollout.agent.num_workers={self.rollout.agent.num_workers}: it counts agent-loop worker "
                 "processes; set it >= 1, or 0 to run the agent loops in this process"
             )
-        if not ray.is_initialized():
-            ray.init()
+        start_ray(config)
         timeout = float(self.rollout.server_startup_timeout_s)
         self.default_agent_loop = default_agent_loop(self.rollout)
         check_agent_names({self.default_agent_loop}, self._agent_loops())

@@ -1,4 +1,8 @@
-"""Two Ray nodes on one machine: servers are placed on both and the batch still comes back."""
+"""The manager's Ray: one it starts itself with the job's settings, or two nodes on one machine (servers are placed
+on both and the batch still comes back)."""
+
+import os
+from pathlib import Path
 
 import pytest
 import ray
@@ -19,6 +23,22 @@ def two_node_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+def test_a_manager_without_ray_starts_one_as_the_command_does(monkeypatch):
+    """Not ``ray.init()``'s default (join whatever cluster runs on the machine): the job's own Ray, with
+    ``ray_kwargs.ray_init``."""
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH")])))
+    manager = AgentLoopManager(small_config("ray_kwargs.ray_init.num_cpus=3"))
+    try:
+        assert ray.cluster_resources()["CPU"] == 3  # a bare ray.init() would count this machine's cores
+        assert len(manager.generate_sequences([{"prompt": [{"role": "user", "content": "question"}]}])) == 1
+    finally:
+        manager.shutdown()
+        ray.shutdown()
 
 
 def test_servers_spread_over_two_nodes(two_node_cluster):

@@ -22,7 +22,7 @@ from tests.support.config import small_config
 from tests.support.runs import signal_at_checkpoint
 from trainer.algorithms import adaptive_kl_coef
 from trainer.data import BatchSampler
-from trainer.cluster import ray_address, ray_init_kwargs
+from agentloop.cluster import ray_address, ray_init_kwargs
 from trainer.main_ppo import run
 
 TOOL_RUN = [

@@ -22,7 +22,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.config import CONFIG_PACKAGE, composition_message
-from trainer.cluster import start_ray
+from agentloop.cluster import start_ray
 
 
 def run(config: DictConfig) -> list[dict[str, Any]]:
