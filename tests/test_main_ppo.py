@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from agentloop.cluster import ray_address, ray_init_kwargs
 from agentloop.config import compose_config
 from agentloop.dumps import read_rollout_dump
 from agentloop.rows import write_rows
@@ -22,7 +23,6 @@ from tests.support.config import small_config
 from tests.support.runs import signal_at_checkpoint
 from trainer.algorithms import adaptive_kl_coef
 from trainer.data import BatchSampler
-from agentloop.cluster import ray_address, ray_init_kwargs
 from trainer.main_ppo import run
 
 TOOL_RUN = [
