@@ -1,9 +1,6 @@
 """The manager's Ray: one it starts itself with the job's settings, or two nodes on one machine (servers are placed
 on both and the batch still comes back)."""
 
-import os
-from pathlib import Path
-
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -31,7 +28,6 @@ def test_a_manager_without_ray_starts_one_as_the_command_does(monkeypatch):
     if ray.is_initialized():
         ray.shutdown()
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH")])))
     manager = AgentLoopManager(small_config("ray_kwargs.ray_init.num_cpus=3"))
     try:
         assert ray.cluster_resources()["CPU"] == 3  # a bare ray.init() would count this machine's cores

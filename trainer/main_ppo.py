@@ -21,8 +21,8 @@ import hydra
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
-from agentloop.config import CONFIG_PACKAGE, composition_message
 from agentloop.cluster import start_ray
+from agentloop.config import CONFIG_PACKAGE, composition_message
 
 
 def run(config: DictConfig) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from transformers import AutoTokenizer
 
 from agentloop import AgentLoopManager
 from agentloop.batch import RolloutBatch, object_array
+from agentloop.cluster import start_ray
 from agentloop.metrics import spread
 from agentloop.preflight import check_job
 from agentloop.streaming import GroupStream
@@ -43,7 +44,6 @@ from trainer.dynamic_sampling import GroupFilter, group_uids, trainable_groups
 from trainer.fsdp_workers import join_workers, launch_workers, needs_reference, push_weights, rank_gpus
 from trainer.micro_batches import split_trajectories, trajectory_sizes
 from trainer.async_training import async_settings, staleness_metrics
-from agentloop.cluster import start_ray
 from trainer.overlong import OverlongBuffer, mask_length_ended
 from trainer.rollout_correction import RolloutCorrection, correct_batch, old_log_probs_in_update
 from trainer.rollout_dump import RolloutDumps
