@@ -74,7 +74,8 @@ def reward_function_for(config: DictConfig, data_source: str | None, builtin: bo
     """The function that scores samples of ``data_source`` (rule 2 above), or None; the built-in scorers only with
     ``builtin``."""
     section = config.get("custom_reward_function") or {}
-    dotted = (section.get("by_data_source") or {}).get(data_source)
+    # a row without a data source (None: no key a config can name) falls to the next rule
+    dotted = (section.get("by_data_source") or {}).get(data_source) if data_source is not None else None
     if dotted:
         return _load_dotted(dotted)
     if section.get("path"):

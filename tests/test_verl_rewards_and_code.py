@@ -5,6 +5,7 @@ run before any server starts."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import textwrap
 
 import pytest
@@ -12,6 +13,7 @@ from omegaconf import open_dict
 from transformers import AutoTokenizer
 
 from agentloop.agent_loop import AgentLoopBase, DictConfigWrap
+from agentloop.preflight import check_job
 from agentloop.protocol import AgentLoopOutput, RewardParts
 from agentloop.reward_score import default_compute_score, gsm8k, math_reward
 from agentloop.rewards import score_output
@@ -132,6 +134,30 @@ def test_reward_rule_for_every_loop(tokenizer, tmp_path):
     missing = small_config(f"custom_reward_function.path={tmp_path / 'nope.py'}")
     with pytest.raises(FileNotFoundError, match="nope.py"):
         scored(missing, tokenizer, gsm8k_row, output())
+
+
+def test_a_row_without_a_data_source_falls_to_the_next_rule(tokenizer, tmp_path, caplog):
+    """With ``by_data_source`` set, a row that has no ``data_source`` is scored by ``custom_reward_function.path`` (the
+    only rule verl has), or by the loop's parts without one; the checks before start warn about it, never crash."""
+    (tmp_path / "length_reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                                               "    return float(len(solution_str))\n")
+    by_source = "+custom_reward_function.by_data_source.arith=agentloop.tasks.arithmetic.reward.arithmetic_score"
+    response = tokenizer.encode("#### 7", add_special_tokens=False) + [tokenizer.eos_token_id]
+    no_source = {"prompt": [{"role": "user", "content": "q"}], "extra_info": {}}
+
+    def output():
+        return AgentLoopOutput([1, 2], list(response), [1] * len(response), None, reward_parts=RewardParts(env=0.5))
+
+    with_path = small_config(by_source, f"custom_reward_function.path={tmp_path / 'length_reward.py'}")
+    scored_by_path = scored(with_path, tokenizer, no_source, output())
+    assert scored_by_path.reward_source == "reward_function" and scored_by_path.reward_score == len("#### 7")
+    only_by_source = small_config(by_source)
+    by_parts = scored(only_by_source, tokenizer, no_source, output())
+    assert by_parts.reward_source == "reward_parts" and by_parts.reward_score == 0.5
+    with caplog.at_level(logging.WARNING, logger="agentloop.preflight"):
+        check_job(only_by_source, {"train": [no_source]})
+    assert "no reward function for data_source ['None']" in caplog.text
+    check_job(with_path, {"train": [no_source]})
 
 
 def test_rows_get_verl_fields():
