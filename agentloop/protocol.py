@@ -264,7 +264,9 @@ class Segment:
     context of its first model turn, then the response (model tokens with their logprobs, mask 1; observations,
     mask 0) as far as each next context extended it exactly. ``rewritten_by`` names what made this context (the
     context strategy, ``agentloop.agent_loop.context``); None for a trajectory's first segment, which starts at the
-    row's prompt. ``multi_modal_inputs``: the processor's outputs for exactly the images its ids show."""
+    row's prompt. ``multi_modal_inputs``: the processor's outputs for exactly the images its ids show.
+    ``closing_observation_ids``: the observation that closed it (the next context shows it re-rendered), as the ids
+    an unrewritten context would have appended after its response; empty for a trajectory's last segment."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -273,6 +275,7 @@ class Segment:
     multi_modal_inputs: dict[str, Any] | None = None
     policy_versions: list[int] | None = None
     rewritten_by: str | None = None
+    closing_observation_ids: list[int] = field(default_factory=list)
 
 
 # Where a sample's reward came from (``agentloop.rewards``): the loop set it, a reward function computed it, the
@@ -307,6 +310,7 @@ class AgentLoopOutput:
     extensions of each other) has several segments: ``segments`` holds the earlier ones, oldest first, and the
     fields above (``prompt_ids`` ... ``policy_versions``, ``multi_modal_inputs``; ``rewritten_by``) are its last,
     on which its reward sits. ``all_segments()`` lists them all; each becomes one row of the batch.
+    ``whole_response_ids()`` is the response they make together, what its reward scores.
     """
 
     prompt_ids: list[int]
@@ -353,6 +357,16 @@ class AgentLoopOutput:
             self.policy_versions, self.rewritten_by,
         )
         return [*self.segments, last]
+
+    def whole_response_ids(self, segment_length: int | None = None) -> list[int]:
+        """The whole response, each model turn and observation once, in order: what reward functions, reward models
+        and judges score. Each segment's response (cut to ``segment_length``, as the batch holds it), then the
+        observation that closed it (``Segment.closing_observation_ids``): for a rewritten trajectory, the response an
+        unrewritten context would have had; for a trajectory of one segment, its ``response_ids``."""
+        ids: list[int] = []
+        for segment in self.all_segments():
+            ids += segment.response_ids[:segment_length] + segment.closing_observation_ids
+        return ids
 
     def set_policy_versions(self, generated: list[int]) -> None:
         """Set each segment's ``policy_versions`` (``agentloop.policy_versions.on_response``) from the sample's

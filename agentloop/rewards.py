@@ -5,7 +5,8 @@ The rule, in order:
 1. A loop that set ``AgentLoopOutput.reward_score`` itself keeps it (verl: e.g. an SWE agent that runs
    its own tests).
 2. Otherwise the reward function for the row's ``data_source`` scores the whole response, decoded with
-   ``skip_special_tokens=True`` (tool observations included, as verl decodes it): the dotted path in
+   ``skip_special_tokens=True`` (tool observations included, as verl decodes it; a trajectory whose context was
+   rewritten: ``AgentLoopOutput.whole_response_ids``, each turn and observation once): the dotted path in
    ``custom_reward_function.by_data_source[data_source]``, else ``custom_reward_function.path`` (a
    ``.py`` file or ``pkg://module``) with ``.name`` and ``.reward_kwargs``; else, with a discriminative reward
    model (``reward_model.kind``), its score of the conversation (the row's prompt and the response as the
@@ -128,8 +129,8 @@ async def score_output(config: DictConfig, tokenizer: Any, row: dict[str, Any], 
     judge = active_judge()
     reward_model = judge is not None and judge.kind == "discriminative"
     function = reward_function_for(config, row.get("data_source"), builtin=not reward_model)
-    # what the trainer sees of the response: cut to the batch's response length, as in the padded batch
-    response = output.response_ids[: int(config.actor_rollout_ref.rollout.response_length)]
+    # every turn and observation once, each segment's response cut to the batch's response length as the batch holds it
+    response = output.whole_response_ids(int(config.actor_rollout_ref.rollout.response_length))
     if function is None and reward_model:
         conversation = [*row["prompt"], {"role": "assistant", "content": tokenizer.decode(response, skip_special_tokens=True)}]
         output.reward_score, output.reward_source = await judge.score(conversation), "reward_model"

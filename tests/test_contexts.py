@@ -3,6 +3,7 @@ segment records, on a real engine; ``append`` is today's trajectory; Qwen3's tem
 
 from __future__ import annotations
 
+import asyncio
 import functools
 
 import pytest
@@ -17,7 +18,9 @@ from agentloop.dumps import mask_runs
 from agentloop.images import expand_image_pads, process_images, split_images
 from agentloop.models.loading import load_processor
 from agentloop.protocol import AgentLoopOutput, Segment, TokenOutput
+from agentloop.rewards import score_output
 from agentloop.server.rollout_server import RolloutServer
+from tests.support.config import small_config
 from tests.support.models import script_row
 from tests.support.ranks import manager_and_two_ranks, scores
 from tests.support.thinking_model import QWEN3_CONFIG, with_qwen3_template
@@ -151,6 +154,15 @@ def test_append_is_todays_trajectory_and_a_window_starts_segments_that_drop_old_
     assert len(window.turns) == len(segments) + 1
     assert window.num_turns == 1 + len(window.turns) + len(window.observation_roles)
     assert sum(turn.model_tokens for turn in window.turns) == sum(sum(segment.response_mask) for segment in segments)
+    # what its reward scores: every turn and observation once, in order, though no context after the first shows them all
+    whole = tokenizer.decode(window.whole_response_ids())
+    assert whole.count("<tool_response>") == len(window.observation_roles) == len(window.turns) - 1
+    turns = [tokenizer.decode(segment.response_ids[start:end]) for segment in segments for value, start, end in
+             mask_runs(segment.response_mask) if value]
+    assert whole.startswith(turns[0]) and whole.endswith(turns[-1])
+    position = 0
+    for turn in turns:  # in order (index raises if one is missing past the one before)
+        position = whole.index(turn, position) + len(turn)
 
 
 def test_a_context_that_does_not_fit_ends_the_trajectory_on_a_model_token(server, tokenizer, scripted):
@@ -234,6 +246,89 @@ def test_qwen3s_template_drops_earlier_reasoning_and_that_starts_a_segment(model
     appended = rolled_out("append").to_output()
     assert not appended.segments
     assert appended.response_ids[: len(segments[0].response_ids)] == segments[0].response_ids
+
+
+ECHO_REWARD = """def echo(data_source, solution_str, ground_truth, extra_info):
+    return {"score": 0.0, "solution_str": solution_str}
+"""
+
+
+def solution_str(tokenizer, output: AgentLoopOutput, tmp_path) -> str:
+    """What a reward function is given as ``solution_str`` for ``output``, through the worker's scoring."""
+    (tmp_path / "echo_reward.py").write_text(ECHO_REWARD)
+    config = small_config(
+        f"custom_reward_function.path={tmp_path / 'echo_reward.py'}", "custom_reward_function.name=echo",
+        "data.max_response_length=512",
+    )
+    asyncio.run(score_output(config, tokenizer, {"data_source": "any"}, output))
+    return output.reward_extra_info["solution_str"]
+
+
+# two answered questions: each turn answered by a tool result, then the user asks again
+QWEN3_STEPS = [
+    ("Add them.\n</think>\n\nI will check with the tool.", {"role": "tool", "content": "5"}),
+    ("It says 5.\n</think>\n\nThe answer is 5.", {"role": "user", "content": "And 2 + 4?"}),
+    ("Add again.\n</think>\n\nI will check.", {"role": "tool", "content": "6"}),
+    ("It says 6.\n</think>\n\nThe answer is 6.", None),
+]
+
+
+@pytest.mark.skipif(not QWEN3_CONFIG.exists(), reason="../shared/fixtures/qwen3 is not present")
+@pytest.mark.parametrize("strategy", ["inference_template", "sliding_window"])
+def test_a_reward_function_is_given_every_turn_and_observation_of_a_rewritten_trajectory(model_path, tmp_path, strategy):
+    """With Qwen3's real template, whatever contexts the strategy made, a reward function's ``solution_str`` is what
+    verl's reward manager decodes for the same conversation unrewritten: the ``append`` trajectory's response,
+    ``skip_special_tokens=True``; the first turn and its tool result included, not the last segment alone."""
+    tokenizer = AutoTokenizer.from_pretrained(with_qwen3_template(model_path, tmp_path / "qwen3"))
+    prompt = [{"role": "user", "content": "What is 2 + 3?"}]
+    rewrites = {"inference_template": lambda m: m, "sliding_window": functools.partial(sliding_window, window_turns=1)}
+
+    def rolled_out(context: ContextStrategy) -> AgentLoopOutput:
+        ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=False)
+        trajectory = Trajectory(tokenizer, prompt, list(ids), None, context=context)
+        opening = "" if tokenizer.decode(ids).endswith("<think>\n") else "<think>\n"
+        for turn, observation in QWEN3_STEPS:
+            trajectory.add_model_turn(think_turn(tokenizer, opening + turn))
+            if observation is not None:
+                assert trajectory.add_observation_within([observation], 1024) is not None
+        return trajectory.to_output()
+
+    rewritten = rolled_out(ContextStrategy(strategy, rewrites[strategy]))
+    appended = rolled_out(ContextStrategy("append"))
+    assert len(rewritten.all_segments()) >= 2 and not appended.segments
+    solution = solution_str(tokenizer, rewritten, tmp_path)
+    assert solution == tokenizer.decode(appended.response_ids, skip_special_tokens=True)
+    assert solution.index("I will check with the tool.") < solution.index("5") < solution.index("And 2 + 4?")
+    assert solution.endswith("The answer is 6.")
+
+
+def test_a_client_that_rewrites_its_history_closes_the_segment_with_the_messages_after_its_last_reply(model_path):
+    """``start_segment`` (a gateway client that edited its history): the whole response is the conversation appended,
+    the new context's messages after the reply it shows standing for the observation."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def render(messages: list[dict[str, str]]) -> list[int]:
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+    def reply(text: str) -> TokenOutput:
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        return TokenOutput(ids, [-0.5] * len(ids), "stop")
+
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}]
+    edited = [{"role": "system", "content": "Be briefer."}, {"role": "user", "content": "q"},
+              {"role": "assistant", "content": "a1"}, {"role": "user", "content": "and then?"}]
+    client, appended = Trajectory(tokenizer, prompt, render(prompt), None), Trajectory(tokenizer, prompt, render(prompt), None)
+    for trajectory in (client, appended):
+        trajectory.add_model_turn(reply("a0"))
+        trajectory.add_observation_within([{"role": "tool", "content": "t0"}], 512)
+        trajectory.add_model_turn(reply("a1"))
+    client.start_segment(render(edited), edited, "client", None)
+    appended.add_observation_within(edited[-1:], 512)
+    for trajectory in (client, appended):
+        trajectory.add_model_turn(reply("a2"))
+    output = client.to_output()
+    assert len(output.all_segments()) == 2
+    assert output.whole_response_ids() == appended.to_output().response_ids
 
 
 def test_a_window_segment_shows_exactly_the_images_of_the_messages_it_keeps(vlm_path):

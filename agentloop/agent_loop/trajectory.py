@@ -195,6 +195,10 @@ class Trajectory:
         """The delta these messages would add (not appended yet: the caller checks the budget). Images in their
         content parts are processed here, once, and only their pads are expanded: earlier ids never change."""
         messages, processed = self._with_images_processed(messages)
+        return Observation(self._appended_ids(messages, processed), processed, messages)
+
+    def _appended_ids(self, messages: list[dict[str, Any]], processed: list[ProcessedImage]) -> list[int]:
+        """The ids ``messages`` (bringing the images ``processed``) add after the response so far when appended."""
         ids = observation_delta(self.tokenizer, messages, self.template_kwargs)
         if self.response_mask and self.response_mask[-1] and self.response_ids[-1] != self.tokenizer.eos_token_id:
             # the model's turn stopped on another stop id (a generation-config eos such as Qwen's <|endoftext|>, or
@@ -202,7 +206,7 @@ class Trajectory:
             ids = [self.tokenizer.eos_token_id, *ids]
         if self.processor is not None:
             ids = expand_image_pads(ids, processed, self._image_pad_id, self._where)
-        return Observation(ids, processed, messages)
+        return ids
 
     @property
     def _where(self) -> str:
@@ -253,8 +257,8 @@ class Trajectory:
         same_images = len(images) >= len(self.images) and all(a is b for a, b in zip(images, self.images))
         if ids[: len(current)] == current and same_images:
             return Observation(ids[len(current) :], images[len(self.images) :], messages)
-        closed = (self._segment(), list(self.images))
-        return Observation(ids, images, messages, closed)
+        segment = dataclasses.replace(self._segment(), closing_observation_ids=self._appended_ids(messages, new_images))
+        return Observation(ids, images, messages, (segment, list(self.images)))
 
     def _remember_images(self, messages: list[dict[str, Any]], images: list[ProcessedImage]) -> None:
         """Note which of ``images`` (in order) each message's image parts show."""
@@ -287,9 +291,14 @@ class Trajectory:
     def start_segment(self, context_ids: list[int], messages: list[dict[str, Any]], rewritten_by: str, tools: list[dict] | None) -> None:
         """Close the current segment and start one whose context is ``context_ids`` (``messages`` rendered with
         ``tools``), for a loop whose next context is no extension of the current one (a text-only conversation).
-        A current segment with no response yet is replaced rather than closed: it would train on nothing."""
+        A current segment with no response yet is replaced rather than closed: it would train on nothing. What the
+        closed segment's turns are answered by (its ``closing_observation_ids``) is the messages after the new
+        context's last assistant message (all of them when it has none)."""
         if self.response_ids:
-            self.closed.append((self._segment(), list(self.images)))
+            assistant = [index for index, message in enumerate(messages) if message.get("role") == "assistant"]
+            answer = messages[assistant[-1] + 1 :] if assistant else messages
+            closing = self._appended_ids(answer, []) if answer else []
+            self.closed.append((dataclasses.replace(self._segment(), closing_observation_ids=closing), list(self.images)))
         self.prompt_ids, self.images, self.rewritten_by, self.tools = list(context_ids), [], rewritten_by, tools
         self.response_ids, self.response_mask, self.response_logprobs = [], [], []
         self.messages = [dict(message) for message in messages]
