@@ -150,22 +150,125 @@ def test_turn_grpo_normalises_turn_returns_within_the_group(normalize):
         assert close(advantages[1, 0], 0.5 / (math.sqrt(0.5) + 1e-6)) and close(advantages[2, 4], -0.5 / (math.sqrt(0.5) + 1e-6))
 
 
-def test_gigpo_adds_step_group_advantages_to_the_episode_advantage():
-    states = [["prompt", "x", "y"], ["prompt", "y", "x"], ["prompt", "x"], ["prompt"]]
-    advantages, _ = alg.gigpo_advantage(
-        DISTRIBUTED, TURN_INDEX, TURN_MASK, TURN_GROUPS, states, step_weight=0.5, gamma=0.5, segment_index=TURN_SEGMENTS
+def verl_agent_gigpo(steps, gamma, step_weight, by_std, cross_steps):
+    """GiGPO as verl-agent computes it (gigpo/core_gigpo.py), on its own layout: one row per step, (episode group uid,
+    trajectory, anchor state, step reward), each trajectory's rows in order; a trajectory's score (its episode reward,
+    on each of its rows) is the sum of its step rewards. Each row's advantage, episode term + weight x step term."""
+    step_returns = [0.0] * len(steps)  # compute_step_discounted_returns (Eq. 5)
+    following = {}
+    for row in reversed(range(len(steps))):
+        _, trajectory, _, reward = steps[row]
+        following[trajectory] = step_returns[row] = reward + gamma * following.get(trajectory, 0.0)
+    score = {trajectory: 0.0 for _, trajectory, _, _ in steps}
+    for _, trajectory, _, reward in steps:
+        score[trajectory] += reward
+
+    def normalise(value, pool, lone_mean):
+        mean, std = (lone_mean, 1.0) if len(pool) == 1 else (statistics.mean(pool), statistics.stdev(pool))
+        return (value - mean) / (std + 1e-6) if by_std else value - mean
+
+    # episode_norm_reward (Eq. 3): a row's score joins its uid's pool once per row (cross steps) or once per trajectory
+    episode_pools, seen = {}, set()
+    for uid, trajectory, _, _ in steps:
+        if cross_steps or (uid, trajectory) not in seen:
+            episode_pools.setdefault(uid, []).append(score[trajectory])
+            seen.add((uid, trajectory))
+    # build_step_group (Eq. 6): the rows of one uid with the same anchor state; step_norm_reward (Eq. 7): a group of
+    # one has its own return as mean
+    step_pools = {}
+    for (uid, _, anchor, _), step_return in zip(steps, step_returns):
+        step_pools.setdefault((uid, anchor), []).append(step_return)
+    return [
+        normalise(score[trajectory], episode_pools[uid], 0.0)
+        + step_weight * normalise(step_return, step_pools[(uid, anchor)], step_return)
+        for (uid, trajectory, anchor, _), step_return in zip(steps, step_returns)
+    ]
+
+
+# the turn-level fixture's turns (A, B, C in group g, D alone in h), with revisits: A [p, x, p], B [p, p, x], C [p, x]
+FIXTURE_STATES = [["p", "x", "p"], ["p", "p", "x"], ["p", "x"], ["p"]]
+FIXTURE_TURN_REWARDS = [[0.5, 0.0, 0.5], [0.0, 0.5, -0.5], [0.25, 0.0], [2.0]]
+
+
+@pytest.mark.parametrize("by_std", [True, False], ids=["mean_std_norm", "mean_norm"])
+@pytest.mark.parametrize("episode_normalize", ["steps", "trajectories"])
+def test_gigpo_is_verl_agents_on_revisited_states_and_unequal_lengths(by_std, episode_normalize):
+    steps = [
+        (TURN_GROUPS[trajectory], trajectory, state, reward)
+        for trajectory, (states, rewards) in enumerate(zip(FIXTURE_STATES, FIXTURE_TURN_REWARDS))
+        for state, reward in zip(states, rewards)
+    ]
+    expected_rows = verl_agent_gigpo(steps, 0.5, 0.7, by_std, cross_steps=episode_normalize == "steps")
+    per_turn = torch.zeros(4, 3, dtype=torch.float64)
+    turn_of_row = [turn for states in FIXTURE_STATES for turn in range(len(states))]
+    for (_, trajectory, _, _), turn, advantage in zip(steps, turn_of_row, expected_rows):
+        per_turn[trajectory, turn] = advantage
+    advantages, returns = alg.gigpo_advantage(
+        DISTRIBUTED, TURN_INDEX, TURN_MASK, TURN_GROUPS, FIXTURE_STATES, 0.7, 0.5, by_std,
+        segment_index=TURN_SEGMENTS, episode_normalize=episode_normalize,
     )
-    episode = [*normalised([1.0, 0.0, 0.25]), 2.0 / (1 + 1e-6)]
-    step = torch.zeros(4, 3, dtype=torch.float64)
-    for keys in ([(0, 1), (1, 2), (2, 1)], [(0, 2), (1, 1)]):  # state x: returns 0.25, -0.5, 0; state y: 0.5, 0.25
-        for key, value in zip(keys, normalised([RETURNS[key] for key in keys])):
-            step[key] = value
-    per_turn = torch.tensor(episode, dtype=torch.float64)[:, None] + 0.5 * step
-    assert close(advantages, on_turn_tokens(per_turn))
-    # first turns (the shared prompt) and lone states take the episode term only
-    lone = [["prompt", "x", "y"], ["prompt", "z", "w"], ["prompt", "v"], ["prompt"]]
-    advantages, _ = alg.gigpo_advantage(DISTRIBUTED, TURN_INDEX, TURN_MASK, TURN_GROUPS, lone, gamma=0.5, segment_index=TURN_SEGMENTS)
-    assert close(advantages, on_turn_tokens(torch.tensor(episode, dtype=torch.float64)[:, None].expand(4, 3)))
+    assert close(advantages, on_turn_tokens(per_turn)) and torch.equal(advantages, returns)
+
+
+def one_row_per_trajectory(turn_rewards):
+    """Token tensors for trajectories of one row each: every turn two model tokens, its reward on the second, then one
+    observation token (none after the last turn). (rewards, turn_index, response_mask)"""
+    length = max(3 * len(rewards) - 1 for rewards in turn_rewards)
+    rewards = torch.zeros(len(turn_rewards), length, dtype=torch.float64)
+    turn_index = torch.full((len(turn_rewards), length), -1)
+    mask = torch.zeros_like(rewards)
+    for row, trajectory_rewards in enumerate(turn_rewards):
+        for turn, reward in enumerate(trajectory_rewards):
+            span = slice(3 * turn, min(3 * turn + 3, 3 * len(trajectory_rewards) - 1))
+            turn_index[row, span] = turn
+            mask[row, 3 * turn:3 * turn + 2] = 1
+            rewards[row, 3 * turn + 1] = reward
+    return rewards, turn_index, mask
+
+
+def test_gigpo_pools_a_revisit_of_the_first_state_with_the_first_turns():
+    """Issue 48's case: A visits s0 -> s0 with turn rewards [0, 1], B visits s0 -> y with [0, 0]; gamma 1, mean only.
+    Episode: 1 - 1/2 = 1/2. A's second turn shares s0's step group with both first turns: returns [1, 1, 0], mean
+    2/3, so 1/2 + 1/3 = 0.8333 (verl-agent's value; pooled without the first turns it would be 1/2 + 0)."""
+    rewards, turn_index, mask = one_row_per_trajectory([[0.0, 1.0], [0.0, 0.0]])
+    states, groups = [["s0", "s0"], ["s0", "y"]], ["g", "g"]
+    advantages, _ = alg.gigpo_advantage(
+        rewards, turn_index, mask, groups, states, gamma=1.0, norm_adv_by_std_in_grpo=False
+    )
+    per_turn = {(0, 0): 0.5 + 1 / 3, (0, 1): 0.5 + 1 / 3, (1, 0): -0.5 - 2 / 3, (1, 1): -0.5 + 0.0}  # y: alone, 0
+    for (row, turn), value in per_turn.items():
+        assert close(advantages[row][(turn_index[row] == turn) & (mask[row] > 0)], [value, value])
+    assert close(advantages[0, 3:5], [5 / 6, 5 / 6])
+    # first_turn_step_advantage=False: first turns keep the episode term alone, A's revisit is still pooled with them
+    advantages, _ = alg.gigpo_advantage(
+        rewards, turn_index, mask, groups, states, gamma=1.0, norm_adv_by_std_in_grpo=False,
+        first_turn_step_advantage=False,
+    )
+    assert close(advantages[0, :2], [0.5, 0.5]) and close(advantages[0, 3:5], [5 / 6, 5 / 6])
+    assert close(advantages[1, :2], [-0.5, -0.5]) and close(advantages[1, 3:5], [-0.5, -0.5])
+
+
+def test_gigpos_episode_statistics_count_each_trajectory_once_per_step():
+    """Group g of A (3 turns, score 1), B (3 turns, 0), C (2 turns, 0.25), and a lone E of two turns (score 1); every
+    later state distinct and first turns without step advantage, so each turn gets the episode term alone."""
+    rewards, turn_index, mask = one_row_per_trajectory([[0, 0, 1.0], [0, 0, 0], [0, 0.25], [0.5, 0.5]])
+    states = [["p", "a1", "a2"], ["p", "b1", "b2"], ["p", "c1"], ["q", "e1"]]
+    groups = ["g", "g", "g", "solo"]
+
+    def episode_terms(episode_normalize):
+        advantages, _ = alg.gigpo_advantage(
+            rewards, turn_index, mask, groups, states, norm_adv_by_std_in_grpo=False,
+            episode_normalize=episode_normalize, first_turn_step_advantage=False,
+        )
+        assert all(len(set(advantages[row][mask[row] > 0].tolist())) == 1 for row in range(4))
+        return advantages[:, 0].tolist()
+
+    # over steps: g's mean (3 x 1 + 3 x 0 + 2 x 0.25) / 8 = 0.4375; E's pool is [1, 1], mean 1
+    assert close(episode_terms("steps"), [0.5625, -0.4375, -0.1875, 0.0])
+    # over trajectories: g's mean 1.25 / 3; E is a group of one (mean 0)
+    assert close(episode_terms("trajectories"), [1 - 1.25 / 3, -1.25 / 3, 0.25 - 1.25 / 3, 1.0])
+    with pytest.raises(ValueError, match="episode_normalize='turns'; choose one of"):
+        alg.gigpo_advantage(rewards, turn_index, mask, groups, states, episode_normalize="turns")
 
 
 def test_gae_takes_each_turns_reward_on_its_last_model_token():
@@ -181,7 +284,8 @@ def test_gae_takes_each_turns_reward_on_its_last_model_token():
 @pytest.mark.parametrize("by_std", [True, False])
 def test_with_one_turn_every_estimator_is_todays_exactly(by_std):
     """One turn per trajectory (a two-row one too), a KL-like penalty on every model token and the turn's own reward on
-    its last token: turn_grpo (both normalisations) and gigpo are grpo, gae is the outcome-only gae, bit for bit."""
+    its last token: turn_grpo (both normalisations) and gigpo (without first-turn step advantages) are grpo, gae is the
+    outcome-only gae, bit for bit."""
     mask = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32)
     segment_index = torch.tensor([0, 0, 1, 0, 0])
     turn_index = torch.where(mask > 0, 0, -1)
@@ -200,8 +304,18 @@ def test_with_one_turn_every_estimator_is_todays_exactly(by_std):
         turn_grpo, _ = alg.turn_grpo_advantage(distributed, turn_index, mask, groups, 0.9, normalize, by_std, segment_index=segment_index)
         assert torch.equal(turn_grpo, grpo)
     states = [["s"], ["s"], ["s"], ["s"]]
-    gigpo, _ = alg.gigpo_advantage(distributed, turn_index, mask, groups, states, 1.0, 0.9, by_std, segment_index=segment_index)
-    assert torch.equal(gigpo, grpo)
+    for episode_normalize in alg.GIGPO_EPISODE_NORMALIZATIONS:
+        gigpo, _ = alg.gigpo_advantage(
+            distributed, turn_index, mask, groups, states, 1.0, 0.9, by_std, segment_index=segment_index,
+            episode_normalize=episode_normalize, first_turn_step_advantage=False,
+        )
+        assert torch.equal(gigpo, grpo)
+    # verl-agent's GiGPO steps from the first turns too: their step group is the episode group, so (1 + omega) x GRPO
+    # for group a (rows 0-3); b is alone (a step group of one: 0)
+    gigpo, _ = alg.gigpo_advantage(
+        distributed, turn_index, mask, groups, states, 0.5, 0.9, by_std, segment_index=segment_index
+    )
+    assert torch.allclose(gigpo, grpo * torch.tensor([1.5, 1.5, 1.5, 1.5, 1.0])[:, None], atol=1e-6)
     values = torch.randn(mask.shape)
     gae = alg.gae_advantage_return(distributed, values, mask, 0.9, 0.8, segment_index)
     assert all(torch.equal(a, b) for a, b in zip(gae, alg.gae_advantage_return(rewards, values, mask, 0.9, 0.8, segment_index)))

@@ -218,6 +218,8 @@ def test_config_and_data_errors_are_named(local_ray, tmp_path):
         run(small_config(f"data.train_files=[{train}]", "algorithm.gamma=1.5"))
     with pytest.raises(ValueError, match="algorithm.gigpo.step_weight=-1.0 must be a number >= 0"):
         run(small_config(f"data.train_files=[{train}]", "algorithm.gigpo.step_weight=-1.0"))
+    with pytest.raises(ValueError, match=r"gigpo.episode_normalize='turns'; choose one of \('steps', 'trajectories'\)"):
+        run(small_config(f"data.train_files=[{train}]", "algorithm.gigpo.episode_normalize=turns"))
     with pytest.raises(ValueError, match="do not split over 2 ranks"):
         run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=3", "trainer.n_gpus_per_node=2"))
     with pytest.raises(ValueError, match="algorithm.kl_penalty='k9'; choose one of"):

@@ -24,6 +24,7 @@ from agentloop.batch import trajectory_ids
 
 ADV_ESTIMATORS = ("grpo", "gae", "turn_grpo", "gigpo")
 TURN_NORMALIZATIONS = ("per_turn", "pooled")  # algorithm.turn_grpo.normalize
+GIGPO_EPISODE_NORMALIZATIONS = ("steps", "trajectories")  # algorithm.gigpo.episode_normalize
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _BASE_KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 # "<name>+": the estimator's value with k2's gradient (verl's straight-through variants, e.g. k1+ and k3+)
@@ -210,29 +211,53 @@ def gigpo_advantage(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
     segment_index: torch.Tensor | None = None,
+    episode_normalize: str = "steps",
+    first_turn_step_advantage: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GiGPO (Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training"): A_t = A^E + omega * A^S_t.
+    """GiGPO (Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training"): A_t = A^E + omega * A^S_t,
+    by default as its authors compute it (``verl-agent``, ``gigpo/core_gigpo.py``).
 
-    A^E: the trajectory's GRPO advantage on its score (``grpo_outcome_advantage``). A^S_t: turn t's return-to-go G_t
-    (``turn_returns``, discount ``gamma``) normalised within its step group: the turns of the group's trajectories
-    that answered the same environment state (``state_keys[trajectory][turn]``, ``TurnRecord.state_key``), as
-    (G_t - mean) / (std + epsilon) (G_t - mean without ``norm_adv_by_std_in_grpo``). A step group of one, a turn
-    without a state key, and every first turn get A^S = 0: a first turn answers the prompt, which the whole group
-    shares, so its step group would be the episode group again (with one turn GiGPO would be (1 + omega) x GRPO
-    rather than GRPO exactly). ``omega`` is ``step_weight``. Returns (advantages, advantages).
+    A^E: the trajectory's score R (over all its rows' tokens) less the mean of its group's scores, divided by their
+    std + epsilon when ``norm_adv_by_std_in_grpo`` (their ``mean_std_norm``; without it, their ``mean_norm``). With
+    ``episode_normalize=steps`` (theirs) the group's mean and std count each trajectory's score once per turn, as
+    their batch holds one row per step; ``trajectories``: once per trajectory, GRPO's statistics. A set of one score
+    has mean 0 and std 1 (so a lone trajectory keeps R if it has one turn, and gets 0 with more under ``steps``).
+
+    A^S_t: turn t's return-to-go G_t (``turn_returns``, discount ``gamma``) normalised the same way within its step
+    group: every turn of the group's trajectories that answered the same environment state
+    (``state_keys[trajectory][turn]``, ``TurnRecord.state_key``), first turns and revisits alike. A step group of one
+    and a turn without a state key get A^S = 0. ``first_turn_step_advantage=False`` gives first turns A^S = 0 (they
+    still count in their state's step group): first turns answer the prompt the whole group shares, so their step
+    group is the episode group again, and with one turn GiGPO becomes GRPO exactly rather than (1 + omega) x GRPO.
+    ``omega`` is ``step_weight``. Returns (advantages, advantages).
     """
+    if episode_normalize not in GIGPO_EPISODE_NORMALIZATIONS:
+        raise ValueError(
+            f"algorithm.gigpo.episode_normalize={episode_normalize!r}; choose one of {GIGPO_EPISODE_NORMALIZATIONS}"
+        )
     by_std = norm_adv_by_std_in_grpo
-    episode, _ = grpo_outcome_advantage(token_level_rewards, response_mask, group_ids, by_std, epsilon, segment_index)
     returns, present = turn_returns(token_level_rewards, turn_index, gamma, segment_index)
-    entries = [
-        (i, t) for i, t in present.nonzero().tolist() if 0 < t < len(state_keys[i]) and state_keys[i][t] is not None
-    ]
+    scores = trajectory_sums(token_level_rewards.sum(dim=-1), segment_index)
+    if episode_normalize == "steps":
+        # each trajectory's score once per turn it took, as verl-agent's rows list them (compute_mean_std_cross_steps)
+        steps = present.sum(dim=1).to(scores.device)
+        group_of_each_step = [group_ids[i] for i, count in enumerate(steps.tolist()) for _ in range(count)]
+        per_step = _normalise_within(scores.repeat_interleave(steps), group_of_each_step, by_std, epsilon)
+        episode = per_step[steps.cumsum(0) - steps]  # each trajectory's first entry (all of its entries are equal)
+    else:
+        episode = _normalise_within(scores, group_ids, by_std, epsilon)
+    rows = trajectory_ids(segment_index) if segment_index is not None else torch.arange(len(episode))
+    episode_on_tokens = episode[rows.to(episode.device)].unsqueeze(-1) * response_mask
+
+    entries = [(i, t) for i, t in present.nonzero().tolist() if t < len(state_keys[i]) and state_keys[i][t] is not None]
     step = torch.zeros_like(returns)
     if entries:
         trajectories, turns = torch.tensor(entries).T
         keys = [(group_ids[i], state_keys[i][t]) for i, t in entries]
         step[trajectories, turns] = _normalise_within(returns[trajectories, turns], keys, by_std, epsilon, lone_to_zero=True)
-    advantages = episode + step_weight * _on_turn_tokens(step, turn_index, response_mask, segment_index)
+    if not first_turn_step_advantage:
+        step[:, 0] = 0.0
+    advantages = episode_on_tokens + step_weight * _on_turn_tokens(step, turn_index, response_mask, segment_index)
     return advantages, advantages
 
 

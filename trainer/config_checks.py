@@ -86,6 +86,12 @@ def _check_estimator(algorithm: DictConfig) -> None:
     if not _is_number(step_weight) or not 0 <= step_weight < math.inf:
         raise ValueError(f"algorithm.gigpo.step_weight={step_weight!r} must be a number >= 0 (the weight of GiGPO's step-level "
                          "advantage)")
+    if algorithm.gigpo.episode_normalize not in algorithms.GIGPO_EPISODE_NORMALIZATIONS:
+        raise ValueError(f"algorithm.gigpo.episode_normalize={algorithm.gigpo.episode_normalize!r}; choose one of "
+                         f"{algorithms.GIGPO_EPISODE_NORMALIZATIONS}")
+    first_turns = algorithm.gigpo.first_turn_step_advantage
+    if not isinstance(first_turns, bool):
+        raise ValueError(f"algorithm.gigpo.first_turn_step_advantage={first_turns!r} must be true or false")
 
 
 def _is_number(value: object) -> bool:

@@ -311,9 +311,12 @@ class RayPPOTrainer:
                 segment_index=segment_index,
             )
         else:
+            gigpo = algorithm.gigpo
             batch["advantages"], _ = algorithms.gigpo_advantage(
                 rewards, batch["turn_index"], mask, grpo_groups(rollout), turn_states(rollout),
-                float(algorithm.gigpo.step_weight), gamma, by_std, segment_index=segment_index,
+                float(gigpo.step_weight), gamma, by_std, segment_index=segment_index,
+                episode_normalize=str(gigpo.episode_normalize),
+                first_turn_step_advantage=bool(gigpo.first_turn_step_advantage),
             )
 
     def _update(self, plan: StepPlan, batch: TensorDict, metrics: dict[str, float]) -> None:
