@@ -10,7 +10,8 @@ The rule, in order:
    ``custom_reward_function.by_data_source[data_source]``, else ``custom_reward_function.path`` (a
    ``.py`` file or ``pkg://module``) with ``.name`` and ``.reward_kwargs``; else, with a discriminative reward
    model (``reward_model.kind``), its score of the conversation (the row's prompt and the response as the
-   assistant's message: verl's DisRM); else the built-in scorer for the data source (``agentloop.reward_score``).
+   assistant's message, decoded with its special tokens but the eos text: verl's DisRM, ``reward_model_text``); else
+   the built-in scorer for the data source (``agentloop.reward_score``).
 3. Otherwise the loop's own reward parts (``AgentLoopOutput.reward_parts``) add up: the tools'
    ``calc_reward``, the interaction's ``calculate_score`` and the environment's ``info["reward"]`` values (a
    task whose tools judge the answer, such as the quick start's). With no parts either, the reward is 0.
@@ -119,6 +120,13 @@ async def call_reward_function(function: Callable[..., Any], timeout_s: float, *
     return float(result), {"acc": float(result)}
 
 
+def reward_model_text(tokenizer: Any, response: list[int]) -> str:
+    """The response as a discriminative reward model reads it, as verl's reward loop builds it: decoded with its
+    special tokens (a multi-turn response's observations keep their ``<|im_start|>`` and role), the eos text removed."""
+    text = tokenizer.decode(response)
+    return text.replace(tokenizer.eos_token, "") if tokenizer.eos_token else text
+
+
 async def score_output(config: DictConfig, tokenizer: Any, row: dict[str, Any], output: AgentLoopOutput) -> None:
     """Set ``output.reward_score`` and ``reward_source`` (and, from a reward function, ``reward_extra_info``) for a
     finished sample, by the rule in this module's docstring."""
@@ -132,7 +140,7 @@ async def score_output(config: DictConfig, tokenizer: Any, row: dict[str, Any], 
     # every turn and observation once, each segment's response cut to the batch's response length as the batch holds it
     response = output.whole_response_ids(int(config.actor_rollout_ref.rollout.response_length))
     if function is None and reward_model:
-        conversation = [*row["prompt"], {"role": "assistant", "content": tokenizer.decode(response, skip_special_tokens=True)}]
+        conversation = [*row["prompt"], {"role": "assistant", "content": reward_model_text(tokenizer, response)}]
         output.reward_score, output.reward_source = await judge.score(conversation), "reward_model"
         return
     if function is None:

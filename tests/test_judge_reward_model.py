@@ -1,6 +1,6 @@
 """A discriminative reward model (reward_model.kind=discriminative, verl's DisRM) on real Ray: with no reward
-function set, each sample's reward is the model's score of its conversation, as a plain forward of the checkpoint
-gives it."""
+function set, each sample's reward is the model's score of its conversation built as verl builds it (a multi-turn
+response's special tokens kept), as a plain forward of the checkpoint gives it."""
 
 from __future__ import annotations
 
@@ -17,33 +17,51 @@ def manager(local_ray, ok_model, reward_model_path):
     manager = AgentLoopManager(small_config(
         f"actor_rollout_ref.model.path={ok_model}", "reward_model.enable=true", "reward_model.kind=discriminative",
         f"reward_model.model.path={reward_model_path}",
+        "actor_rollout_ref.rollout.env.class_name=tests.support.probe_envs.DoneAtTurn2Env", "data.max_response_length=64",
     ))
     yield manager
     manager.shutdown()
 
 
-def test_the_reward_is_the_reward_models_score_of_the_conversation(manager, reward_model_path):
+def verl_reward_model_input(policy_tokenizer, tokenizer, raw_prompt, response_ids) -> list[int]:
+    """The ids verl's DisRM scores (``fsdp_workers._switch_chat_template``; its reward loop builds the same text): the
+    valid response decoded with its special tokens, the eos text removed, as the assistant's message after the row's
+    prompt, rendered by the reward model's template and tokenized without special tokens added."""
+    response = policy_tokenizer.decode(response_ids).replace(policy_tokenizer.eos_token, "")
+    text = tokenizer.apply_chat_template([*raw_prompt, {"role": "assistant", "content": response}], add_generation_prompt=False, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_the_reward_is_the_reward_models_score_of_the_conversation_as_verl_builds_it(manager, reward_model_path):
     rows = [{"prompt": [{"role": "user", "content": f"hello {i}"}], "extra_info": {"index": i}} for i in range(3)]
+    rows += [{"prompt": [{"role": "user", "content": f"walk {i}"}], "agent_name": "env_agent"} for i in range(2)]  # two turns
     batch = manager.generate_sequences(rows)
     tokenizer = AutoTokenizer.from_pretrained(reward_model_path)
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_path, dtype=torch.float32).eval()
     policy_tokenizer = AutoTokenizer.from_pretrained(manager.config.actor_rollout_ref.model.path)
-    fields = batch.non_tensor_batch
+
+    def score(ids: list[int]) -> float:
+        with torch.no_grad():
+            return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+
+    fields, responses = batch.non_tensor_batch, batch.batch["responses"]
     scores = []
     for i, row in enumerate(rows):
-        length = int(batch.batch["response_mask"][i].sum())
-        response = policy_tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
-        conversation = [*row["prompt"], {"role": "assistant", "content": response}]
-        ids = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
-        with torch.no_grad():
-            expected = float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+        length = int(batch.batch["attention_mask"][i, -responses.shape[1] :].sum())  # verl's valid response length
+        ids = verl_reward_model_input(policy_tokenizer, tokenizer, row["prompt"], responses[i, :length])
+        expected = score(ids)
         assert fields["reward_source"][i] == "reward_model" and fields["failure"][i] is None
         assert fields["reward_score"][i] == pytest.approx(expected, abs=1e-5)
         (call,) = fields["judge_calls"][i]
         assert call.prompt_tokens == len(ids) and call.error is None
         scores.append(expected)
-    assert len(set(scores)) == 3  # the conversations differ, and so do their scores
-    assert batch.meta_info["judge/calls"] == 3
+        if row.get("agent_name") == "env_agent":  # an observation's special tokens are part of what is scored
+            assert fields["num_turns"][i] == 4 and "<|im_start|>user" in tokenizer.decode(ids)
+            skipped = policy_tokenizer.decode(responses[i, :length], skip_special_tokens=True)
+            conversation = [*row["prompt"], {"role": "assistant", "content": skipped}]
+            assert score(tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)) != pytest.approx(expected, abs=1e-5)
+    assert len(set(scores)) == len(rows)  # the conversations differ, and so do their scores
+    assert batch.meta_info["judge/calls"] == len(rows)
 
 
 def test_a_verl_job_with_a_reward_model_trains_on_its_scores(reward_model_path, model_path, tmp_path):
