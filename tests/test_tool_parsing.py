@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from agentloop.agent_loop.trajectory import Trajectory, observation_delta
 from agentloop.protocol import TokenOutput
 from agentloop.rows import write_rows
+from agentloop.server.http.chat import completion_choice, token_bytes
 from agentloop.tasks.arithmetic.data import make_rows
 from agentloop.tasks.arithmetic.tools import evaluate
 from agentloop.tools.parsers import get_parser, parse_hermes, parse_qwen3_coder
@@ -54,6 +55,19 @@ def test_calls_inside_think_are_ignored():
     assert parse_hermes('<think>\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>')[1] == []
     qwen = "<think><tool_call>\n<function=a>\n</function>\n</tool_call></think>"
     assert parse_qwen3_coder(qwen)[1] == []
+
+
+@pytest.mark.parametrize("parse", [parse_hermes, parse_qwen3_coder])
+def test_a_reply_without_a_call_is_its_content_exactly_whether_tools_were_offered_or_not(tokenizer, parse):
+    text = "\n  The answer is 5.  \n\n"
+    assert parse(text) == (text, [])
+    # the gateway's choice (and the rollout server's): the client gets the same content with tools offered or not
+    ids = [*tokenizer.encode(text), tokenizer.eos_token_id]
+    output = TokenOutput(token_ids=ids, log_probs=[0.0] * len(ids), finish_reason="stop")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "q"}], add_generation_prompt=True, return_dict=False)
+    spell = token_bytes(tokenizer)
+    offered, not_offered = (completion_choice(output, prompt, tokenizer, p, spell)["message"] for p in (parse, None))
+    assert offered == not_offered and offered["content"] == text
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,9 @@
 """Tool-call parsers, chosen by ``multi_turn.format``. New formats register with ``@register_parser``.
 
-A parser turns a model turn's text into ``(content, calls)``. Reasoning inside ``<think>…</think>``
-(or after an unclosed ``<think>``) is never parsed: a call the model only thought about is not made.
+A parser turns a model turn's text into ``(content, calls)``; a text with no call (nor reasoning) is its own
+content, unchanged.
+Reasoning inside ``<think>…</think>`` (or after an unclosed ``<think>``) is never parsed: a call the model only
+thought about is not made.
 Reasoning the prompt opened has no ``<think>`` in the turn's text: callers pass only the content that
 ``agentloop.tools.reasoning.split_reasoning`` leaves.
 """
@@ -94,8 +96,12 @@ def _json_error(error: ValueError) -> str:
 
 
 def _split_calls(text: str, parse_body: Callable[[str], ToolCall]) -> tuple[str, list[ToolCall]]:
+    """The text around the calls and reasoning, stripped of the whitespace that set them apart, and the calls. A text
+    with neither is the content exactly as written, as where no tools were offered (what the gateway returns)."""
     visible = strip_thinking(text)
     calls = [parse_body(match.group(1).strip()) for match in _TOOL_CALL.finditer(visible)]
+    if not calls and visible == text:
+        return text, []
     content = _TOOL_CALL.sub("", visible).strip()
     return content, calls
 
