@@ -21,6 +21,7 @@ from agentloop.preflight import check_job
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
 from tests.support.config import small_config
+from tests.support.external_agents import SCHEMAS
 from tests.support.models import SCRIPTS, script_row
 from tests.support.ranks import manager_and_two_ranks, scores
 from tests.test_contexts import teacher_forced
@@ -215,6 +216,48 @@ def test_hostile_requests_get_4xx_and_leave_the_session_working(server, tokenize
         "bad tool arguments": 400, "good": 200, "models": 200, "after the end": 404,
     }
     assert output.reward_score == 1.0 and output.metrics["gateway_calls"] == 1
+
+
+@pytest.mark.parametrize(
+    "null_content", [{"role": "tool", "tool_call_id": "x", "content": None}, {"role": "user", "content": None}],
+    ids=["tool", "user"],
+)
+def test_a_malformed_continuation_gets_the_first_calls_400_and_leaves_no_trace(
+    server, tokenizer, scripted, null_content
+):
+    seen: dict[str, tuple[int, str]] = {}
+
+    async def continuing(base_url: str, api_key: str, row: dict) -> float:
+        async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {api_key}"}) as http:
+            async def post(name: str, messages: list[dict]) -> dict:
+                body = {"model": "m", "messages": messages, "tools": SCHEMAS}
+                reply = await http.post(f"{base_url}/chat/completions", json=body)
+                seen[name] = (reply.status_code, reply.text)
+                return reply.json() if reply.status_code == 200 else {}
+
+            await post("first call", [*row["prompt"], null_content])
+            first = await post("good first call", row["prompt"])
+            history = [*row["prompt"], first["choices"][0]["message"]]
+            await post("continuation", [*history, null_content])
+            call_id = first["choices"][0]["message"]["tool_calls"][0]["id"]
+            await post("good continuation", [*history, {"role": "tool", "tool_call_id": call_id, "content": "5"}])
+        return 1.0
+
+    import tests.support.external_agents as agents
+
+    agents.continuing = continuing
+    output = external(server, tokenizer, scripted, function=f"{AGENTS}.continuing")
+    statuses = {name: status for name, (status, _) in seen.items()}
+    assert statuses == {"first call": 400, "good first call": 200, "continuation": 400, "good continuation": 200}, seen
+    for name in ("first call", "continuation"):  # the same error either way, naming the template's complaint
+        assert "the chat template cannot render these messages: UndefinedError" in seen[name][1]
+    # the refused continuation recorded nothing: the trajectory is the two answered calls', the result the good one's
+    assert output.metrics["gateway_calls"] == 2 and not output.segments and output.observation_roles == ["tool"]
+    runs = mask_runs(output.response_mask)
+    assert [value for value, _, _ in runs] == [1, 0, 1]
+    observation = output.response_ids[runs[1][1] : runs[1][2]]
+    assert observation == observation_delta(tokenizer, [{"role": "tool", "content": "5"}])
+    assert [call.result for call in output.turns[0].calls] == ["5"]
 
 
 def test_through_the_manager_each_failure_stays_its_own_and_the_ranks_rescore_every_segment_as_recorded(local_ray, scripted):

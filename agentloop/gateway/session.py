@@ -10,10 +10,11 @@ segment whose context is its messages rendered by the chat template (``rewritten
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from transformers import PreTrainedTokenizerBase
 
@@ -73,7 +74,7 @@ class Session:
     def enter(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         """Record a call's context (its messages as templates take them, and its tools); return the ids the reply is
         generated from. SessionOver when no reply fits in the session's limits; ValueError for messages the chat
-        template cannot render."""
+        template cannot render, whether they start the conversation or extend it."""
         trajectory = self.trajectory
         if trajectory is None:
             ids = self._render(messages, tools)
@@ -87,7 +88,9 @@ class Session:
         added = self._extension(messages, tools)
         if added is not None:
             self._note_results(added)
-            if trajectory.add_observation_within(added, self.limits.budget) is None:
+            with _template_errors_as_bad_input():  # (the observation's delta is a render of the added messages)
+                fitted = trajectory.add_observation_within(added, self.limits.budget)
+            if fitted is None:
                 self._over(trajectory.overflow, f"the session's token budget is spent: no reply fits after these "
                            f"messages within rollout.response_length={self.limits.budget}")
             return trajectory.ids
@@ -127,16 +130,25 @@ class Session:
         return messages[len(known):]
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
-        try:
+        with _template_errors_as_bad_input():
             return list(self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **self.template_kwargs
             ))
-        except Exception as error:  # the template's own checks (jinja raise_exception, bad tool schemas): the client's input
-            raise ValueError(f"the chat template cannot render these messages: {type(error).__name__}: {error}") from error
 
     def _over(self, end: EndReason, message: str) -> None:
         self.end = end
         raise SessionOver(end, message)
+
+
+@contextlib.contextmanager
+def _template_errors_as_bad_input() -> Iterator[None]:
+    """The chat template's errors on a client's messages are the client's input: a ValueError (400). Its own checks
+    (jinja's raise_exception, bad tool schemas) and fields it needs that a message lacks (the content of a message
+    sent with null content: jinja's UndefinedError)."""
+    try:
+        yield
+    except Exception as error:
+        raise ValueError(f"the chat template cannot render these messages: {type(error).__name__}: {error}") from error
 
 
 def _key(message: dict[str, Any]) -> str:
