@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import urllib.request
 
@@ -15,6 +16,7 @@ import ray
 from transformers import AutoTokenizer
 
 from agentloop import AgentLoopManager
+from agentloop.judge import Judge, JudgeError
 from agentloop.server.hf_engine import HFEngine
 from tests.support.config import small_config
 from tests.support.judges import question
@@ -117,7 +119,7 @@ def test_an_unreadable_reply_fails_its_sample_with_the_judges_text(manager, judg
     assert call.text == judge_answers[0] and "expected a number" in call.error
 
 
-def test_a_dead_judge_server_is_replaced_like_a_rollout_server(manager, judge_answers):
+def test_a_dead_judge_server_is_replaced_like_a_rollout_server(manager, judge_answers, caplog):
     doomed = manager.judges.servers[0]
     ray.kill(doomed)
     # the kill lands asynchronously (a call sent right after it can still be served): on a loaded machine the batch's
@@ -131,6 +133,13 @@ def test_a_dead_judge_server_is_replaced_like_a_rollout_server(manager, judge_an
             break
         assert time.monotonic() < deadline, "the killed judge server still answers 60 s after ray.kill"
         time.sleep(0.1)
+    # a judge with no live server left names the judge's servers, not the policy's
+    lone = Judge.from_config(manager.config, [doomed], [])
+    with caplog.at_level(logging.WARNING, logger="agentloop.router.router"):
+        with pytest.raises(JudgeError, match="every judge server has died; no request can be served"):
+            asyncio.run(lone.chat(question(0)))
+    assert "judge server 0 failed" in caplog.text and "re-homing session judge-" in caplog.text
+    assert "rollout server" not in caplog.text
     batch = manager.generate_sequences(rows("ask_the_judge", 2))
     assert batch.meta_info["supervision/judge_restarts"] == 1
     assert [extra["judge_text"] for extra in batch.non_tensor_batch["reward_extra_info"]] == [judge_answers[0], judge_answers[1]]

@@ -59,6 +59,7 @@ class Judge:
         }
         self.router = Router(
             servers, request_timeout_s=self.timeout_s, health_timeout_s=float(config.actor_rollout_ref.rollout.supervision.health_timeout_s),
+            role="judge server", request_timeout_key="reward_model.timeout_s",
         ) if self.kind == "generative" else None
         self.scorers = list(servers)  # a reward model's servers (the router holds a judge's)
         self.addresses = list(addresses)

@@ -84,7 +84,7 @@ async def _answer_many(answers: ray.ObjectRefGenerator, futures: list[asyncio.Fu
         for future in futures:
             settle(future, error)
     for future in futures:  # never left waiting, whatever the server did
-        settle(future, RuntimeError("the rollout server ended a batch of requests without answering this one"))
+        settle(future, RuntimeError("its server ended a batch of requests without answering this one"))
 
 
 def settle(future: asyncio.Future[TokenOutput], outcome: TokenOutput | BaseException) -> None:

@@ -30,8 +30,12 @@ class ServerSlot:
 class Placement:
     """The rank each session is pinned to, chosen least in flight with sticky sessions and group affinity."""
 
-    def __init__(self, servers: list[ray.actor.ActorHandle], max_sessions: int, group_affinity_slack: int | None) -> None:
+    def __init__(
+        self, servers: list[ray.actor.ActorHandle], max_sessions: int, group_affinity_slack: int | None,
+        role: str = "rollout server",
+    ) -> None:
         self.slots = [ServerSlot(rank, handle) for rank, handle in enumerate(servers)]
+        self.role = role  # what the servers are called in errors
         self.group_affinity_slack = group_affinity_slack  # None: no affinity
         self.sessions: LRUCache[str, int] = LRUCache(maxsize=max_sessions)  # session -> rank
         self.group_home: LRUCache[str, int] = LRUCache(maxsize=max_sessions)  # group -> its first session's rank
@@ -48,7 +52,7 @@ class Placement:
             return self.slots[rank]
         live = [slot for slot in self.slots if slot.alive]
         if not live:
-            raise RuntimeError("every rollout server has died; no request can be served")
+            raise RuntimeError(f"every {self.role} has died; no request can be served")
         slot = min(live, key=lambda candidate: candidate.in_flight)
         if group is not None and self.group_affinity_slack is not None:
             home = self.group_home.get(group)

@@ -54,6 +54,8 @@ class Router:
     ``health_timeout_s`` (None: off) turns on the probes: while a server has requests in flight, the router asks
     it for its load every ``health_timeout_s / 4`` seconds, and one that gives no answer within
     ``health_timeout_s`` has its waiting turns re-homed (when another server is live to take them).
+    ``role`` is what its messages call the servers (``judge server`` for a judge's), ``request_timeout_key`` the key
+    that sets ``request_timeout_s``.
     """
 
     def __init__(
@@ -64,12 +66,15 @@ class Router:
         health_timeout_s: float | None = None,
         max_sessions: int = 100_000,
         group_affinity_slack: int | None = None,
+        role: str = "rollout server",
+        request_timeout_key: str = "actor_rollout_ref.rollout.request_timeout_s",
     ) -> None:
         if not servers:
-            raise ValueError("Router needs at least one rollout server")
+            raise ValueError(f"Router needs at least one {role}")
         self.request_timeout_s = request_timeout_s
         self.health_timeout_s = health_timeout_s
-        self.placement = Placement(servers, max_sessions, group_affinity_slack)
+        self.role, self.request_timeout_key = role, request_timeout_key
+        self.placement = Placement(servers, max_sessions, group_affinity_slack, role)
         self.batcher = CallBatcher()
         self.versions = VersionBook(max_sessions)
         self.stats = RouterStats([0] * len(servers))
@@ -161,7 +166,7 @@ class Router:
                 self.stats.rehomed_requests += 1
                 if isinstance(error, ServerHung):
                     slot.handle.abort.remote(request_id)  # should it wake up, it must not keep generating
-                logger.warning("rollout server %d failed (%s); re-homing session %s", slot.rank, error, request_id)
+                logger.warning("%s %d failed (%s); re-homing session %s", self.role, slot.rank, error, request_id)
                 continue
             except asyncio.CancelledError:  # the loop was cancelled (a stopping stream): free the server too
                 slot.handle.abort.remote(request_id)
@@ -169,8 +174,8 @@ class Router:
             except asyncio.TimeoutError:
                 slot.handle.abort.remote(request_id)
                 raise TimeoutError(
-                    f"request {request_id} got no answer from rollout server {slot.rank} within "
-                    f"{self.request_timeout_s}s (actor_rollout_ref.rollout.request_timeout_s); it was aborted"
+                    f"request {request_id} got no answer from {self.role} {slot.rank} within "
+                    f"{self.request_timeout_s}s ({self.request_timeout_key}); it was aborted"
                 ) from None
             finally:
                 slot.waiting.discard(answer)
@@ -205,13 +210,13 @@ class Router:
                     if not any(other.alive for other in self.placement.slots if other is not slot):
                         continue  # nowhere to re-home to: the turns wait on (request_timeout_s bounds them)
                     suspected, slot.alive = True, False
-                    hung = ServerHung(f"rollout server {slot.rank} answered no probe within {timeout:g}s "
+                    hung = ServerHung(f"{self.role} {slot.rank} answered no probe within {timeout:g}s "
                                       "(actor_rollout_ref.rollout.supervision.health_timeout_s)")
                     for answer in list(slot.waiting):
                         settle(answer, hung)
                     continue
                 if suspected:
-                    logger.warning("rollout server %d answers again; routing to it again", slot.rank)
+                    logger.warning("%s %d answers again; routing to it again", self.role, slot.rank)
                     suspected, slot.alive = False, True
                 await asyncio.sleep(timeout / 4)
         finally:
