@@ -6,7 +6,8 @@ prompts are left-padded to P (``rollout.prompt_length``, or the longest rewritte
 responses right-padded to R; ``input_ids`` is prompts ‖ responses;
 ``position_ids`` count attended tokens (0 on padding); ``response_mask`` is 1 only on model tokens;
 ``rm_scores`` holds each trajectory's reward on its last segment's last response token (0 without one: every batch has
-the same keys, so the parts of different workers always concatenate).
+the same keys, so the parts of different workers always concatenate); a non-zero reward whose last segment has no
+response token is an error (``check_reward_has_a_token``), never dropped.
 
 Per turn: ``turn_index [B, R]`` numbers the loop's model turn (its place in ``AgentLoopOutput.turns``,
 from 0) of each response token: a model token's own turn, an observation token's the turn it answers; -1 on padding.
@@ -43,6 +44,8 @@ def pad_outputs(
     for output in outputs:
         segments = output.all_segments()
         rows += [(index, segment, output.reward_score if segment is segments[-1] else None) for index, segment in enumerate(segments)]
+    for output in outputs:
+        check_reward_has_a_token(output)
     for position, (index, segment, _) in enumerate(rows):
         if index == 0 and len(segment.prompt_ids) > prompt_length:
             raise ValueError(
@@ -94,6 +97,17 @@ def pad_outputs(
     if vision_model is not None:
         tensors.update(_images([segment for _, segment, _ in rows], vision_model, tensors["input_ids"], attention_mask))
     return TensorDict(tensors, batch_size=[size])
+
+
+def check_reward_has_a_token(output: AgentLoopOutput) -> None:
+    """ValueError when the trajectory's reward is not 0 and its last segment has no response token to hold it: the
+    batch's ``rm_scores`` would sum to 0 where ``reward_score`` says otherwise (a loop's record that ends on an empty
+    segment is a bug; the worker fails the sample with this error, and ``pad_outputs`` refuses the batch)."""
+    if output.reward_score and not output.response_ids:
+        raise ValueError(
+            f"the trajectory's reward {output.reward_score} has no response token to sit on: its last segment "
+            f"(of {len(output.segments) + 1}) has none; it would be dropped from the batch's rm_scores"
+        )
 
 
 def _turn_tensors(outputs: list[AgentLoopOutput], response_length: int) -> dict[str, torch.Tensor]:

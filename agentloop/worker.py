@@ -18,7 +18,7 @@ from agentloop.agent_loop.base import DictConfigWrap
 from agentloop.judge import Judge, judge_session
 from agentloop.batch import RolloutBatch, object_array
 from agentloop.models.loading import load_processor, structure
-from agentloop.postprocess import pad_outputs
+from agentloop.postprocess import check_reward_has_a_token, pad_outputs
 from agentloop.protocol import BATCH_FIELDS, AgentLoopOutput, failed_output
 from agentloop.registry import build_agent_loop
 from agentloop.rewards import score_output
@@ -146,6 +146,7 @@ class AgentLoopWorker:
                 )
                 output = await loop.run(dict(sampling_params), **row)
                 await score_output(self.config, self.tokenizer, row, output)
+                check_reward_has_a_token(output)  # a reward the batch would drop fails its sample instead
                 return output
         except Exception as error:  # one sample's fault (a loop's bug, a reward function or judge that fails) stays its own
             logger.warning("agent loop %r failed on sample %s (dataset index %s): %s: %s",

@@ -104,7 +104,7 @@ class Paths:
                 messages.append({"role": "assistant", "content": completion["choices"][0]["message"]["content"]})
         finally:
             self.idle_clients.append(client)
-            self.gateway.close(session)
+            await self.gateway.close(session)
         self.sessions.append((session, texts, completions))
         return seconds
 

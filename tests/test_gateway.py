@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import ray
 import torch
+from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentloop.agent_loop.external_agent import ExternalAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.dumps import mask_runs
+from agentloop.postprocess import pad_outputs
 from agentloop.preflight import check_job
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
@@ -258,6 +262,58 @@ def test_a_malformed_continuation_gets_the_first_calls_400_and_leaves_no_trace(
     observation = output.response_ids[runs[1][1] : runs[1][2]]
     assert observation == observation_delta(tokenizer, [{"role": "tool", "content": "5"}])
     assert [call.result for call in output.turns[0].calls] == ["5"]
+
+
+@pytest.mark.parametrize("late", ["extends", "rewrites"])
+def test_a_call_in_flight_when_the_program_returns_leaves_nothing_and_the_reward_sits_on_the_last_model_token(
+    server, tokenizer, scripted, late
+):
+    """The program returns 1.0 while a call it started from a thread is being generated: the session's close
+    cancels the call (its client gets 404), and what the call had recorded (an observation, or a new segment)
+    is taken back before the trajectory is read; the batch holds the reward on the first call's last token."""
+    answered: list[list[int]] = []
+    late_outcome: list[tuple[int, str]] = []
+    threads: list[threading.Thread] = []
+
+    async def returns_early(base_url: str, api_key: str, row: dict) -> float:
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        first = await client.chat.completions.create(model="m", messages=row["prompt"], tools=SCHEMAS, max_tokens=4)
+        answered.append(first.choices[0].token_ids)
+        history = [*row["prompt"], first.choices[0].message.model_dump(exclude_none=True)]
+        messages = [*history, {"role": "user", "content": "go on"}] if late == "extends" else row["prompt"]
+
+        def late_call() -> None:  # no max_tokens, and eos ignored: it runs to the session's budget, for seconds
+            body = {"model": "m", "messages": messages, "tools": SCHEMAS}
+            headers = {"Authorization": f"Bearer {api_key}"}
+            reply = httpx.post(f"{base_url}/chat/completions", json=body, headers=headers, timeout=60)
+            late_outcome.append((reply.status_code, reply.json()["error"]["code"] if reply.status_code != 200 else ""))
+
+        threads.append(threading.Thread(target=late_call))
+        threads[0].start()
+        deadline = time.monotonic() + 60
+        while ray.get(server.in_flight.remote()) == 0:  # (this thread is the program's own: it may block)
+            assert time.monotonic() < deadline, "the late call never reached the engine"
+            time.sleep(0.01)
+        return 1.0
+
+    import tests.support.external_agents as agents
+
+    agents.returns_early = returns_early
+    sampling = {**GREEDY, "ignore_eos": True}
+    output = external(server, tokenizer, scripted, function=f"{AGENTS}.returns_early", sampling=sampling)
+    threads[0].join(timeout=60)
+    assert late_outcome == [(404, "session_ended")], "the late call was not in flight at the close"
+    assert output.reward_score == 1.0 and output.metrics["gateway_calls"] == 1
+    assert not output.segments and output.observation_roles == [] and len(output.turns) == 1
+    assert output.response_ids == answered[0] and output.response_mask == [1] * len(answered[0])
+    config = tool_config(scripted).actor_rollout_ref.rollout
+    batch = pad_outputs([output], int(config.prompt_length), int(config.response_length), tokenizer.pad_token_id)
+    assert batch["rm_scores"].sum().item() == output.reward_score
+    assert batch["rm_scores"][0, len(answered[0]) - 1].item() == output.reward_score
+    deadline = time.monotonic() + 30  # and the engine stopped generating it (the router aborted the request)
+    while ray.get(server.in_flight.remote()):
+        assert time.monotonic() < deadline, "the cancelled call's request is still generating"
+        time.sleep(0.05)
 
 
 def test_through_the_manager_each_failure_stays_its_own_and_the_ranks_rescore_every_segment_as_recorded(local_ray, scripted):

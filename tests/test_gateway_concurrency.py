@@ -60,7 +60,7 @@ async def agent(gateway: Gateway, index: int) -> tuple[Session, list[Any]]:
                 messages.append(completion.choices[0].message.model_dump(exclude_none=True))
                 completions.append(completion)
     finally:
-        gateway.close(session)
+        await gateway.close(session)
     return session, completions
 
 

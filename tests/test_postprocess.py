@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from agentloop.postprocess import pad_outputs
+from agentloop.postprocess import check_reward_has_a_token, pad_outputs
 from agentloop.protocol import AgentLoopOutput, Segment, TurnRecord
 
 PAD = 0
@@ -82,6 +82,20 @@ def test_parts_with_and_without_rewards_concatenate():
     scored = pad_outputs([AgentLoopOutput([1], [2], [1], [-0.1], reward_score=1.0)], 2, 3, PAD)
     unscored = pad_outputs([AgentLoopOutput([1], [2], [1], [-0.1])], 2, 3, PAD)
     assert torch.cat([scored, unscored])["rm_scores"].tolist() == [[1.0, 0, 0], [0, 0, 0]]
+
+
+def test_a_reward_with_no_response_token_to_sit_on_is_an_error_never_dropped():
+    # a trajectory whose last segment is empty (a rewrite that never got its reply): its reward has nowhere to go
+    answered = Segment([1], [5, 6], [1, 1], [0.0, 0.0])
+    empty_last = AgentLoopOutput([1, 2], [], [], [], reward_score=1.0, segments=[answered])
+    with pytest.raises(ValueError, match=r"reward 1.0 has no response token to sit on: its last segment \(of 2\) has"):
+        pad_outputs([empty_last], 4, 6, PAD)
+    with pytest.raises(ValueError, match="no response token to sit on"):
+        check_reward_has_a_token(AgentLoopOutput([1], [], [], [], reward_score=-0.5))
+    # a reward of 0 (or none) changes no sum: such rows pad as before, and every placed reward sums to its score
+    unrewarded = AgentLoopOutput([1, 2], [], [], [], reward_score=0.0, segments=[answered])
+    batch = pad_outputs([unrewarded, two_segment_trajectory()], 4, 6, PAD)
+    assert batch["rm_scores"].sum().item() == 2.0 and batch["rm_scores"][:2].sum().item() == 0.0
 
 
 def test_overlong_response_is_cut_and_overlong_prompt_rejected():

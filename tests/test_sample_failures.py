@@ -22,7 +22,7 @@ def manager(local_ray):
     manager.shutdown()
 
 
-def rows(*fail: bool) -> list[dict]:
+def rows(*fail: bool | str) -> list[dict]:
     return [
         {"prompt": [{"role": "user", "content": f"question {i}"}], "agent_name": "probe_fails", "extra_info": {"index": i, "fail": f}}
         for i, f in enumerate(fail)
@@ -45,6 +45,17 @@ def test_a_failing_sample_comes_back_marked_and_empty(manager):
     # the probe is a user loop that reports no end reason and no turns: the defaults, counted as unknown
     assert list(fields["end_reason"][:2]) == [None, None] and list(fields["turns"][:2]) == [[], []]
     assert batch.meta_info["multi_turn/finish_reason/unknown"] == 2 and batch.meta_info["tool_call_counts/max"] == 0
+
+
+def test_a_reward_the_batch_would_drop_fails_its_sample_instead(manager):
+    batch = manager.generate_sequences(rows(False, "empty_last_segment"))
+    fields = batch.non_tensor_batch
+    assert [failure is None for failure in fields["failure"]] == [True, True, False, False]
+    for i in (2, 3):
+        assert "reward 1.0 has no response token to sit on: its last segment (of 2)" in fields["failure"][i].error
+    # what the batch holds of each sample's reward is all of it
+    rewards = [float(score or 0.0) for score in fields["reward_score"]]
+    assert batch.batch["rm_scores"].sum(dim=1).tolist() == rewards
 
 
 def test_past_the_ratio_the_call_fails_with_the_first_traceback(manager):

@@ -81,7 +81,7 @@ class ExternalAgentLoop(AgentLoopBase):
             else:
                 raise
         finally:
-            gateway.close(session)
+            await gateway.close(session)
         return await self._output(session, row, returned)
 
     async def _run_agent(self, base_url: str, session: Session, row: dict[str, Any]) -> float | None:

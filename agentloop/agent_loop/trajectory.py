@@ -14,6 +14,7 @@ under, its images exactly those the context shows.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -341,6 +342,20 @@ class Trajectory:
         del self.messages[len(self.messages) - len(observation.messages) :]
         self.observation_roles.pop()
         self.unanswered, self.withdrawn = None, observation
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Its state now, for ``restore`` to go back to when a step must leave nothing (a gateway call cancelled or
+        failed before its reply). Lists and dicts are copied, as they change in place; of the turn records only the
+        last one is: a step changes no earlier one (it adds the observation answering the last turn, its calls'
+        results, and new turns), and copying every record at every step would cost more as the trajectory grows."""
+        state = {name: value.copy() if isinstance(value, (list, dict)) else value for name, value in vars(self).items()}
+        state["turns"] = [*self.turns[:-1], copy.deepcopy(self.turns[-1])] if self.turns else []
+        return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Go back to a ``checkpoint`` (once: its state becomes the trajectory's): what was appended since, a segment
+        started or closed since, and changes to the last turn's record are gone."""
+        vars(self).update(state)
 
     def sanity_check(self, mode: str) -> int:
         """Compare the incremental ids with one full re-render; return the number of mismatching spans.

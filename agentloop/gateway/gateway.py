@@ -37,6 +37,11 @@ from agentloop.server.http.chat import ChatBody, completion_choice, template_mes
 from agentloop.tools.parsers import get_parser
 
 
+# How long ``Gateway.close`` waits for the calls it cancelled to unwind (they stop at once: the router aborts their
+# requests without waiting for the engine); a bound, so that a session's end never hangs.
+CLOSE_WAIT_S = 10.0
+
+
 class SessionChatBody(ChatBody):
     """A chat completion request as agent frameworks send it: fields the gateway does not act on (``seed``,
     ``parallel_tool_calls``, ``stop``...) are ignored, since the rollout's sampling params hold anyway."""
@@ -103,12 +108,22 @@ class Gateway:
         """The OpenAI base URL of ``session`` (its ``api_key`` is the key)."""
         return f"{self.url}/sessions/{session.id}/v1"
 
-    def close(self, session: Session, end: str = "stop") -> None:
-        """End the session: later calls get 404 and calls in flight are cancelled (their requests aborted)."""
+    async def close(self, session: Session, end: str = "stop") -> None:
+        """End the session: later calls get 404, and calls in flight are cancelled (their requests aborted) and
+        waited for, so that once this returns the session's trajectory is final and holds nothing of them.
+        RuntimeError when they do not stop within ``CLOSE_WAIT_S``: the trajectory could still change."""
         self.sessions.pop(session.id, None)
         session.end = session.end or end
-        for task in session.in_flight:
+        calls = list(session.in_flight)
+        for task in calls:
             task.cancel()
+        if calls:
+            _, running = await asyncio.wait(calls, timeout=CLOSE_WAIT_S)
+            if running:
+                raise RuntimeError(
+                    f"{len(running)} call(s) of session {_short(session.id)} were still running {CLOSE_WAIT_S:g}s "
+                    "after they were cancelled at its close: its trajectory cannot be taken as final"
+                )
 
     def app(self) -> FastAPI:
         app = FastAPI(title="agentloop session gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -172,20 +187,24 @@ class Gateway:
         if any(isinstance(message.get("content"), list) for message in messages):
             raise ValueError("the gateway takes text messages only: image content parts are not supported here")
         async with session.lock:
-            try:
-                context = list(session.enter(messages, tools))
-            except SessionOver as over:
-                raise GatewayError(400, str(over), "context_length_exceeded") from None
-            params = dict(session.sampling_params)
-            for cap in (session.limits.max_tokens_per_call, body.max_completion_tokens or body.max_tokens):
-                if cap:
-                    params["max_new_tokens"] = min(int(cap), int(params.get("max_new_tokens") or cap))
-            trajectory = session.trajectory
-            with Router.running_sample(session.sample.request_id, session.sample.group):
-                output, _, end = await trajectory.generate_turn(self.router, session.sample.request_id, params, session.limits.budget)
-            parse = self.parse_tool_calls if tools and body.tool_choice != "none" else None
-            choice = completion_choice(output, context, self.tokenizer, parse, self.spell)
-            session.replied(messages, _as_sent_back(choice["message"]), output, end)
+            # a call that raises on the way (refused, unrenderable, cancelled by the session's close) leaves nothing
+            with session.recording_call():
+                try:
+                    context = list(session.enter(messages, tools))
+                except SessionOver as over:
+                    raise GatewayError(400, str(over), "context_length_exceeded") from None
+                params = dict(session.sampling_params)
+                for cap in (session.limits.max_tokens_per_call, body.max_completion_tokens or body.max_tokens):
+                    if cap:
+                        params["max_new_tokens"] = min(int(cap), int(params.get("max_new_tokens") or cap))
+                trajectory = session.trajectory
+                with Router.running_sample(session.sample.request_id, session.sample.group):
+                    output, _, end = await trajectory.generate_turn(
+                        self.router, session.sample.request_id, params, session.limits.budget
+                    )
+                parse = self.parse_tool_calls if tools and body.tool_choice != "none" else None
+                choice = completion_choice(output, context, self.tokenizer, parse, self.spell)
+                session.replied(messages, _as_sent_back(choice["message"]), output, end)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",

@@ -5,6 +5,9 @@ for it, then new messages) appends only the new messages' tokens, as observation
 the ids sampled for that reply: a reply the client sends back unchanged is never re-tokenized, so extension is judged
 on the sampled ids. Any other call (the client rewrote or dropped history, or changed its tools) starts a new
 segment whose context is its messages rendered by the chat template (``rewritten_by="client"``).
+
+A call that gets no reply (refused, messages the chat template cannot render, cancelled because the session closed
+while it was in flight, failed in the engine) leaves nothing: ``recording_call`` takes back what it recorded.
 """
 
 from __future__ import annotations
@@ -71,10 +74,27 @@ class Session:
     def expired(self) -> bool:
         return time.monotonic() > self.limits.deadline
 
+    @contextlib.contextmanager
+    def recording_call(self) -> Iterator[None]:
+        """The scope of one call, from ``enter`` to ``replied``: when anything in it raises (SessionOver, ValueError,
+        the CancelledError of a call in flight when the session closed, an engine's failure), the trajectory is again
+        what it was before the call. A trajectory never ends on the observation of a call that got no reply, nor on
+        the empty segment of a rewrite that got none, where the sample's reward would have no model token to sit on."""
+        trajectory = self.trajectory
+        before = trajectory.checkpoint() if trajectory is not None else None
+        try:
+            yield
+        except BaseException:
+            if trajectory is None:
+                self.trajectory = None  # the first call: the session has recorded nothing yet
+            else:
+                trajectory.restore(before)
+            raise
+
     def enter(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         """Record a call's context (its messages as templates take them, and its tools); return the ids the reply is
         generated from. SessionOver when no reply fits in the session's limits; ValueError for messages the chat
-        template cannot render, whether they start the conversation or extend it."""
+        template cannot render, whether they start the conversation or extend it. Called in ``recording_call``."""
         trajectory = self.trajectory
         if trajectory is None:
             ids = self._render(messages, tools)

@@ -8,6 +8,7 @@ import signal
 from typing import Any
 
 from agentloop import AgentLoopBase, AgentLoopOutput, register
+from agentloop.protocol import Segment
 
 
 @register("probe_multi_turn")
@@ -51,12 +52,18 @@ class RowEditingProbe(AgentLoopBase):
 
 @register("probe_fails")
 class FailingProbe(AgentLoopBase):
-    """One model turn, or a bug: raises when the row's ``extra_info.fail`` is set (after its first turn)."""
+    """One model turn, or a bug: raises when the row's ``extra_info.fail`` is set (after its first turn); with
+    ``fail: empty_last_segment`` it returns that turn as a closed segment and a reward of 1.0 on an empty last one
+    (the record a rewrite that never got its reply left)."""
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         prompt_ids = self.encode_prompt(row["prompt"])
         output = await self.server_manager.generate(row["request_id"], prompt_ids, sampling_params)
-        if (row.get("extra_info") or {}).get("fail"):
+        fail = (row.get("extra_info") or {}).get("fail")
+        if fail == "empty_last_segment":
+            answered = Segment(prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs)
+            return AgentLoopOutput(prompt_ids, [], [], [], reward_score=1.0, segments=[answered])
+        if fail:
             raise ValueError(f"probe bug on dataset index {row['index']}")
         return AgentLoopOutput(prompt_ids, output.token_ids, [1] * len(output.token_ids), output.log_probs)
 
