@@ -56,11 +56,11 @@ class AgentLoopManager:
         self.judges = start_judge_pool(config, lambda rank, server: self.workers.give_judge(rank, server))
         self.pool = ServerPool(config, lambda rank, server: self.workers.give_server(rank, server))
         try:
-            if self.judges is not None:  # the workers are given the judges' HTTP addresses (reward_router_address)
-                self.judges.wait_until_serving()
-            # the workers load their tokenizers while the servers load their engines
+            # the workers load their tokenizers while the servers (and the judge's) load their engines
             self.workers = WorkerPool(config, self.pool, self.judges)
             self.pool.wait_until_serving()
+            if self.judges is not None:
+                self.judges.wait_until_serving()
             self.workers.wait_until_ready(timeout)
         except BaseException:  # a server or worker that failed to start: none of them is left running
             self.shutdown(graceful=False)

@@ -25,7 +25,9 @@ solution_str, ground_truth, extra_info, **reward_kwargs) -> float | dict`` (a di
 worker's event loop; every call is bounded by ``custom_reward_function.timeout_s``, past which the
 sample fails (see ``rollout.max_failed_sample_ratio``). With ``reward_model.enable``, a function that takes them
 (by name, or ``**kwargs``) is also given ``judge`` (``agentloop.judge.Judge``: an ``async`` function awaits its
-calls, while the other samples' rollouts go on) and verl's ``reward_router_address`` (a judge server's HTTP base URL).
+calls, while the other samples' rollouts go on) and verl's GenRM arguments: ``reward_router_address`` (``host:port...``
+of the judge's HTTP front, whose calls are the sample's, ``agentloop.judge.front``; None for a reward model) and
+``reward_model_tokenizer`` (the judge's tokenizer).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ from omegaconf import DictConfig, OmegaConf
 from agentloop.judge.session import active_judge
 from agentloop.protocol import AgentLoopOutput
 from agentloop.reward_score import default_compute_score, has_scorer
+
+
+# what a function that takes them (by name or **kwargs) is given with reward_model.enable (verl's GenRM arguments)
+JUDGE_ARGUMENTS = ("judge", "reward_router_address", "reward_model_tokenizer")
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,15 +94,18 @@ def reward_function_for(config: DictConfig, data_source: str | None, builtin: bo
     return default_compute_score if builtin and has_scorer(data_source) else None
 
 
-def judge_arguments(function: Callable[..., Any], judge: Any) -> dict[str, Any]:
-    """``judge`` and ``reward_router_address`` for a function that takes them (none without a judge)."""
+async def judge_arguments(function: Callable[..., Any], judge: Any) -> dict[str, Any]:
+    """``judge``, and verl's ``reward_router_address`` and ``reward_model_tokenizer``, for a function that takes them
+    by name or ``**kwargs`` (none without a judge)."""
     if judge is None:
         return {}
-    offered = {"judge": judge, "reward_router_address": judge.reward_router_address}
     parameters = inspect.signature(function).parameters
-    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
-        return offered
-    return {name: value for name, value in offered.items() if name in parameters}
+    takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+    wanted = [name for name in JUDGE_ARGUMENTS if takes_any or name in parameters]
+    offered = {"judge": judge, "reward_model_tokenizer": judge.tokenizer}
+    if "reward_router_address" in wanted:  # (the judge's HTTP front starts the first time an address is asked for)
+        offered["reward_router_address"] = await judge.router_address()
+    return {name: offered[name] for name in wanted}
 
 
 async def call_reward_function(function: Callable[..., Any], timeout_s: float, **arguments: Any) -> tuple[float, dict[str, Any]]:
@@ -154,7 +163,7 @@ async def score_output(config: DictConfig, tokenizer: Any, row: dict[str, Any], 
         solution_str=tokenizer.decode(response, skip_special_tokens=True),
         ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
         extra_info={**(row.get("extra_info") or {}), "num_turns": output.num_turns, "rollout_reward_scores": parts},
-        **judge_arguments(function, judge),
+        **await judge_arguments(function, judge),
     )
     output.reward_score = score
     output.reward_source, output.reward_extra_info = "reward_function", extras

@@ -32,7 +32,7 @@ class AgentLoopWorker:
     a chunk of rows into a padded batch."""
 
     def __init__(
-        self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: tuple[list[ray.actor.ActorHandle], list[str]] | None = None
+        self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: list[ray.actor.ActorHandle] | None = None
     ) -> None:
         self.config = config
         self.rollout = config.actor_rollout_ref.rollout
@@ -45,7 +45,7 @@ class AgentLoopWorker:
             servers, request_timeout_s=self.rollout.request_timeout_s,
             health_timeout_s=self.rollout.supervision.health_timeout_s, group_affinity_slack=slack,
         )
-        self.judge = Judge.from_config(config, *judges) if judges is not None else None
+        self.judge = Judge.from_config(config, judges) if judges is not None else None
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._groups: dict[int, asyncio.Task] = {}  # streamed groups in flight
         self._finished: list[tuple[int, RolloutBatch | Exception]] = []
@@ -118,9 +118,9 @@ class AgentLoopWorker:
         """Route to ``server`` for ``rank`` from now on (the manager replaced a dead one)."""
         self.router.replace(rank, server)
 
-    def replace_judge(self, rank: int, server: ray.actor.ActorHandle, address: str | None) -> None:
-        """Call ``server`` (at ``address``) for the judge's ``rank`` from now on."""
-        self.judge.replace(rank, server, address)
+    def replace_judge(self, rank: int, server: ray.actor.ActorHandle) -> None:
+        """Call ``server`` for the judge's ``rank`` from now on."""
+        self.judge.replace(rank, server)
 
     async def _run_one(
         self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]

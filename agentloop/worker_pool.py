@@ -47,7 +47,7 @@ class InDriverWorker:
     cannot reach the caller's rows.
     """
 
-    def __init__(self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: tuple[list, list] | None) -> None:
+    def __init__(self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: list[ray.actor.ActorHandle] | None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent-loop-worker", daemon=True)
         self._thread.start()
@@ -55,7 +55,7 @@ class InDriverWorker:
         # copies, as an actor gets them: the worker's own server and judge lists are not the pool's
         self.ready = asyncio.run_coroutine_threadsafe(self._build(*copy.deepcopy((config, servers, judges))), self._loop)
 
-    async def _build(self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: tuple[list, list] | None) -> None:
+    async def _build(self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: list[ray.actor.ActorHandle] | None) -> None:
         # built on the loop's thread: whatever the worker creates belongs to the loop that runs it
         self._worker = AgentLoopWorker(config, servers, judges)
 
@@ -114,7 +114,7 @@ class WorkerPool:
         self.handles: list[Worker] = [self._start() for _ in range(max(count, 1))]
 
     def _start(self) -> Worker:
-        judges = (self.judges.servers, self.judges.addresses) if self.judges is not None else None
+        judges = self.judges.servers if self.judges is not None else None
         if self._in_driver:
             return InDriverWorker(self.config, self.servers.servers, judges)
         return RemoteAgentLoopWorker.options(num_cpus=0).remote(self.config, self.servers.servers, judges)
@@ -174,10 +174,9 @@ class WorkerPool:
 
     def give_judge(self, rank: int, server: ray.actor.ActorHandle) -> None:
         """Hand the replacement judge ``server`` of ``rank`` to every worker."""
-        address = self.judges.addresses[rank] if self.judges.addresses else None
         with self._lock:
             for worker in self.handles:
-                self.call_on(worker, "replace_judge", rank, server, address)
+                self.call_on(worker, "replace_judge", rank, server)
 
     def shutdown(self) -> None:
         for worker in self.handles:

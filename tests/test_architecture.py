@@ -23,7 +23,7 @@ LAYERS = [
     ["agentloop", "agentloop.config", "agentloop.testing"],
     ["agentloop.manager"],
     ["agentloop.worker", "agentloop.worker_pool", "agentloop.streaming", "agentloop.metrics", "agentloop.dumps", "agentloop.registry", "agentloop.postprocess", "agentloop.server_pool", "agentloop.preflight", "agentloop.judge", "agentloop.judge.pool"],
-    ["agentloop.agent_loop", "agentloop.gateway", "agentloop.judge.client"],
+    ["agentloop.agent_loop", "agentloop.gateway", "agentloop.judge.client", "agentloop.judge.front"],
     ["agentloop.router"],
     ["agentloop.server", "agentloop.judge.reward_model_server"],
     ["agentloop.tools", "agentloop.interactions", "agentloop.envs", "agentloop.rewards", "agentloop.reward_score", "agentloop.models", "agentloop.judge.session"],

@@ -1,7 +1,7 @@
 """A generative judge served beside the policy (reward_model.*), on real Ray with the tiny models: a reward function
 and an environment that call it get what the judge model itself answers (the same engine run in-process), verl's
-reward_router_address serves the same judge over HTTP, and a judge call that times out, a reply that cannot be read
-and a dead judge server each stay one sample's problem."""
+GenRM functions reach the same judge over HTTP through reward_router_address (their calls recorded as the sample's),
+and a judge call that times out, a reply that cannot be read and a dead judge server each stay one sample's problem."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -22,6 +23,8 @@ from tests.support.config import small_config
 from tests.support.judges import question
 
 RESPONSE_LENGTH = 8  # the judge's reply budget (reward_model.rollout.response_length)
+# the reward functions of tests.support.judges, each the reward of the data source of its name
+JUDGED_SOURCES = ("ask_the_judge", "impatient", "wants_a_number", "verl_genrm", "verl_genrm_sync")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def manager(local_ray, ok_model, coin_model):
         f"reward_model.model.path={coin_model}",
         f"reward_model.rollout.response_length={RESPONSE_LENGTH}",
         "data.max_response_length=64",  # two turns with the judge's feedback between them
-        *(f"+custom_reward_function.by_data_source.{name}=tests.support.judges.{name}" for name in ("ask_the_judge", "impatient", "wants_a_number")),
+        *(f"+custom_reward_function.by_data_source.{name}=tests.support.judges.{name}" for name in JUDGED_SOURCES),
         "actor_rollout_ref.rollout.env.class_name=tests.support.judges.JudgedEnv",
     ))
     yield manager
@@ -79,13 +82,34 @@ def test_a_reward_function_awaits_the_judge(manager, judge_answers):
     assert {answer.split()[0] for answer in judge_answers.values()} <= {"yes", "no"}
     assert batch.meta_info["judge/calls"] == 4 and batch.meta_info["judge/failures"] == 0
     assert batch.meta_info["judge/response_tokens"] == sum(call.response_tokens for calls in fields["judge_calls"] for call in calls)
-    # verl's reward_router_address: the judge server's HTTP front, which answers as the judge does
-    address = fields["reward_extra_info"][0]["reward_router_address"]
-    assert address in manager.judges.addresses
-    body = {"messages": question(1), "max_tokens": RESPONSE_LENGTH, "temperature": 0.0}
-    request = urllib.request.Request(f"{address}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        assert json.load(response)["choices"][0]["message"]["content"] == judge_answers[1]
+
+
+@pytest.mark.parametrize("source", ["verl_genrm", "verl_genrm_sync"])
+def test_a_verl_genrm_function_calls_the_judge_through_reward_router_address(manager, judge_answers, source):
+    """As verl calls a GenRM function: with ``reward_router_address`` (``host:port``: the function adds ``http://``) and
+    ``reward_model_tokenizer``; what it gets over HTTP is what the judge answers, and each call is the sample's own."""
+    batch = manager.generate_sequences(rows(source, 2))
+    fields = batch.non_tensor_batch
+    addresses = []
+    for i in range(2):
+        assert fields["failure"][i] is None
+        extra = fields["reward_extra_info"][i]
+        assert extra["judge_text"] == judge_answers[i]
+        assert fields["reward_score"][i] == float(judge_answers[i].startswith("yes"))
+        (call,) = fields["judge_calls"][i]  # recorded for its sample, as judge.chat's calls are
+        assert call.text == judge_answers[i] and call.error is None and call.response_tokens > 0
+        assert call.prompt.endswith(f"question {i}<|im_end|>\n<|im_start|>assistant\n")
+        assert call.prompt_tokens == extra["prompt_tokens"]  # reward_model_tokenizer is the judge's
+        addresses.append(extra["address"])
+    assert batch.meta_info["judge/calls"] == 2 and batch.meta_info["judge/failures"] == 0
+    assert not addresses[0].startswith("http") and addresses[0] != addresses[1]  # host:port..., one per sample
+    # an address serves while its sample is scored: a call after it is no sample's
+    body = json.dumps({"messages": question(0)}).encode()
+    url = f"http://{addresses[0]}/v1/chat/completions"
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 404 and b"no sample is scored at this address" in refused.value.read()
 
 
 def test_an_environment_grades_each_turn_with_the_judge(manager, judge_answers):
@@ -134,7 +158,7 @@ def test_a_dead_judge_server_is_replaced_like_a_rollout_server(manager, judge_an
         assert time.monotonic() < deadline, "the killed judge server still answers 60 s after ray.kill"
         time.sleep(0.1)
     # a judge with no live server left names the judge's servers, not the policy's
-    lone = Judge.from_config(manager.config, [doomed], [])
+    lone = Judge.from_config(manager.config, [doomed])
     with caplog.at_level(logging.WARNING, logger="agentloop.router.router"):
         with pytest.raises(JudgeError, match="every judge server has died; no request can be served"):
             asyncio.run(lone.chat(question(0)))

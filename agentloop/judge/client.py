@@ -1,5 +1,5 @@
 """``Judge``: an agent-loop worker's client of the judge servers (``reward_model.*``), for reward functions,
-environments and interactions.
+environments and interactions (and, through its HTTP front, ``agentloop.judge.front``, for verl's GenRM functions).
 
 While a sample's loop and reward run, ``current_judge()`` is the worker's judge (``judge_session`` sets it for the
 sample's asyncio task), and every call is recorded for the sample as a ``JudgeCall`` (what was asked, what came
@@ -23,16 +23,22 @@ import ray
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
+from agentloop.judge.front import JudgeFront
 from agentloop.judge.session import JudgeCall, JudgeError, JudgeUnparsable, last_call, record, serving
+from agentloop.protocol import TokenOutput
 from agentloop.router import Router
 
 
 @contextlib.contextmanager
 def judge_session(judge: Judge | None, sample: str) -> Iterator[list[JudgeCall]]:
-    """Within it, ``judge`` is the current judge of the sample ``sample``; yields the list its calls are recorded in."""
+    """Within it, ``judge`` is the current judge of the sample ``sample`` (and its front's address the sample's); yields
+    the list its calls are recorded in."""
     with serving(judge) as calls:
+        front = judge.front if judge is not None else None
+        admitted = front.admitting(sample, calls) if front is not None else contextlib.nullcontext()
         try:
-            yield calls
+            with admitted:
+                yield calls
         finally:
             if judge is not None and judge.router is not None:
                 judge.router.take_versions(sample)  # the judge's own sessions are the sample's there: forgotten with it
@@ -42,13 +48,10 @@ class Judge:
     """The worker's way to the judge servers: ``chat``/``generate``/``grade`` for a generative judge (through a
     ``Router`` of its own, as the policy's turns go), ``score`` for a discriminative reward model.
 
-    ``reward_router_address`` is verl's argument of that name: the HTTP base URL of a judge server (its
-    ``/v1/chat/completions`` and ``/generate``), one per call in turn when there are several; None for a reward model.
+    ``router_address()`` is verl's ``reward_router_address`` for the sample being scored (``agentloop.judge.front``).
     """
 
-    def __init__(
-        self, config: DictConfig, servers: list[ray.actor.ActorHandle], addresses: list[str], tokenizer: Any
-    ) -> None:
+    def __init__(self, config: DictConfig, servers: list[ray.actor.ActorHandle], tokenizer: Any) -> None:
         settings = config.reward_model
         self.kind = str(settings.kind)
         self.timeout_s = float(settings.timeout_s)
@@ -62,31 +65,38 @@ class Judge:
             role="judge server", request_timeout_key="reward_model.timeout_s",
         ) if self.kind == "generative" else None
         self.scorers = list(servers)  # a reward model's servers (the router holds a judge's)
-        self.addresses = list(addresses)
         self._turn = itertools.count()
+        # verl's reward_router_address (a reward model has none: its functions call score())
+        model_name = str(settings.model.path or config.actor_rollout_ref.model.path)
+        tool_format = str(config.actor_rollout_ref.rollout.multi_turn.format)
+        self.front = JudgeFront(self, model_name, tool_format) if self.router is not None else None
 
     @classmethod
-    def from_config(cls, config: DictConfig, servers: list[ray.actor.ActorHandle], addresses: list[str]) -> Judge:
+    def from_config(cls, config: DictConfig, servers: list[ray.actor.ActorHandle]) -> Judge:
         path = config.reward_model.model.path or config.actor_rollout_ref.model.path
-        return cls(config, servers, addresses, AutoTokenizer.from_pretrained(path))
+        return cls(config, servers, AutoTokenizer.from_pretrained(path))
 
-    @property
-    def reward_router_address(self) -> str | None:
-        return self.addresses[next(self._turn) % len(self.addresses)] if self.addresses else None
+    async def router_address(self) -> str | None:
+        """verl's ``reward_router_address`` for the sample being scored: ``host:port/samples/<token>``, whose
+        ``/v1/chat/completions`` and ``/generate`` reach this judge as that sample's calls; None for a reward model."""
+        return await self.front.address() if self.front is not None else None
 
-    def replace(self, rank: int, server: ray.actor.ActorHandle, address: str | None) -> None:
+    def replace(self, rank: int, server: ray.actor.ActorHandle) -> None:
         """Call ``server`` for ``rank`` from now on (the manager replaced a dead one)."""
         if self.router is not None:
             self.router.replace(rank, server)
         self.scorers[rank] = server
-        if address is not None and rank < len(self.addresses):
-            self.addresses[rank] = address
 
     # ------------------------------------------------------------------ generative
 
     async def generate(self, prompt_ids: list[int], timeout_s: float | None = None, **sampling: Any) -> str:
         """The judge's reply to exact prompt ids, decoded (``sampling`` overrides ``reward_model.rollout``'s, ``timeout_s``
         ``reward_model.timeout_s``)."""
+        output = await self.sample(prompt_ids, timeout_s, **sampling)
+        return self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+
+    async def sample(self, prompt_ids: list[int], timeout_s: float | None = None, **sampling: Any) -> TokenOutput:
+        """``generate``'s call, its tokens as the engine returned them."""
         if self.router is None:
             raise RuntimeError("this judge is a discriminative reward model (reward_model.kind): call score()")
         start, timeout_s = time.perf_counter(), self.timeout_s if timeout_s is None else timeout_s
@@ -100,7 +110,7 @@ class Judge:
             raise self._failed(prompt_ids, start, JudgeError(f"the judge call failed: {type(error).__name__}: {error}")) from error
         text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
         record(JudgeCall(self.tokenizer.decode(prompt_ids), text, len(prompt_ids), len(output.token_ids), time.perf_counter() - start))
-        return text
+        return output
 
     async def chat(self, messages: list[dict[str, Any]], timeout_s: float | None = None, **sampling: Any) -> str:
         """The judge's reply to chat ``messages`` (rendered with its chat template and the generation prompt)."""

@@ -1,8 +1,9 @@
 """The judge's servers (``reward_model.*``): a second ``ServerPool`` beside the policy's, frozen (never in a weight
 push), supervised the same way.
 
-A generative judge runs on ``RolloutServer``s (the policy's engines, ``reward_model.rollout.name``) with HTTP fronts
-(``reward_router_address``); a discriminative reward model on ``RewardModelServer``s. Each server takes
+A generative judge runs on ``RolloutServer``s (the policy's engines, ``reward_model.rollout.name``), without HTTP
+fronts of their own (verl's ``reward_router_address`` is the workers', ``agentloop.judge.front``); a discriminative
+reward model on ``RewardModelServer``s. Each server takes
 ``reward_model.rollout.resources_per_server`` in a placement group of its own: its own CPU processes, or GPUs of
 its own.
 """
@@ -52,9 +53,7 @@ def judge_server_config(config: DictConfig) -> DictConfig:
     rollout.max_model_len = None
     rollout.sglang.urls = []
     rollout.sglang.port = int(policy.sglang.port) + int(policy.data_parallel_size)
-    rollout.http.enable = settings.kind == "generative" and bool(policy.http.enable)
-    if policy.http.port:
-        rollout.http.port = int(policy.http.port) + int(policy.data_parallel_size)
+    rollout.http.enable = False  # the workers reach it through their routers, HTTP calls included (agentloop.judge.front)
     return derived
 
 

@@ -60,9 +60,10 @@ def current_judge() -> Any:
 
 
 @contextlib.contextmanager
-def serving(judge: Any) -> Iterator[list[JudgeCall]]:
-    """Within it, ``judge`` is the current judge (None: none); yields the list the calls are recorded in."""
-    calls: list[JudgeCall] = []
+def serving(judge: Any, calls: list[JudgeCall] | None = None) -> Iterator[list[JudgeCall]]:
+    """Within it, ``judge`` is the current judge (None: none); yields the list the calls are recorded in: ``calls``
+    (a sample's, for a call made for it from another task: the judge's HTTP front), else a new one."""
+    calls = [] if calls is None else calls
     tokens = _current.set(judge), _calls.set(calls)
     try:
         yield calls

@@ -3,7 +3,13 @@ the coin model: asked "question N", it answers yes or no."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from typing import Any
+
+import aiohttp
+from openai.types.chat import ChatCompletion
+from transformers import PreTrainedTokenizerBase
 
 from agentloop.envs import BaseEnv
 from agentloop.judge import Judge, JudgeUnparsable
@@ -14,11 +20,51 @@ def question(index: int) -> list[dict[str, str]]:
 
 
 async def ask_the_judge(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict, *, judge: Judge, reward_router_address: str, **kwargs: Any
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict, *, judge: Judge, **kwargs: Any
 ) -> dict[str, Any]:
-    """1 when the judge says yes to the row's question; its text and verl's router address go to reward_extra_info."""
+    """1 when the judge says yes to the row's question; its text goes to reward_extra_info."""
     text = await judge.chat(question(extra_info["index"]))
-    return {"score": float(text.startswith("yes")), "judge_text": text, "reward_router_address": reward_router_address}
+    return {"score": float(text.startswith("yes")), "judge_text": text}
+
+
+def judged(text: str, prompt_ids: list[int], address: str) -> dict[str, Any]:
+    """The reward of a yes, with what the GenRM tests check: the judge's text, the prompt's length by
+    ``reward_model_tokenizer`` and the address called."""
+    score = float(text.startswith("yes"))
+    return {"score": score, "judge_text": text, "prompt_tokens": len(prompt_ids), "address": address}
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, index: int) -> list[int]:
+    """Question ``index`` as the judge is asked it: its chat template with the generation prompt."""
+    return list(tokenizer.apply_chat_template(question(index), add_generation_prompt=True, return_dict=False))
+
+
+async def verl_genrm(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict, reward_router_address: str,
+    reward_model_tokenizer: PreTrainedTokenizerBase,
+) -> dict[str, Any]:
+    """A GenRM reward function as verl's reward loop calls one (its docs' ``compute_score_gsm8k``): the judge asked over
+    HTTP at ``f"http://{reward_router_address}/v1/chat/completions"``, the reply read as an OpenAI ``ChatCompletion``.
+    Asks for more tokens than the judge's budget, as verl's example does (4096)."""
+    messages = question(extra_info["index"])
+    async with aiohttp.ClientSession() as session:
+        request = {"messages": messages, "temperature": 0.0, "max_tokens": 4096}
+        async with session.post(f"http://{reward_router_address}/v1/chat/completions", json=request) as response:
+            response.raise_for_status()
+            completion = ChatCompletion.model_validate(await response.json())
+    ids = prompt_ids(reward_model_tokenizer, extra_info["index"])
+    return judged(completion.choices[0].message.content, ids, reward_router_address)
+
+
+def verl_genrm_sync(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict, **kwargs: Any
+) -> dict[str, Any]:
+    """The same through SGLang's ``/generate`` from a plain function (run in a thread), ids in and text out."""
+    address, ids = kwargs["reward_router_address"], prompt_ids(kwargs["reward_model_tokenizer"], extra_info["index"])
+    body = json.dumps({"input_ids": ids, "sampling_params": {"temperature": 0.0}}).encode()
+    request = urllib.request.Request(f"http://{address}/generate", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return judged(json.load(response)["text"], ids, address)
 
 
 async def impatient(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict, judge: Judge) -> float:
