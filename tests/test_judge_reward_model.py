@@ -4,11 +4,19 @@ response's special tokens kept), as a plain forward of the checkpoint gives it."
 
 from __future__ import annotations
 
+import asyncio
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from agentloop import AgentLoopManager
+from agentloop.agent_loop.context import ContextStrategy, sliding_window
+from agentloop.agent_loop.trajectory import Trajectory
+from agentloop.judge import Judge, judge_session
+from agentloop.protocol import AgentLoopOutput, TokenOutput
+from agentloop.rewards import score_output
 from tests.support.config import small_config
 
 
@@ -62,6 +70,36 @@ def test_the_reward_is_the_reward_models_score_of_the_conversation_as_verl_build
             assert score(tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)) != pytest.approx(expected, abs=1e-5)
     assert len(set(scores)) == len(rows)  # the conversations differ, and so do their scores
     assert batch.meta_info["judge/calls"] == len(rows)
+
+
+def test_a_rewritten_trajectory_is_scored_on_its_whole_response(manager, reward_model_path):
+    """A trajectory whose context a sliding window rewrote is scored on every turn and observation: verl's input for
+    the same conversation appended, not its last segment's."""
+    policy_tokenizer = AutoTokenizer.from_pretrained(manager.config.actor_rollout_ref.model.path)
+    prompt = [{"role": "user", "content": "walk"}]
+
+    def rolled_out(context: ContextStrategy) -> AgentLoopOutput:
+        ids = policy_tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False)
+        trajectory = Trajectory(policy_tokenizer, prompt, list(ids), None, context=context)
+        for turn in range(3):
+            reply = policy_tokenizer.encode(f"step {turn}", add_special_tokens=False) + [policy_tokenizer.eos_token_id]
+            trajectory.add_model_turn(TokenOutput(reply, [-0.5] * len(reply), "stop"))
+            if turn < 2:
+                assert trajectory.add_observation_within([{"role": "user", "content": f"observation {turn}"}], 64) is not None
+        return trajectory.to_output()
+
+    window = rolled_out(ContextStrategy("sliding_window", functools.partial(sliding_window, window_turns=1)))
+    appended = rolled_out(ContextStrategy("append"))
+    assert len(window.all_segments()) == 2
+    judge = Judge.from_config(manager.config, manager.judges.servers)
+    with judge_session(judge, "rewritten"):
+        asyncio.run(score_output(manager.config, policy_tokenizer, {"prompt": prompt}, window))
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_path)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = verl_reward_model_input(policy_tokenizer, tokenizer, prompt, appended.response_ids)
+        expected = float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+    assert window.reward_source == "reward_model" and window.reward_score == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_verl_job_with_a_reward_model_trains_on_its_scores(reward_model_path, model_path, tmp_path):
