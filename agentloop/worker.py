@@ -32,7 +32,8 @@ class AgentLoopWorker:
     a chunk of rows into a padded batch."""
 
     def __init__(
-        self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: list[ray.actor.ActorHandle] | None = None
+        self, config: DictConfig, servers: list[ray.actor.ActorHandle],
+        judges: list[ray.actor.ActorHandle] | None = None,  # the judge's servers, with reward_model.enable
     ) -> None:
         self.config = config
         self.rollout = config.actor_rollout_ref.rollout

@@ -47,7 +47,9 @@ class InDriverWorker:
     cannot reach the caller's rows.
     """
 
-    def __init__(self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: list[ray.actor.ActorHandle] | None) -> None:
+    def __init__(
+        self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: list[ray.actor.ActorHandle] | None
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent-loop-worker", daemon=True)
         self._thread.start()
@@ -55,7 +57,9 @@ class InDriverWorker:
         # copies, as an actor gets them: the worker's own server and judge lists are not the pool's
         self.ready = asyncio.run_coroutine_threadsafe(self._build(*copy.deepcopy((config, servers, judges))), self._loop)
 
-    async def _build(self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: list[ray.actor.ActorHandle] | None) -> None:
+    async def _build(
+        self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: list[ray.actor.ActorHandle] | None
+    ) -> None:
         # built on the loop's thread: whatever the worker creates belongs to the loop that runs it
         self._worker = AgentLoopWorker(config, servers, judges)
 

@@ -154,7 +154,7 @@ def test_append_is_todays_trajectory_and_a_window_starts_segments_that_drop_old_
     assert len(window.turns) == len(segments) + 1
     assert window.num_turns == 1 + len(window.turns) + len(window.observation_roles)
     assert sum(turn.model_tokens for turn in window.turns) == sum(sum(segment.response_mask) for segment in segments)
-    # what its reward scores: every turn and observation once, in order, though no context after the first shows them all
+    # what its reward scores: every turn and observation once, in order, though no later context shows them all
     whole = tokenizer.decode(window.whole_response_ids())
     assert whole.count("<tool_response>") == len(window.observation_roles) == len(window.turns) - 1
     turns = [tokenizer.decode(segment.response_ids[start:end]) for segment in segments for value, start, end in
@@ -275,7 +275,9 @@ QWEN3_STEPS = [
 
 @pytest.mark.skipif(not QWEN3_CONFIG.exists(), reason="../shared/fixtures/qwen3 is not present")
 @pytest.mark.parametrize("strategy", ["inference_template", "sliding_window"])
-def test_a_reward_function_is_given_every_turn_and_observation_of_a_rewritten_trajectory(model_path, tmp_path, strategy):
+def test_a_reward_function_is_given_every_turn_and_observation_of_a_rewritten_trajectory(
+    model_path, tmp_path, strategy
+):
     """With Qwen3's real template, whatever contexts the strategy made, a reward function's ``solution_str`` is what
     verl's reward manager decodes for the same conversation unrewritten: the ``append`` trajectory's response,
     ``skip_special_tokens=True``; the first turn and its tool result included, not the last segment alone."""
@@ -308,7 +310,7 @@ def test_a_client_that_rewrites_its_history_closes_the_segment_with_the_messages
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def render(messages: list[dict[str, str]]) -> list[int]:
-        return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
 
     def reply(text: str) -> TokenOutput:
         ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
@@ -317,7 +319,7 @@ def test_a_client_that_rewrites_its_history_closes_the_segment_with_the_messages
     prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}]
     edited = [{"role": "system", "content": "Be briefer."}, {"role": "user", "content": "q"},
               {"role": "assistant", "content": "a1"}, {"role": "user", "content": "and then?"}]
-    client, appended = Trajectory(tokenizer, prompt, render(prompt), None), Trajectory(tokenizer, prompt, render(prompt), None)
+    client, appended = (Trajectory(tokenizer, prompt, render(prompt), None) for _ in range(2))
     for trajectory in (client, appended):
         trajectory.add_model_turn(reply("a0"))
         trajectory.add_observation_within([{"role": "tool", "content": "t0"}], 512)

@@ -25,7 +25,8 @@ def manager(local_ray, ok_model, reward_model_path):
     manager = AgentLoopManager(small_config(
         f"actor_rollout_ref.model.path={ok_model}", "reward_model.enable=true", "reward_model.kind=discriminative",
         f"reward_model.model.path={reward_model_path}",
-        "actor_rollout_ref.rollout.env.class_name=tests.support.probe_envs.DoneAtTurn2Env", "data.max_response_length=64",
+        "actor_rollout_ref.rollout.env.class_name=tests.support.probe_envs.DoneAtTurn2Env",
+        "data.max_response_length=64",
     ))
     yield manager
     manager.shutdown()
@@ -36,13 +37,15 @@ def verl_reward_model_input(policy_tokenizer, tokenizer, raw_prompt, response_id
     valid response decoded with its special tokens, the eos text removed, as the assistant's message after the row's
     prompt, rendered by the reward model's template and tokenized without special tokens added."""
     response = policy_tokenizer.decode(response_ids).replace(policy_tokenizer.eos_token, "")
-    text = tokenizer.apply_chat_template([*raw_prompt, {"role": "assistant", "content": response}], add_generation_prompt=False, tokenize=False)
+    conversation = [*raw_prompt, {"role": "assistant", "content": response}]
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=False, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def test_the_reward_is_the_reward_models_score_of_the_conversation_as_verl_builds_it(manager, reward_model_path):
     rows = [{"prompt": [{"role": "user", "content": f"hello {i}"}], "extra_info": {"index": i}} for i in range(3)]
-    rows += [{"prompt": [{"role": "user", "content": f"walk {i}"}], "agent_name": "env_agent"} for i in range(2)]  # two turns
+    # and two turns with an observation between them
+    rows += [{"prompt": [{"role": "user", "content": f"walk {i}"}], "agent_name": "env_agent"} for i in range(2)]
     batch = manager.generate_sequences(rows)
     tokenizer = AutoTokenizer.from_pretrained(reward_model_path)
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_path, dtype=torch.float32).eval()
@@ -67,7 +70,8 @@ def test_the_reward_is_the_reward_models_score_of_the_conversation_as_verl_build
             assert fields["num_turns"][i] == 4 and "<|im_start|>user" in tokenizer.decode(ids)
             skipped = policy_tokenizer.decode(responses[i, :length], skip_special_tokens=True)
             conversation = [*row["prompt"], {"role": "assistant", "content": skipped}]
-            assert score(tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)) != pytest.approx(expected, abs=1e-5)
+            skipped_ids = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
+            assert score(skipped_ids) != pytest.approx(expected, abs=1e-5)
     assert len(set(scores)) == len(rows)  # the conversations differ, and so do their scores
     assert batch.meta_info["judge/calls"] == len(rows)
 
@@ -84,8 +88,9 @@ def test_a_rewritten_trajectory_is_scored_on_its_whole_response(manager, reward_
         for turn in range(3):
             reply = policy_tokenizer.encode(f"step {turn}", add_special_tokens=False) + [policy_tokenizer.eos_token_id]
             trajectory.add_model_turn(TokenOutput(reply, [-0.5] * len(reply), "stop"))
+            observation = {"role": "user", "content": f"observation {turn}"}
             if turn < 2:
-                assert trajectory.add_observation_within([{"role": "user", "content": f"observation {turn}"}], 64) is not None
+                assert trajectory.add_observation_within([observation], 64) is not None
         return trajectory.to_output()
 
     window = rolled_out(ContextStrategy("sliding_window", functools.partial(sliding_window, window_turns=1)))

@@ -139,8 +139,9 @@ def test_reward_rule_for_every_loop(tokenizer, tmp_path):
 def test_a_row_without_a_data_source_falls_to_the_next_rule(tokenizer, tmp_path, caplog):
     """With ``by_data_source`` set, a row that has no ``data_source`` is scored by ``custom_reward_function.path`` (the
     only rule verl has), or by the loop's parts without one; the checks before start warn about it, never crash."""
-    (tmp_path / "length_reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
-                                               "    return float(len(solution_str))\n")
+    reward_file = tmp_path / "length_reward.py"
+    reward_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                           "    return float(len(solution_str))\n")
     by_source = "+custom_reward_function.by_data_source.arith=agentloop.tasks.arithmetic.reward.arithmetic_score"
     response = tokenizer.encode("#### 7", add_special_tokens=False) + [tokenizer.eos_token_id]
     no_source = {"prompt": [{"role": "user", "content": "q"}], "extra_info": {}}

@@ -299,7 +299,8 @@ class Trajectory:
             assistant = [index for index, message in enumerate(messages) if message.get("role") == "assistant"]
             answer = messages[assistant[-1] + 1 :] if assistant else messages
             closing = self._appended_ids(answer, []) if answer else []
-            self.closed.append((dataclasses.replace(self._segment(), closing_observation_ids=closing), list(self.images)))
+            segment = dataclasses.replace(self._segment(), closing_observation_ids=closing)
+            self.closed.append((segment, list(self.images)))
         self.prompt_ids, self.images, self.rewritten_by, self.tools = list(context_ids), [], rewritten_by, tools
         self.response_ids, self.response_mask, self.response_logprobs = [], [], []
         self.messages = [dict(message) for message in messages]

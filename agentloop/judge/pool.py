@@ -53,7 +53,7 @@ def judge_server_config(config: DictConfig) -> DictConfig:
     rollout.max_model_len = None
     rollout.sglang.urls = []
     rollout.sglang.port = int(policy.sglang.port) + int(policy.data_parallel_size)
-    rollout.http.enable = False  # the workers reach it through their routers, HTTP calls included (agentloop.judge.front)
+    rollout.http.enable = False  # the workers reach it through their routers, HTTP calls too (agentloop.judge.front)
     return derived
 
 
