@@ -129,7 +129,7 @@ def _check_verl_settings(config: DictConfig) -> None:
     if rollout.name == "hf" and int(rollout.tensor_model_parallel_size) != 1:
         raise ValueError(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: the hf engine "
-            "has no tensor parallelism (set 1, or rollout.name=sglang)"
+            "has no tensor parallelism (set 1, or rollout.name=vllm or sglang)"
         )
     for name, section, key in (
         ("actor_rollout_ref.actor", config.actor_rollout_ref.actor, "ppo_max_token_len_per_gpu"),

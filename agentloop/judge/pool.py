@@ -51,8 +51,10 @@ def judge_server_config(config: DictConfig) -> DictConfig:
     for key in ("data_parallel_size", "resources_per_server", "prompt_length", "response_length"):
         rollout[key] = settings.rollout[key]
     rollout.max_model_len = None
-    rollout.sglang.urls = []
-    rollout.sglang.port = int(policy.sglang.port) + int(policy.data_parallel_size)
+    for backend in ("sglang", "vllm"):  # launched on ports past the policy servers' (or any free one), never attached
+        rollout[backend].urls = []
+        if policy[backend].port:
+            rollout[backend].port = int(policy[backend].port) + int(policy.data_parallel_size)
     rollout.http.enable = False  # the workers reach it through their routers, HTTP calls too (agentloop.judge.front)
     return derived
 

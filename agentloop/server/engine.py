@@ -21,10 +21,11 @@ class EngineAsleep(RuntimeError):
     """A request reached an engine whose KV cache is released (``sleep``); the HTTP front answers 503."""
 
 
-# rollout.name -> the engine class, imported only when chosen (sglang's client needs no torch GPU, hf no aiohttp)
+# rollout.name -> the engine class, imported only when chosen (the HTTP clients need no GPU, hf no aiohttp)
 ENGINES: dict[str, str] = {
     "hf": "agentloop.server.hf_engine.HFEngine",
     "sglang": "agentloop.server.sglang_engine.SGLangEngine",
+    "vllm": "agentloop.server.vllm_engine.VLLMEngine",
 }
 
 

@@ -24,15 +24,10 @@ import contextlib
 import functools
 import itertools
 import os
-import subprocess
 import sys
-import tempfile
-import time
-from collections import defaultdict, deque
-from pathlib import Path
+from collections import defaultdict
 from typing import Any, AsyncIterator, Iterable, Mapping
 
-import aiohttp
 import torch
 from omegaconf import DictConfig
 from transformers import AutoConfig, GenerationConfig
@@ -40,8 +35,8 @@ from transformers import AutoConfig, GenerationConfig
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput, finish_reason_of, id_list, validate_sampling_params
 from agentloop.server.engine import EngineAsleep
+from agentloop.server.launched import JSONClient, ServerProcess
 from agentloop.server.sglang_requests import build_generate_request, check_prompt_tokens, parse_generate_response
-
 
 
 def launch_args(config: DictConfig, rank: int) -> list[str]:
@@ -86,23 +81,18 @@ class SGLangEngine:
     ) -> None:
         self.model_path = model_path
         self.tensor_parallel_size = tensor_parallel_size
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-        self.process: subprocess.Popen | None = None
-        self.log_path: Path | None = None
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._rids_by_session: dict[str, set[str]] = defaultdict(set)
         self._call_counter = itertools.count()
-        self._http: aiohttp.ClientSession | None = None
-        self._http_loop: asyncio.AbstractEventLoop | None = None
         self._sleeping = False
         self._pausing = False  # a weight update has paused generation (and aborted the requests in flight)
         self._interrupted: set[str] = set()  # rids in flight while it did: their ``abort`` means ``interrupted``
-        if url:
-            self.http_url = url.rstrip("/")
-        else:
-            self.http_url = f"http://127.0.0.1:{port}"
-            self._launch(port, list(launch_args))
-        self._wait_until_healthy(startup_timeout_s)
+        self.http_url = url.rstrip("/") if url else f"http://127.0.0.1:{port}"
+        self.server = ServerProcess("SGLang", self.http_url, headers)
+        self.client = JSONClient("SGLang", self.http_url, headers, request_timeout_s)
+        if not url:
+            self.server.launch(self._command(port, list(launch_args)), os.environ)
+        self.server.wait_until_healthy("/health_generate", startup_timeout_s)
 
     @classmethod
     def from_config(cls, config: DictConfig, rank: int) -> SGLangEngine:
@@ -127,9 +117,8 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ process
 
-    def _launch(self, port: int, launch_args: list[str]) -> None:
-        self.log_path = Path(tempfile.mkstemp(prefix="sglang-", suffix=".log")[1])
-        command = [
+    def _command(self, port: int, launch_args: list[str]) -> list[str]:
+        return [
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", self.model_path,
             "--host", "127.0.0.1",
@@ -137,69 +126,19 @@ class SGLangEngine:
             "--skip-tokenizer-init",
             *launch_args,
         ]
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
 
     def log_tail(self, lines: int = 40) -> str:
-        if not self.log_path or not self.log_path.exists():
-            return "(no log: attached to an external server)"
-        with open(self.log_path, errors="replace") as log:
-            return "".join(deque(log, maxlen=lines))
-
-    def _wait_until_healthy(self, timeout_s: float) -> None:
-        import urllib.error
-        import urllib.request
-
-        deadline = time.monotonic() + timeout_s
-        request = urllib.request.Request(self.http_url + "/health_generate", headers=self.headers)
-        while True:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(
-                    f"SGLang server exited with code {self.process.returncode} during start-up; log tail:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(request, timeout=10) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                self._terminate()
-                raise TimeoutError(
-                    f"SGLang server at {self.http_url} not healthy after {timeout_s:.0f}s "
-                    f"(actor_rollout_ref.rollout.server_startup_timeout_s); log tail:\n{self.log_tail()}"
-                )
-            time.sleep(1.0)
-
-    def _terminate(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        return self.server.log_tail(lines)
 
     async def shutdown(self) -> None:
         """Close the connection pool and stop a launched server (an attached one keeps running)."""
-        if self._http is not None and self._http_loop is asyncio.get_running_loop():
-            await self._http.close()
-        self._terminate()
+        await self.client.close()
+        self.server.terminate()
 
     # ------------------------------------------------------------------ calls
 
-    def _session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        if self._http is None or self._http.closed or self._http_loop is not loop:
-            self._http = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers)
-            self._http_loop = loop
-        return self._http
-
     async def _post(self, path: str, body: dict[str, Any], accept: tuple[int, ...] = (200,)) -> Any:
-        async with self._session().post(self.http_url + path, json=body) as response:
-            text = await response.text()
-            if response.status not in accept:
-                raise RuntimeError(f"SGLang {path} answered {response.status}: {text[:500]}")
-            return await response.json(content_type=None) if text else None
+        return await self.client.post(path, body, accept)
 
     @functools.cached_property
     def image_pad_id(self) -> int:

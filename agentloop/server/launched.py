@@ -1,0 +1,123 @@
+"""Inference servers that run in processes of their own and are driven over HTTP (engines ``sglang`` and ``vllm``).
+
+What the two share: the child process a server actor launches (its log in a file, its health awaited within
+``rollout.server_startup_timeout_s``, stopped with the actor) and a JSON client whose connection pool belongs to
+the event loop that opened it (an ``aiohttp`` session is bound to its loop), so a turn pays for no new connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import aiohttp
+
+
+class ServerProcess:
+    """A server's child process (or none, when the engine attaches to a running server by URL)."""
+
+    def __init__(self, name: str, url: str, headers: Mapping[str, str]) -> None:
+        self.name = name  # "SGLang", "vLLM": how errors name the server
+        self.url = url
+        self.headers = dict(headers)
+        self.process: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+
+    def launch(self, command: Sequence[str], env: Mapping[str, str]) -> None:
+        """Start ``command`` with its output in a log file of its own."""
+        self.log_path = Path(tempfile.mkstemp(prefix=f"{self.name.lower()}-", suffix=".log")[1])
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=dict(env))
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return "(no log: attached to an external server)"
+        with open(self.log_path, errors="replace") as log:
+            return "".join(deque(log, maxlen=lines))
+
+    def wait_until_healthy(self, health_path: str, timeout_s: float) -> None:
+        """Poll ``health_path`` until it answers 200; fail with the log's tail if the process exits or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        request = urllib.request.Request(self.url + health_path, headers=self.headers)
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} server exited with code {self.process.returncode} during start-up; "
+                    f"log tail:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self.terminate()
+                raise TimeoutError(
+                    f"{self.name} server at {self.url} not healthy after {timeout_s:.0f}s "
+                    f"(actor_rollout_ref.rollout.server_startup_timeout_s); log tail:\n{self.log_tail()}"
+                )
+            time.sleep(1.0)
+
+    def post_json(self, path: str, body: Any, timeout_s: float = 60.0) -> Any:
+        """One blocking call, for start-up (before the actor's event loop serves): the answer's JSON."""
+        data = json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, headers={**self.headers, "Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as error:
+            raise RuntimeError(f"{self.name} {path} answered {error.code}: {error.read().decode()[:500]}") from error
+        return json.loads(text) if text else None
+
+    def terminate(self) -> None:
+        """Stop a launched server (an attached one keeps running)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+class JSONClient:
+    """POSTs JSON to one server; each call's errors name the server and the route."""
+
+    def __init__(self, name: str, url: str, headers: Mapping[str, str], timeout_s: float) -> None:
+        self.name = name
+        self.url = url
+        self.headers = dict(headers)
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers)
+            self._loop = loop
+        return self._session
+
+    async def post(
+        self, path: str, body: Any = None, accept: tuple[int, ...] = (200,), params: Mapping[str, str] | None = None
+    ) -> Any:
+        """The answer's JSON (None for an empty body); any status outside ``accept`` raises with the server's text."""
+        async with self.session().post(self.url + path, json=body, params=params) as response:
+            text = await response.text()
+            if response.status not in accept:
+                raise RuntimeError(f"{self.name} {path} answered {response.status}: {text[:500]}")
+            return await response.json(content_type=None) if text else None
+
+    async def close(self) -> None:
+        if self._session is not None and self._loop is asyncio.get_running_loop():
+            await self._session.close()

