@@ -65,12 +65,17 @@ def launch_args(config: DictConfig, rank: int) -> list[str]:
         "gpu_memory_utilization": rollout.gpu_memory_utilization if torch.cuda.is_available() else None,
     }
     return [
-        "--dtype", str(rollout.dtype),
-        "--seed", str(int(rollout.seed) + rank),
-        "--max-model-len", str(rollout.max_model_len or int(rollout.prompt_length) + int(rollout.response_length)),
-        "--weight-transfer-config", json.dumps({"backend": WEIGHT_BACKEND}),
+        "--dtype",
+        str(rollout.dtype),
+        "--seed",
+        str(int(rollout.seed) + rank),
+        "--max-model-len",
+        str(rollout.max_model_len or int(rollout.prompt_length) + int(rollout.response_length)),
+        "--weight-transfer-config",
+        json.dumps({"backend": WEIGHT_BACKEND}),
         "--enable-scale-out",
-        "--logprobs-mode", "processed_logprobs",
+        "--logprobs-mode",
+        "processed_logprobs",
         "--enable-prompt-tokens-details",
         *_flags({**verl_flags, **(rollout.get("engine_kwargs", {}).get("vllm") or {})}),
         *[str(arg) for arg in rollout.vllm.extra_args],
@@ -114,7 +119,9 @@ def server_env(config: DictConfig) -> dict[str, str]:
 class VLLMEngine:
     """Async client of one vLLM server (launched here, or attached by URL)."""
 
-    http_url = None  # vLLM does not speak SGLang's API: the rollout server hosts agentloop's HTTP front over this engine
+    http_url = (
+        None  # vLLM does not speak SGLang's API: the rollout server hosts agentloop's HTTP front over this engine
+    )
 
     def __init__(
         self,
@@ -144,8 +151,18 @@ class VLLMEngine:
         if not url:
             python = python or sys.executable
             _check_vllm_installed(python)
-            command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-                       "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], *launch_args]
+            command = [
+                python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                model_path,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                self.url.rsplit(":", 1)[1],
+                *launch_args,
+            ]
             self.server.launch(command, env or os.environ)
         self.server.wait_until_healthy("/health", startup_timeout_s)
         self._start_weight_transfer()
@@ -182,7 +199,7 @@ class VLLMEngine:
             raise RuntimeError(
                 f"the vLLM server at {self.url} cannot take weight updates: {error}. A server agentloop launches has "
                 f"{PLUGIN_PATH} on its PYTHONPATH and VLLM_SERVER_DEV_MODE=1; an attached one needs both, and "
-                f"--weight-transfer-config '{{\"backend\": \"{WEIGHT_BACKEND}\"}}'"
+                f'--weight-transfer-config \'{{"backend": "{WEIGHT_BACKEND}"}}\''
             ) from error
 
     def log_tail(self, lines: int = 40) -> str:
@@ -196,7 +213,11 @@ class VLLMEngine:
     # ------------------------------------------------------------------ calls
 
     async def generate(
-        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, images: list[ProcessedImage] | None = None
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        images: list[ProcessedImage] | None = None,
     ) -> TokenOutput:
         if images:
             raise ValueError("engine vllm serves text only here: images need rollout.name=hf or sglang")
@@ -317,7 +338,9 @@ def parse_generate_response(body: dict[str, Any]) -> TokenOutput:
         raise ValueError(f"vLLM returned {len(ids)} output ids but {len(logprobs)} logprobs")
     reason = choice.get("finish_reason")
     details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
-    return TokenOutput(ids, logprobs, reason if reason in ("stop", "length") else "abort", int(details.get("cached_tokens") or 0))
+    return TokenOutput(
+        ids, logprobs, reason if reason in ("stop", "length") else "abort", int(details.get("cached_tokens") or 0)
+    )
 
 
 def _free_port() -> int:

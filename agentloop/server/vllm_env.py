@@ -65,7 +65,9 @@ def build(device: str) -> Path:
             _run([*pip, "torch==2.13.0"])  # the CPU wheel first, as for agentloop: an unpinned one pulls CUDA's
         _run([*pip, *(["-c", str(lock)] if lock else []), *packages])
         _run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *BROKEN_EXTRAS])
-        _run([str(python), "-c", "import vllm, sys; print('vllm', vllm.__version__, 'in', sys.prefix, file=sys.stderr)"])
+        _run(
+            [str(python), "-c", "import vllm, sys; print('vllm', vllm.__version__, 'in', sys.prefix, file=sys.stderr)"]
+        )
         done.touch()
     return python
 

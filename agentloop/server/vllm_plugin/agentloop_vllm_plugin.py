@@ -7,8 +7,8 @@ environment's Python, whose pins differ from the project's.
 
 Backend ``agentloop_file``: each ``/update_weights`` call names a safetensors file (written to a RAM disk by the
 rollout server actor), which the worker loads with the model's own ``load_weights`` inside vLLM's layerwise reload,
-the lifecycle its ``nccl`` engine uses for received tensors. It works wherever the server and the actor share a file system,
-CPU or GPU.
+the lifecycle its ``nccl`` engine uses for received tensors. It works wherever the server and the actor share a file
+system, CPU or GPU.
 """
 
 from __future__ import annotations
