@@ -35,22 +35,28 @@ from agentloop.images import mrope_positions
 from agentloop.protocol import AgentLoopOutput, Segment, TurnRecord
 
 
-def pad_outputs(
-    outputs: list[AgentLoopOutput], prompt_length: int, response_length: int, pad_token_id: int, vision_model: Any = None
-) -> TensorDict:
-    """Build the padded ``TensorDict`` for a list of trajectories (one row per segment); with ``vision_model`` (a
-    VLM's structure, ``agentloop.models.loading.structure``), its images and M-RoPE positions too."""
-    rows: list[tuple[int, Segment, float | None]] = []  # (segment index, segment, the reward on its last token)
-    for output in outputs:
-        segments = output.all_segments()
-        rows += [(index, segment, output.reward_score if segment is segments[-1] else None) for index, segment in enumerate(segments)]
+def _segment_rows(outputs: list[AgentLoopOutput], prompt_length: int) -> list[tuple[int, Segment, float | None]]:
+    """``(segment index, segment, the reward on its last token)`` per batch row, each trajectory's first prompt
+    checked against ``prompt_length`` and each reward against the tokens that can hold it."""
+    rows: list[tuple[int, Segment, float | None]] = []
     for output in outputs:
         check_reward_has_a_token(output)
+        segments = output.all_segments()
+        rows += [(index, segment, output.reward_score if segment is segments[-1] else None) for index, segment in enumerate(segments)]
     for position, (index, segment, _) in enumerate(rows):
         if index == 0 and len(segment.prompt_ids) > prompt_length:
             raise ValueError(
                 f"row {position}: prompt has {len(segment.prompt_ids)} tokens, more than prompt_length={prompt_length}"
             )
+    return rows
+
+
+def pad_outputs(
+    outputs: list[AgentLoopOutput], prompt_length: int, response_length: int, pad_token_id: int, vision_model: Any = None
+) -> TensorDict:
+    """Build the padded ``TensorDict`` for a list of trajectories (one row per segment); with ``vision_model`` (a
+    VLM's structure, ``agentloop.models.loading.structure``), its images and M-RoPE positions too."""
+    rows = _segment_rows(outputs, prompt_length)
     prompt_length = max([prompt_length, *(len(segment.prompt_ids) for _, segment, _ in rows)])
     size = len(rows)
     prompts = torch.full((size, prompt_length), pad_token_id, dtype=torch.long)

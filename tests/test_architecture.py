@@ -136,7 +136,7 @@ def test_every_engine_implements_the_contract(name):
 
 
 def test_unknown_backend_names_the_available_ones():
-    with pytest.raises(ValueError, match=r"rollout.name='vllm' is not a known backend; available: \['hf', 'sglang'\]"):
-        build_engine(small_config("actor_rollout_ref.rollout.name=vllm"), 0)
+    with pytest.raises(ValueError, match=r"rollout.name='trtllm' is not a known backend; available: \['hf', 'sglang', 'vllm'\]"):
+        build_engine(small_config("actor_rollout_ref.rollout.name=trtllm"), 0)
     with pytest.raises(ValueError, match="'no_such.Engine' cannot be imported"):
         build_engine(small_config("actor_rollout_ref.rollout.name=no_such.Engine"), 0)
