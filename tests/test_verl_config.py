@@ -142,8 +142,8 @@ def test_every_key_of_the_ignored_table_is_accepted_and_reported():
     settings = config_keys().ignored_settings(compose_config([f"{key}=7" for key in keys]))
     assert settings == {key: 7 for key in keys}
     # verl's free-form mappings take the user's own entries, as in verl
-    config = compose_config(["+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True"])
-    assert config_keys().ignored_settings(config) == {"actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache": True}
+    config = compose_config(["+actor_rollout_ref.rollout.engine_kwargs.trtllm.kv_cache_free_gpu_memory_fraction=0.5"])
+    assert config_keys().ignored_settings(config) == {"actor_rollout_ref.rollout.engine_kwargs.trtllm.kv_cache_free_gpu_memory_fraction": 0.5}
 
 
 def test_an_unknown_key_fails_naming_the_closest_known_keys(tmp_path):
