@@ -234,7 +234,8 @@ def test_each_trajectory_is_one_segment(request, fixture):
 def test_greedy_replies_are_the_models_argmax_in_the_recorded_context(greedy, tokenizer, policy, name):
     batch, index = greedy
     prompt, response, mask, _ = recorded(batch, index[name], tokenizer)
-    assert batch.non_tensor_batch["end_reason"][index[name]] == "stop"
+    # a program the policy never saw in training (o_series_langchain's system message) may run to its budget
+    assert batch.non_tensor_batch["end_reason"][index[name]] in ("stop", "length")
     assert teacher_forced(policy, prompt, response).argmax(-1)[mask].tolist() == torch.tensor(response)[mask].tolist()
 
 
