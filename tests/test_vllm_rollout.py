@@ -1,16 +1,22 @@
 """``rollout.name=vllm`` through the whole rollout stack on Ray: batches with the engine's exact ids and logprobs,
-weight pushes through the manager, and a dead server replaced (its vLLM process stopped with it) serving the latest
-weights."""
+weight pushes through the manager, partial rollouts (a push mid-rollout: each trajectory continues under the new
+weights, every token keeping its policy's log-prob and version), and a dead server replaced (its vLLM process
+stopped with it) serving the latest weights."""
 
 from __future__ import annotations
 
+import time
+
 import psutil
+import pytest
 import ray
 import torch
 from transformers import AutoModelForCausalLM
 
+import agentloop.testing  # noqa: F401  (registers fixed_length)
 from agentloop import AgentLoopManager
 from tests.support.config import small_config
+from tests.test_partial_rollouts import LENGTH, ROWS, check_tokens_of_two_policies, perturbed, pushed_mid_flight
 from tests.test_vllm_engine import assert_logprobs_match, vllm_overrides
 
 PROMPT = list(range(3, 30))
@@ -27,36 +33,61 @@ def vllm_servers() -> list[psutil.Process]:
     ]
 
 
-def test_batches_weights_and_a_replaced_server(local_ray, model_path):
-    manager = AgentLoopManager(small_config(*vllm_overrides()))
-    try:
-        batch = manager.generate_sequences(
-            [{"prompt": [{"role": "user", "content": f"what is {i} + 1?"}]} for i in range(4)]
-        )
-        assert len(batch) == 4
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        for row in range(4):  # the batch holds the engine's ids and logprobs, exactly
-            prompt = batch.batch["prompts"][row][batch.batch["attention_mask"][row, :96].bool()].tolist()
-            mask = batch.batch["response_mask"][row].bool()
-            response = batch.batch["responses"][row][mask].tolist()
-            logprobs = batch.batch["rollout_log_probs"][row][mask].tolist()
-            reference = type("Output", (), {"token_ids": response, "log_probs": logprobs})
-            assert_logprobs_match(model, prompt, reference)
+def wait_for_vllm_servers(count: int, timeout_s: float = 60) -> int:
+    """How many vLLM server processes run once ``count`` do, or when ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while len(vllm_servers()) != count and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return len(vllm_servers())
 
-        generator = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-        manager.update_weights(model.state_dict(), version=1)
-        assert_logprobs_match(model, PROMPT, sample(manager.servers[0]))
 
-        # a dead server is replaced on its rank, its vLLM process gone with it, and serves the latest push
-        dead = manager.servers[0]
-        ray.kill(dead)
-        batch = manager.generate_sequences([{"prompt": [{"role": "user", "content": "q"}]}])
-        assert [(e.rank, e.kind) for e in manager.pool.events] == [(0, "restarted")]
-        assert_logprobs_match(model, PROMPT, sample(manager.servers[0]))
-        assert len(vllm_servers()) == 1
-    finally:
-        manager.shutdown()
-    assert not vllm_servers()
+@pytest.fixture(scope="module")
+def manager(local_ray):
+    manager = AgentLoopManager(small_config(*vllm_overrides(), f"data.max_response_length={LENGTH}"))
+    yield manager
+    manager.shutdown()
+    assert wait_for_vllm_servers(0) == 0  # each server stops its vLLM process on the way out
+
+
+def test_a_push_mid_rollout_continues_each_trajectory_under_the_new_weights(manager, model_path):
+    old, new = perturbed(model_path, seed=0), perturbed(model_path, seed=1)
+    manager.update_weights(old.state_dict(), version=1)
+    batch, pushed = pushed_mid_flight(
+        manager,
+        len(ROWS),
+        lambda: manager.generate_sequences(ROWS),
+        lambda: manager.update_weights(new.state_dict(), version=2),
+    )
+    assert pushed, "the rollout ended before the push: raise LENGTH"
+    check_tokens_of_two_policies(batch, old, new, versions=(1, 2))
+
+
+def test_batches_weights_and_a_replaced_server(manager, model_path):
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    manager.update_weights(model.state_dict(), version=3)
+    batch = manager.generate_sequences(
+        [{"prompt": [{"role": "user", "content": f"what is {i} + 1?"}]} for i in range(4)]
+    )
+    assert len(batch) == 4
+    for row in range(4):  # the batch holds the engine's ids and logprobs, exactly
+        prompt = batch.batch["prompts"][row][batch.batch["attention_mask"][row, :96].bool()].tolist()
+        mask = batch.batch["response_mask"][row].bool()
+        response = batch.batch["responses"][row][mask].tolist()
+        logprobs = batch.batch["rollout_log_probs"][row][mask].tolist()
+        reference = type("Output", (), {"token_ids": response, "log_probs": logprobs})
+        assert_logprobs_match(model, prompt, reference)
+
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    manager.update_weights(model.state_dict(), version=4)
+    assert_logprobs_match(model, PROMPT, sample(manager.servers[0]))
+
+    # a dead server is replaced on its rank, its vLLM process gone with it, and serves the latest push
+    dead = manager.servers[0]
+    ray.kill(dead)
+    batch = manager.generate_sequences([{"prompt": [{"role": "user", "content": "q"}]}])
+    assert [(e.rank, e.kind) for e in manager.pool.events] == [(0, "restarted")]
+    assert_logprobs_match(model, PROMPT, sample(manager.servers[0]))
+    assert wait_for_vllm_servers(1) == 1  # Ray stops a killed actor's child processes, a moment later
