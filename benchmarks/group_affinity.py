@@ -45,7 +45,9 @@ def rollout(slack: str, rows: list[dict], n: int, overrides: list[str]) -> tuple
         f"actor_rollout_ref.rollout.agent.group_affinity_slack={slack}", "data.max_prompt_length=512", *overrides,
     ]))
     try:
-        manager.generate_sequences(rows[:1])  # warm-up: compiled kernels, allocated caches
+        # warm-up (compiled kernels, allocated caches) on the measured rows: with affinity on, one row's samples would
+        # all go to one server and leave the other cold, its first-call costs in the measured wall time
+        manager.generate_sequences(rows)
         ray.get([server.flush_cache.remote() for server in manager.servers])
         start = time.perf_counter()
         batch = manager.generate_sequences(rows)
