@@ -13,7 +13,8 @@ Workloads: (a) the quick start as it is; (b) every tool call first waits a logno
 sigma 1, capped at 2 s, as ``long_tail``); (c) longer episodes: a warm start that solves in four model turns with a
 sentence each (compute, check with a second call, submit, close; ``warm_start_path(long_episodes=True)``), with 8 model
 turns and 512 response tokens allowed;
-(d) agentloop asynchronous (``arithmetic_grpo_async``) on (b), against (b)'s TRL runs.
+(d) agentloop asynchronous (``arithmetic_grpo_async``) on (b), against (b)'s TRL runs; (e) (c) with agentloop's
+rollouts on vLLM (``AGENTLOOP_VLLM_PYTHON=$(python -m agentloop.server.vllm_env)``), against (c)'s TRL runs.
 
 Prints, per workload, the medians over repeats of: median step time, sum of the steps, whole run, start-up
 (launch to the first step's start) and wall time to equal reward (launch to the end of the first step whose
@@ -99,6 +100,7 @@ class Workload:
     response_length: int = 128  # the quick start's data.max_response_length: model turns and tool results together
     agentloop_config: str = "arithmetic_grpo"
     trl_runs_of: str | None = None  # a workload whose TRL runs this one is compared with (TRL has no async mode)
+    rollout_engine: str = "hf"  # vllm: rollout.vllm.python from AGENTLOOP_VLLM_PYTHON (python -m agentloop.server.vllm_env)
 
     def agentloop_overrides(self, tools_dir: Path) -> list[str]:
         overrides = [
@@ -110,6 +112,11 @@ class Workload:
             overrides.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path={slow_tool_config(tools_dir)}")
         if self.long_episodes:
             overrides.append(f"actor_rollout_ref.model.path={warm_start(long_episodes=True)}")
+        if self.rollout_engine == "vllm":
+            python = os.environ.get("AGENTLOOP_VLLM_PYTHON")
+            if not python:
+                raise SystemExit("workload e needs AGENTLOOP_VLLM_PYTHON=$(python -m agentloop.server.vllm_env)")
+            overrides += ["actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.vllm.python={python}"]
         return overrides
 
 
@@ -127,6 +134,8 @@ WORKLOADS = {
                   max_assistant_turns=8, response_length=512, long_episodes=True),
     "d": Workload("d", "agentloop asynchronous (arithmetic_grpo_async) on (b)", slow_tools=True,
                   agentloop_config="arithmetic_grpo_async", trl_runs_of="b"),
+    "e": Workload("e", "(c) with agentloop's rollouts on vLLM (rollout.name=vllm)", max_assistant_turns=8,
+                  response_length=512, long_episodes=True, trl_runs_of="c", rollout_engine="vllm"),
 }
 
 UNMATCHED = [
