@@ -204,3 +204,18 @@ def test_a_killed_server_fails_its_calls_without_hanging(model_path):
             run(asyncio.wait_for(engine.generate(PROMPT, {"max_new_tokens": 2}, "k1"), timeout=60))
     finally:
         run(engine.shutdown())
+
+
+def test_an_attached_engine_drives_a_running_server_and_leaves_it_running(engine, model_path):
+    attached = VLLMEngine(model_path, url=engine.url + "/", startup_timeout_s=60)
+    ENGINES.append(attached)
+    try:
+        greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        assert (
+            run(attached.generate(PROMPT, greedy, "at")).token_ids
+            == run(engine.generate(PROMPT, greedy, "own")).token_ids
+        )
+        run(attached.shutdown())
+        assert engine.server.process.poll() is None and run(engine.generate(PROMPT, greedy, "still")).token_ids
+    finally:
+        ENGINES.remove(attached)

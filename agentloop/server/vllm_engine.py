@@ -119,9 +119,8 @@ def server_env(config: DictConfig) -> dict[str, str]:
 class VLLMEngine:
     """Async client of one vLLM server (launched here, or attached by URL)."""
 
-    http_url = (
-        None  # vLLM does not speak SGLang's API: the rollout server hosts agentloop's HTTP front over this engine
-    )
+    # vLLM does not speak SGLang's API: the rollout server hosts agentloop's HTTP front over this engine
+    http_url = None
 
     def __init__(
         self,
