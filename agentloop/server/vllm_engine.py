@@ -257,8 +257,7 @@ class VLLMEngine:
         handle, path = tempfile.mkstemp(prefix="agentloop-weights-", suffix=".safetensors", dir=self.weights_dir)
         os.close(handle)
         try:
-            tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors.items()}
-            await asyncio.to_thread(save_file, tensors, path)
+            await asyncio.to_thread(save_file, _unshared(named_tensors), path)
             await self._load_files([path])
         finally:
             os.unlink(path)
@@ -309,6 +308,19 @@ class VLLMEngine:
     @property
     def is_sleeping(self) -> bool:
         return self._sleeping
+
+
+def _unshared(named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, each with memory of its own: safetensors refuses to write tensors that share memory,
+    as a tied model's embeddings and output head do in its state dict."""
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, tensor in named_tensors.items():
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone() if storage in storages else tensor
+        storages.add(storage)
+    return tensors
 
 
 def _sampling(sampling_params: dict[str, Any]) -> dict[str, Any]:
