@@ -1,7 +1,7 @@
 """``rollout.name=vllm`` through the whole rollout stack on Ray: batches with the engine's exact ids and logprobs,
 weight pushes through the manager, partial rollouts (a push mid-rollout: each trajectory continues under the new
-weights, every token keeping its policy's log-prob and version), and a dead server replaced (its vLLM process
-stopped with it) serving the latest weights."""
+weights, every token keeping its policy's log-prob and version), a dead server replaced (its vLLM process
+stopped with it) serving the latest weights, and the session gateway over a vLLM server."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ import psutil
 import pytest
 import ray
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import agentloop.testing  # noqa: F401  (registers fixed_length)
 from agentloop import AgentLoopManager
+from agentloop.dumps import mask_runs
+from agentloop.server.rollout_server import RolloutServer
 from tests.support.config import small_config
+from tests.support.models import SCRIPTS
 from tests.test_partial_rollouts import LENGTH, ROWS, check_tokens_of_two_policies, perturbed, pushed_mid_flight
 from tests.test_vllm_engine import assert_logprobs_match, vllm_overrides
 
@@ -91,3 +94,23 @@ def test_batches_weights_and_a_replaced_server(manager, model_path):
     assert [(e.rank, e.kind) for e in manager.pool.events] == [(0, "restarted")]
     assert_logprobs_match(model, PROMPT, sample(manager.servers[0]))
     assert wait_for_vllm_servers(1) == 1  # Ray stops a killed actor's child processes, a moment later
+
+
+def test_an_external_agent_through_the_gateway_on_vllm_is_exact(local_ray, scripted_model):
+    """The session gateway over a vLLM rollout server, unchanged: an OpenAI-SDK program's calls recorded as one
+    segment with the engine's exact tokens, the tool results it sent back as observations."""
+    from tests.test_gateway import AGENTS, assert_exact, external
+    from tests.test_tool_agent import tool_config
+
+    server = RolloutServer.remote(tool_config(scripted_model, *vllm_overrides()), 0)
+    try:
+        ray.get(server.__ray_ready__.remote(), timeout=600)
+        tokenizer = AutoTokenizer.from_pretrained(scripted_model.path)
+        output = external(server, tokenizer, scripted_model, *vllm_overrides(), function=f"{AGENTS}.scripted_openai")
+        assert output.end_reason == "stop" and not output.segments and output.metrics["gateway_calls"] == 3
+        texts = [tokenizer.decode(output.response_ids[a:b]) for value, a, b in mask_runs(output.response_mask) if value]
+        assert texts == [turn + "<|im_end|>" for turn in SCRIPTS["multi"]]
+        assert_exact(AutoModelForCausalLM.from_pretrained(scripted_model.path, dtype=torch.float32), output)
+    finally:
+        ray.get(server.shutdown.remote(), timeout=120)
+        ray.kill(server)
