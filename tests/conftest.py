@@ -14,13 +14,15 @@ import ray
 from agentloop.models.tiny_qwen import tiny_model_path
 from agentloop.models.tiny_reward_model import tiny_reward_model_path
 from agentloop.models.tiny_vlm import tiny_vlm_path
-from tests.support.models import ScriptedModel, build_coin_model, build_ok_model, build_scripted_model, corridor_warm_start
+from tests.support.models import (
+    ScriptedModel, build_coin_model, build_gsm8k_model, build_ok_model, build_scripted_model, corridor_warm_start,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 # fixture -> the model it needs, built before the first test by one bounded subprocess
 MODEL_FIXTURES = {
     "model_path": "tiny", "scripted_model": "scripted", "ok_model": "ok", "coin_model": "coin", "vlm_path": "vlm",
-    "corridor_model": "corridor", "reward_model_path": "reward_model",
+    "corridor_model": "corridor", "reward_model_path": "reward_model", "gsm8k_model": "gsm8k",
 }
 BUILD_TIMEOUT_S = float(os.environ.get("AGENTLOOP_TEST_BUILD_TIMEOUT_S", 1800))
 # Every Ray instance the tests and the jobs they start make is their own: ray.init() would otherwise join one that
@@ -86,6 +88,12 @@ def ok_model() -> str:
 @pytest.fixture(scope="session")
 def coin_model() -> str:
     return build_coin_model()
+
+
+@pytest.fixture(scope="session")
+def gsm8k_model() -> str:
+    """A model that plays verl's GSM8K example (``tests.support.models.build_gsm8k_model``)."""
+    return build_gsm8k_model()
 
 
 @pytest.fixture(scope="session")

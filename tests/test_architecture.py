@@ -27,7 +27,7 @@ LAYERS = [
     ["agentloop.router"],
     ["agentloop.server", "agentloop.judge.reward_model_server"],
     ["agentloop.tools", "agentloop.interactions", "agentloop.envs", "agentloop.rewards", "agentloop.reward_score", "agentloop.models", "agentloop.judge.session"],
-    ["agentloop.protocol", "agentloop.policy_versions", "agentloop.batch", "agentloop.rows", "agentloop.waiting", "agentloop.yaml_entries", "agentloop.config_keys", "agentloop.images", "agentloop.allocator", "agentloop.http_server", "agentloop.cluster"],
+    ["agentloop.protocol", "agentloop.policy_versions", "agentloop.batch", "agentloop.rows", "agentloop.waiting", "agentloop.yaml_entries", "agentloop.config_keys", "agentloop.images", "agentloop.allocator", "agentloop.http_server", "agentloop.cluster", "agentloop.utils"],
 ]
 
 

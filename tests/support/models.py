@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from transformers import AutoTokenizer
 
+from agentloop.interactions import load_interactions
 from agentloop.models.cache import cache_root
 from agentloop.models.sft import finetune
 from agentloop.models.tiny_qwen import tiny_model_path
@@ -29,6 +30,7 @@ from agentloop.tasks.corridor.warm_start import warm_start_path as corridor_warm
 from agentloop.tools.parsers import format_hermes as call
 from agentloop.tools.parsers import parse_hermes
 from agentloop.tools.toolset import load_tool_set
+from tests.support.verl_job import data as verl_data
 
 TOOLS_PATH = str(Path(__file__).with_name("scripted_tools.yaml"))
 # Training stops once greedy decoding replays every text with this lead (in logits) of each trained
@@ -114,6 +116,68 @@ def build_ok_model() -> str:
     )
 
 
+# verl's GSM8K multi-turn example (tests/support/verl_job): its tool and interaction YAMLs, with the package renamed
+VERL_JOB_CONFIG = Path(__file__).with_name("verl_job") / "config"
+GSM8K_TOOLS_PATH = str(VERL_JOB_CONFIG / "tool_config/gsm8k_tool_config.yaml")
+GSM8K_INTERACTIONS_PATH = str(VERL_JOB_CONFIG / "interaction_config/gsm8k_interaction_config.yaml")
+GSM8K_ROWS_SEED = 11
+
+
+def gsm8k_example_rows() -> dict[str, list[dict[str, Any]]]:
+    """Two rows of each variant of verl's example ("tool", "interaction"), as its preprocessing writes them."""
+    return {
+        "tool": verl_data.tool_rows("train", 2, seed=GSM8K_ROWS_SEED),
+        "interaction": verl_data.interaction_rows("train", 2, seed=GSM8K_ROWS_SEED),
+    }
+
+
+def gsm8k_submissions(row: dict[str, Any]) -> list[str]:
+    """The answers the GSM8K model gives a row, in order: the first row's right at once, the second's wrong first."""
+    truth = row["reward_model"]["ground_truth"]
+    return [truth] if row["extra_info"]["index"] == 0 else [str(int(truth) + 1), truth]
+
+
+async def _gsm8k_conversation(variant: str, row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row's conversation as verl's example runs it, its tool results and user replies from the shipped classes:
+    each answer submitted to ``calc_gsm8k_reward`` then the last one written out, or each written out and graded."""
+    messages = list(row["prompt"])
+    truth = row["reward_model"]["ground_truth"]
+    if variant == "tool":
+        tool_set, created = load_tool_set(GSM8K_TOOLS_PATH), {}
+        create_kwargs = {name: spec["create_kwargs"] for name, spec in row["extra_info"]["tools_kwargs"].items()}
+        for answer in gsm8k_submissions(row):
+            turn = call("calc_gsm8k_reward", {"answer": answer})
+            result = await tool_set.call(parse_hermes(turn)[1][0], "gsm8k", created, create_kwargs)
+            messages += [{"role": "assistant", "content": turn}, {"role": "tool", "content": result.text}]
+        await tool_set.finish("gsm8k", created)
+        return messages + [{"role": "assistant", "content": f"#### {truth}"}]
+    interaction = load_interactions(GSM8K_INTERACTIONS_PATH)["gsm8k"]
+    await interaction.start_interaction("gsm8k", **row["extra_info"]["interaction_kwargs"])
+    for answer in gsm8k_submissions(row):
+        messages.append({"role": "assistant", "content": f"#### {answer}"})
+        done, reply, _, _ = await interaction.generate_response("gsm8k", messages)
+        if not done:  # the conversation ends at the right answer: nothing follows it to learn
+            messages.append({"role": "user", "content": reply})
+    await interaction.finalize_interaction("gsm8k")
+    return messages
+
+
+def build_gsm8k_model() -> str:
+    """A model that plays verl's GSM8K example on ``gsm8k_example_rows()`` (``gsm8k_submissions`` gives its answers)."""
+    base = tiny_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    schemas = load_tool_set(GSM8K_TOOLS_PATH).schemas
+    texts = [
+        tokenizer.apply_chat_template(
+            asyncio.run(_gsm8k_conversation(variant, row)), tools=schemas if variant == "tool" else None, tokenize=False
+        )
+        for variant, rows in gsm8k_example_rows().items() for row in rows
+    ]
+    key = hashlib.sha256(json.dumps([base, texts, STOP_MARGIN]).encode()).hexdigest()[:16]
+    directory = str(cache_root() / "models" / f"gsm8k-{key}")
+    return finetune(base, texts, directory, steps=400, stop_margin=STOP_MARGIN, desc="GSM8K test model")
+
+
 def build_coin_model() -> str:
     """A model that answers "question N" with "yes" or "no", each about half the time when sampled.
 
@@ -137,7 +201,7 @@ def says_yes(data_source: str, solution_str: str, ground_truth: Any, extra_info:
 
 BUILDERS = {
     "tiny": tiny_model_path, "scripted": build_scripted_model, "ok": build_ok_model, "coin": build_coin_model, "vlm": tiny_vlm_path,
-    "corridor": corridor_warm_start, "reward_model": tiny_reward_model_path,
+    "corridor": corridor_warm_start, "reward_model": tiny_reward_model_path, "gsm8k": build_gsm8k_model,
 }
 
 
