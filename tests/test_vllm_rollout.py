@@ -1,7 +1,7 @@
 """``rollout.name=vllm`` through the whole rollout stack on Ray: batches with the engine's exact ids and logprobs,
 weight pushes through the manager, partial rollouts (a push mid-rollout: each trajectory continues under the new
 weights, every token keeping its policy's log-prob and version), a dead server replaced (its vLLM process
-stopped with it) serving the latest weights, and the session gateway over a vLLM server."""
+stopped with it) serving the latest weights; the session gateway over a vLLM server, and a judge served by vLLM."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from agentloop.dumps import mask_runs
 from agentloop.server.rollout_server import RolloutServer
 from tests.support.config import small_config
 from tests.support.models import SCRIPTS
+from tests.test_judge import judge_answers as judge_answers  # noqa: F401  (a fixture)
 from tests.test_partial_rollouts import LENGTH, ROWS, check_tokens_of_two_policies, perturbed, pushed_mid_flight
 from tests.test_vllm_engine import assert_logprobs_match, vllm_overrides
 
@@ -31,8 +32,14 @@ def sample(server):
 
 
 def vllm_servers() -> list[psutil.Process]:
+    """vLLM server processes of this test's Ray (its descendants) and any orphaned under init: not those of another
+    suite that may run on the machine."""
+    ours = {child.pid for child in psutil.Process().children(recursive=True)}
     return [
-        p for p in psutil.process_iter(["cmdline"]) if "vllm.entrypoints.openai.api_server" in (p.info["cmdline"] or [])
+        process
+        for process in psutil.process_iter(["cmdline", "ppid"])
+        if "vllm.entrypoints.openai.api_server" in (process.info["cmdline"] or [])
+        and (process.pid in ours or process.info["ppid"] == 1)
     ]
 
 
@@ -114,3 +121,32 @@ def test_an_external_agent_through_the_gateway_on_vllm_is_exact(local_ray, scrip
     finally:
         ray.get(server.shutdown.remote(), timeout=120)
         ray.kill(server)
+
+
+def test_a_generative_judge_served_by_vllm(local_ray, ok_model, coin_model, judge_answers):  # noqa: F811
+    """``reward_model.rollout.name=vllm``: the judge's own server runs on vLLM, unchanged; a reward function awaits its
+    answers, which are the judge model's greedy replies."""
+    from tests.test_judge import JUDGED_SOURCES, RESPONSE_LENGTH, rows
+
+    manager = AgentLoopManager(
+        small_config(
+            *vllm_overrides(),
+            "actor_rollout_ref.rollout.name=hf",  # the policy on hf, the judge on vLLM
+            f"actor_rollout_ref.model.path={ok_model}",
+            "reward_model.enable=true",
+            "reward_model.rollout.name=vllm",
+            f"reward_model.model.path={coin_model}",
+            f"reward_model.rollout.response_length={RESPONSE_LENGTH}",
+            *(f"+custom_reward_function.by_data_source.{name}=tests.support.judges.{name}" for name in JUDGED_SOURCES),
+        )
+    )
+    try:
+        batch = manager.generate_sequences(rows("ask_the_judge", 4))
+        fields = batch.non_tensor_batch
+        for i in range(4):
+            assert fields["failure"][i] is None
+            assert fields["reward_extra_info"][i]["judge_text"] == judge_answers[i]
+            assert fields["reward_score"][i] == float(judge_answers[i].startswith("yes"))
+        assert batch.meta_info["judge/calls"] == 4 and batch.meta_info["judge/failures"] == 0
+    finally:
+        manager.shutdown()

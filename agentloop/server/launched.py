@@ -8,8 +8,11 @@ the event loop that opened it (an ``aiohttp`` session is bound to its loop), so 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -19,6 +22,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import aiohttp
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class ServerProcess:
@@ -35,7 +40,9 @@ class ServerProcess:
         """Start ``command`` with its output in a log file of its own."""
         self.log_path = Path(tempfile.mkstemp(prefix=f"{self.name.lower()}-", suffix=".log")[1])
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=dict(env))
+            self.process = subprocess.Popen(
+                list(command), stdout=log, stderr=subprocess.STDOUT, env=dict(env), preexec_fn=_die_with_parent
+            )
 
     def log_tail(self, lines: int = 40) -> str:
         if not self.log_path or not self.log_path.exists():
@@ -88,6 +95,14 @@ class ServerProcess:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+
+def _die_with_parent() -> None:
+    """In the child before it runs: SIGTERM when the process that launched it dies (Linux). A server actor that Ray
+    kills, or a job whose Ray shuts down, gets no chance to stop its server, which would otherwise live on, holding
+    its memory (and its GPU), under init."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class JSONClient:
