@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.vllm_engine import VLLMEngine
+from tests.test_hf_engine import teacher_forced_logprobs
 from tests.support.config import small_config
 
 PROMPT = list(range(3, 40))
@@ -57,13 +58,6 @@ def run(coroutine):
                 await engine.client.close()
 
     return asyncio.run(and_close())
-
-
-def teacher_forced_logprobs(model, prompt, tokens, temperature=1.0):
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0].float() / temperature
-    log_probs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
-    return log_probs.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 def assert_logprobs_match(model, prompt, output, temperature=1.0):

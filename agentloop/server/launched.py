@@ -8,7 +8,9 @@ the event loop that opened it (an ``aiohttp`` session is bound to its loop), so 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import itertools
 import json
 import signal
 import subprocess
@@ -17,13 +19,71 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections import deque
+from collections import defaultdict, deque
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import aiohttp
+from omegaconf import DictConfig
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def attached_url(rollout: DictConfig, backend: str, rank: int) -> str | None:
+    """``rollout.<backend>.urls[rank]``: the running server this rank attaches to, or None to launch one."""
+    urls = list(rollout[backend].urls or [])
+    if urls and len(urls) < rollout.data_parallel_size:
+        raise ValueError(
+            f"rollout.{backend}.urls lists {len(urls)} server(s) for data_parallel_size={rollout.data_parallel_size}"
+        )
+    return urls[rank] if urls else None
+
+
+class InFlightCalls:
+    """Each session's calls in flight on a server, by the id each call gets (``<session>#<n>``: a server refuses an
+    id already in flight, and one session may have several calls in flight). Calls in flight while a weight update
+    pauses generation are marked: the server answers them ``abort``, which for them means ``interrupted``."""
+
+    def __init__(self) -> None:
+        self._by_session: dict[str, set[str]] = defaultdict(set)
+        self._counter = itertools.count()
+        self._pausing = False
+        self._interrupted: set[str] = set()
+
+    @contextlib.contextmanager
+    def call(self, session: str) -> Iterator[str]:
+        """A new call of ``session``, in flight while the block runs; yields its id."""
+        call_id = f"{session}#{next(self._counter)}"
+        self._by_session[session].add(call_id)
+        if self._pausing:
+            self._interrupted.add(call_id)
+        try:
+            yield call_id
+        finally:
+            self._interrupted.discard(call_id)
+            self._by_session[session].discard(call_id)
+            if not self._by_session[session]:
+                del self._by_session[session]
+
+    def of(self, session: str) -> list[str]:
+        return list(self._by_session.get(session, ()))
+
+    def __len__(self) -> int:
+        return sum(len(calls) for calls in self._by_session.values())
+
+    def interrupted(self, call_id: str) -> bool:
+        return call_id in self._interrupted
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """While generation is paused for a weight update: the calls in flight now, and any started meanwhile, are
+        interrupted ones."""
+        self._pausing = True
+        self._interrupted.update(call for calls in self._by_session.values() for call in calls)
+        try:
+            yield
+        finally:
+            self._pausing = False
 
 
 class ServerProcess:

@@ -22,10 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import os
 import sys
-from collections import defaultdict
 from typing import Any, AsyncIterator, Iterable, Mapping
 
 import torch
@@ -35,7 +33,7 @@ from transformers import AutoConfig, GenerationConfig
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput, finish_reason_of, id_list, validate_sampling_params
 from agentloop.server.engine import EngineAsleep
-from agentloop.server.launched import JSONClient, ServerProcess
+from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess, attached_url
 from agentloop.server.sglang_requests import build_generate_request, check_prompt_tokens, parse_generate_response
 
 
@@ -82,11 +80,8 @@ class SGLangEngine:
         self.model_path = model_path
         self.tensor_parallel_size = tensor_parallel_size
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._rids_by_session: dict[str, set[str]] = defaultdict(set)
-        self._call_counter = itertools.count()
+        self.calls = InFlightCalls()  # each call's rid: ``<session>#<n>``
         self._sleeping = False
-        self._pausing = False  # a weight update has paused generation (and aborted the requests in flight)
-        self._interrupted: set[str] = set()  # rids in flight while it did: their ``abort`` means ``interrupted``
         self.http_url = url.rstrip("/") if url else f"http://127.0.0.1:{port}"
         self.server = ServerProcess("SGLang", self.http_url, headers)
         self.client = JSONClient("SGLang", self.http_url, headers, request_timeout_s)
@@ -99,14 +94,9 @@ class SGLangEngine:
         """Launch SGLang for this rank from ``rollout.sglang`` (port + rank), or attach to ``urls[rank]``."""
         rollout = config.actor_rollout_ref.rollout
         settings = rollout.sglang
-        urls = list(settings.urls or [])
-        if urls and len(urls) < rollout.data_parallel_size:
-            raise ValueError(
-                f"rollout.sglang.urls lists {len(urls)} server(s) for data_parallel_size={rollout.data_parallel_size}"
-            )
         return cls(
             config.actor_rollout_ref.model.path,
-            url=urls[rank] if urls else None,
+            url=attached_url(rollout, "sglang", rank),
             api_key=settings.api_key,
             launch_args=launch_args(config, rank),
             startup_timeout_s=rollout.server_startup_timeout_s,
@@ -173,12 +163,10 @@ class SGLangEngine:
         """One turn; ``images`` (their pads expanded in ``prompt_ids``) go to SGLang as ``image_data``."""
         if self._sleeping:
             raise EngineAsleep("engine is asleep: call wake_up() before generate()")
-        rid = f"{request_id}#{next(self._call_counter)}"
-        request = build_generate_request(prompt_ids, sampling_params, rid, images, image_pad_id=self.image_pad_id if images else None)
-        self._rids_by_session[request_id].add(rid)
-        if self._pausing:
-            self._interrupted.add(rid)
-        try:
+        with self.calls.call(request_id) as rid:
+            request = build_generate_request(
+                prompt_ids, sampling_params, rid, images, image_pad_id=self.image_pad_id if images else None
+            )
             body = await self._post("/generate", request)
             if images:
                 check_prompt_tokens(body, len(prompt_ids), images, self.model_path)
@@ -188,24 +176,19 @@ class SGLangEngine:
                 # and length; interrupted by new weights otherwise, the router continues it
                 params = validate_sampling_params(sampling_params)
                 stop_ids = list(params["stop_token_ids"] or []) + ([] if params["ignore_eos"] else self.eos_token_ids)
-                cut = "interrupted" if rid in self._interrupted else "abort"
+                cut = "interrupted" if self.calls.interrupted(rid) else "abort"
                 output.finish_reason = finish_reason_of(output.token_ids, stop_ids, int(params["max_new_tokens"]), cut)
             return output
-        finally:
-            self._interrupted.discard(rid)
-            self._rids_by_session[request_id].discard(rid)
-            if not self._rids_by_session[request_id]:
-                del self._rids_by_session[request_id]
 
     async def abort(self, request_id: str) -> int:
-        rids = list(self._rids_by_session.get(request_id, ()))
+        rids = self.calls.of(request_id)
         # 404: the request finished meanwhile (agentloop's HTTP front says so; SGLang answers 200)
         await asyncio.gather(*(self._post("/abort_request", {"rid": rid}, accept=(200, 404)) for rid in rids))
         return len(rids)
 
     @property
     def num_in_flight(self) -> int:
-        return sum(len(rids) for rids in self._rids_by_session.values())
+        return len(self.calls)
 
     # ------------------------------------------------------------------ weights and memory
 
@@ -254,16 +237,12 @@ class SGLangEngine:
         """SGLang's ``/pause_generation`` in ``abort`` mode around a weight update: the requests in flight come
         back at once with the tokens they have (``interrupted``: the router continues them under the new
         weights) and new ones wait in SGLang until ``/continue_generation``."""
-        self._pausing = True
-        self._interrupted.update(rid for rids in self._rids_by_session.values() for rid in rids)
-        try:
-            await self._post("/pause_generation", {"mode": "abort"})
-            yield
-        finally:
+        with self.calls.paused():
             try:
-                await self._post("/continue_generation", {})
+                await self._post("/pause_generation", {"mode": "abort"})
+                yield
             finally:
-                self._pausing = False
+                await self._post("/continue_generation", {})
 
     async def flush_cache(self) -> None:
         await self._post("/flush_cache", {})

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterable, Mapping
 
@@ -42,7 +40,7 @@ from omegaconf import DictConfig
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput, validate_sampling_params
 from agentloop.server.engine import EngineAsleep
-from agentloop.server.launched import JSONClient, ServerProcess
+from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess, attached_url
 
 PLUGIN_PATH = Path(__file__).with_name("vllm_plugin")
 WEIGHT_BACKEND = "agentloop_file"  # registered by vllm_plugin/agentloop_vllm_plugin.py
@@ -142,11 +140,8 @@ class VLLMEngine:
         self.server = ServerProcess("vLLM", self.url, headers)
         self.client = JSONClient("vLLM", self.url, headers, request_timeout_s)
         self.weights_dir = weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-        self._rids_by_session: dict[str, set[str]] = defaultdict(set)
-        self._call_counter = itertools.count()
+        self.calls = InFlightCalls()  # each call's request_id: ``<session>#<n>``
         self._sleeping = False
-        self._pausing = False
-        self._interrupted: set[str] = set()  # rids in flight when a weight update paused generation
         if not url:
             python = python or sys.executable
             _check_vllm_installed(python)
@@ -171,14 +166,9 @@ class VLLMEngine:
         """Launch vLLM for this rank from ``rollout.vllm`` (port + rank), or attach to ``urls[rank]``."""
         rollout = config.actor_rollout_ref.rollout
         settings = rollout.vllm
-        urls = list(settings.urls or [])
-        if urls and len(urls) < rollout.data_parallel_size:
-            raise ValueError(
-                f"rollout.vllm.urls lists {len(urls)} server(s) for data_parallel_size={rollout.data_parallel_size}"
-            )
         return cls(
             config.actor_rollout_ref.model.path,
-            url=urls[rank] if urls else None,
+            url=attached_url(rollout, "vllm", rank),
             api_key=settings.api_key,
             python=settings.python,
             launch_args=launch_args(config, rank),
@@ -222,31 +212,22 @@ class VLLMEngine:
             raise ValueError("engine vllm serves text only here: images need rollout.name=hf or sglang")
         if self._sleeping:
             raise EngineAsleep("engine is asleep: call wake_up() before generate()")
-        rid = f"{request_id}#{next(self._call_counter)}"
-        body = {"token_ids": list(prompt_ids), "request_id": rid, "sampling_params": _sampling(sampling_params)}
-        self._rids_by_session[request_id].add(rid)
-        if self._pausing:
-            self._interrupted.add(rid)
-        try:
+        with self.calls.call(request_id) as rid:
+            body = {"token_ids": list(prompt_ids), "request_id": rid, "sampling_params": _sampling(sampling_params)}
             output = parse_generate_response(await self.client.post("/inference/v1/generate", body))
-            if output.finish_reason == "abort" and rid in self._interrupted:
+            if output.finish_reason == "abort" and self.calls.interrupted(rid):
                 output.finish_reason = "interrupted"
             return output
-        finally:
-            self._interrupted.discard(rid)
-            self._rids_by_session[request_id].discard(rid)
-            if not self._rids_by_session[request_id]:
-                del self._rids_by_session[request_id]
 
     async def abort(self, request_id: str) -> int:
-        rids = list(self._rids_by_session.get(request_id, ()))
+        rids = self.calls.of(request_id)
         if rids:
             await self.client.post("/abort_requests", {"request_ids": [VLLM_REQUEST_PREFIX + rid for rid in rids]})
         return len(rids)
 
     @property
     def num_in_flight(self) -> int:
-        return sum(len(rids) for rids in self._rids_by_session.values())
+        return len(self.calls)
 
     # ------------------------------------------------------------------ weights and memory
 
@@ -282,16 +263,12 @@ class VLLMEngine:
     async def _generation_paused(self) -> AsyncIterator[None]:
         """vLLM's ``/pause`` in abort mode: the requests in flight come back at once with the tokens they have
         (``interrupted``) until ``/resume``."""
-        self._pausing = True
-        self._interrupted.update(rid for rids in self._rids_by_session.values() for rid in rids)
-        try:
-            await self.client.post("/pause", params={"mode": "abort", "clear_cache": "false"})
-            yield
-        finally:
+        with self.calls.paused():
             try:
-                await self.client.post("/resume")
+                await self.client.post("/pause", params={"mode": "abort", "clear_cache": "false"})
+                yield
             finally:
-                self._pausing = False
+                await self.client.post("/resume")
 
     async def flush_cache(self) -> None:
         await self.client.post("/reset_prefix_cache")
