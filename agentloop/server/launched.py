@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import itertools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -101,7 +102,12 @@ class ServerProcess:
         self.log_path = Path(tempfile.mkstemp(prefix=f"{self.name.lower()}-", suffix=".log")[1])
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                list(command), stdout=log, stderr=subprocess.STDOUT, env=dict(env), preexec_fn=_die_with_parent
+                list(command),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(env),
+                preexec_fn=_die_with_parent,
+                start_new_session=True,  # its own process group: terminate() reaches the processes it starts too
             )
 
     def log_tail(self, lines: int = 40) -> str:
@@ -148,13 +154,19 @@ class ServerProcess:
         return json.loads(text) if text else None
 
     def terminate(self) -> None:
-        """Stop a launched server (an attached one keeps running)."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        """Stop a launched server and every process it started (an attached one keeps running): a server that died
+        on its own may have left its engine's processes behind in its group."""
+        if self.process is None:
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signum)
 
 
 def _die_with_parent() -> None:
