@@ -6,7 +6,9 @@ vLLM runs in its own environment (``python -m agentloop.server.vllm_env``), name
 
 import asyncio
 import os
+import re
 import signal
+import time
 
 import pytest
 import requests
@@ -14,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agentloop.server.engine import EngineAsleep
+from agentloop.server.launched import live_processes_in_group
 from agentloop.server.vllm_engine import VLLMEngine
 from tests.test_hf_engine import teacher_forced_logprobs
 from tests.support.config import small_config
@@ -58,6 +61,19 @@ def run(coroutine):
                 await engine.client.close()
 
     return asyncio.run(and_close())
+
+
+async def running_in_the_server(engine, timeout: float = 60.0) -> None:
+    """Until vLLM's scheduler runs a request and has decoded a little: counting our own calls in flight is not
+    enough on a loaded machine, where a request may reach the server only after a pause meant to interrupt it."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        metrics = await asyncio.to_thread(requests.get, engine.url + "/metrics", timeout=10)
+        if re.search(r"^vllm:num_requests_running\{[^}]*\} [1-9]", metrics.text, re.MULTILINE):
+            await asyncio.sleep(0.2)
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"no request ran in the vLLM server at {engine.url} within {timeout} s")
 
 
 def assert_logprobs_match(model, prompt, output, temperature=1.0):
@@ -119,9 +135,7 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(engine):
 def test_abort_returns_partial_with_reason(engine):
     async def scenario():
         task = asyncio.create_task(engine.generate(PROMPT, {"max_new_tokens": 3000, "ignore_eos": True}, "long"))
-        while engine.num_in_flight == 0:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.5)
+        await running_in_the_server(engine)
         assert await engine.abort("long") == 1
         return await asyncio.wait_for(task, timeout=30)
 
@@ -142,9 +156,7 @@ def test_weights_update_with_requests_in_flight_and_from_disk(engine, model_path
 
     async def update_during_a_request():
         long = asyncio.create_task(engine.generate(PROMPT, {"max_new_tokens": 3000, "ignore_eos": True}, "long-w"))
-        while engine.num_in_flight == 0:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.5)
+        await running_in_the_server(engine)
         assert await engine.update_weights(perturbed) == len(perturbed)
         return await asyncio.wait_for(long, timeout=30)
 
@@ -192,10 +204,16 @@ def test_a_killed_server_fails_its_calls_without_hanging(model_path):
     engine = VLLMEngine.from_config(config, rank=0)
     try:
         assert run(engine.generate(PROMPT, {"max_new_tokens": 2}, "k0")).token_ids
-        os.kill(engine.server.process.pid, signal.SIGKILL)
+        group = live_processes_in_group(engine.server.process.pid)
+        assert len(group) >= 2  # the API server and vLLM's engine core
+        os.kill(engine.server.process.pid, signal.SIGKILL)  # the API server alone, as when its launcher is killed
         engine.server.process.wait(timeout=30)
         with pytest.raises(Exception):
             run(asyncio.wait_for(engine.generate(PROMPT, {"max_new_tokens": 2}, "k1"), timeout=60))
+        deadline = time.monotonic() + 60
+        while live_processes_in_group(engine.server.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not live_processes_in_group(engine.server.process.pid), "vLLM's engine core outlived its API server"
     finally:
         run(engine.shutdown())
 

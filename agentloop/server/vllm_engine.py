@@ -103,6 +103,7 @@ def server_env(config: DictConfig) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_PATH), os.environ.get("PYTHONPATH")])),
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_PLUGINS": "agentloop_weights",  # only ours among any general plug-ins installed beside vLLM
+        "AGENTLOOP_VLLM_EXIT_WITH_PARENT": "1",  # its engine core and workers too (see the plug-in)
     }
     if not torch.cuda.is_available():
         threads = max(1, int(rollout.resources_per_server.get("CPU", 1)))

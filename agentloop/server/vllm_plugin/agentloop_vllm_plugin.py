@@ -13,14 +13,21 @@ system, CPU or GPU.
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from dataclasses import dataclass
 
 BACKEND = "agentloop_file"
+EXIT_WITH_PARENT = "AGENTLOOP_VLLM_EXIT_WITH_PARENT"  # set by agentloop's launcher, never for an attached server
+_watchdog_started = False
 
 
 def register() -> None:
     """Add the ``agentloop_file`` backend to vLLM's weight-transfer registry (idempotent: vLLM may load plug-ins
-    more than once in one process)."""
+    more than once in one process); in a server agentloop launched, make this process exit with its parent."""
+    if os.environ.get(EXIT_WITH_PARENT) == "1":
+        _exit_with_parent()
     from vllm.distributed.weight_transfer.base import (
         WeightTransferEngine,
         WeightTransferInitInfo,
@@ -85,3 +92,21 @@ def _tie_output_embeddings(model, model_config) -> None:
     head.weight = embeddings.weight
     if getattr(head, "quant_method", None) is not None:
         head.quant_method.process_weights_after_loading(head)
+
+
+def _exit_with_parent() -> None:
+    """Exit once this process's parent is gone. A server's engine core and workers outlive a killed API server
+    (reparented, ~1.7 GB each on CPU) when the rollout actor that launched it is killed: the API server dies by
+    its death signal and has no time to stop them."""
+    global _watchdog_started
+    if _watchdog_started:
+        return
+    _watchdog_started = True
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="agentloop-exit-with-parent", daemon=True).start()
