@@ -10,7 +10,11 @@ __all__ = ["AgentLoopBase", "AgentLoopManager", "AgentLoopOutput", "TokenOutput"
 
 # Imported on first use: a rollout server's process needs none of them, and the manager alone pulls in
 # TensorDict and with it torch's compiler, about two seconds of start-up in every process that imports it.
-_ON_FIRST_USE = {"AgentLoopBase": "agentloop.agent_loop.base", "AgentLoopManager": "agentloop.manager", "register": "agentloop.registry"}
+_ON_FIRST_USE = {
+    "AgentLoopBase": "agentloop.agent_loop.base",
+    "AgentLoopManager": "agentloop.manager",
+    "register": "agentloop.registry",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -19,7 +19,9 @@ def ray_address(config: DictConfig) -> str:
 def ray_init_kwargs(config: DictConfig) -> dict[str, Any]:
     """``ray_kwargs.ray_init``'s set values, for a Ray instance this job starts (joining a cluster ignores them)."""
     settings = OmegaConf.select(config, "ray_kwargs.ray_init")
-    return {key: value for key, value in OmegaConf.to_container(settings).items() if value is not None} if settings else {}
+    return (
+        {key: value for key, value in OmegaConf.to_container(settings).items() if value is not None} if settings else {}
+    )
 
 
 def start_ray(config: DictConfig) -> None:

@@ -113,7 +113,9 @@ def compose_config(
     try:
         if GlobalHydra.instance().is_initialized():
             if config_dir is not None:
-                raise ValueError("compose_config(config_dir=...) inside a running hydra application: compose there instead")
+                raise ValueError(
+                    "compose_config(config_dir=...) inside a running hydra application: compose there instead"
+                )
             config = compose(config_name=config_name, overrides=overrides)
         else:
             context = (

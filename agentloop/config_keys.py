@@ -61,7 +61,8 @@ class ConfigKeys:
         # a key ppo_trainer.yaml defines is implemented, even when verl_ignored.yaml still lists it
         overlaps = {prefix for path in own for prefix in _prefixes(path)}
         self.ignored = {
-            path: default for path, default in leaf_paths(ignored).items()
+            path: default
+            for path, default in leaf_paths(ignored).items()
             if path not in overlaps and not any(prefix in own for prefix in _prefixes(path))
         }
         self.leaves = {**own, **self.ignored}
@@ -113,4 +114,6 @@ class ConfigKeys:
     def describe_unknown(self, path: str) -> str:
         """One line naming the closest known keys to ``path``."""
         closest = self.closest(path)
-        return f"closest known keys to {path!r}: {', '.join(closest)}" if closest else f"no known key resembles {path!r}"
+        return (
+            f"closest known keys to {path!r}: {', '.join(closest)}" if closest else f"no known key resembles {path!r}"
+        )

@@ -57,24 +57,47 @@ JSON_COLUMNS = ("row", "turns", "reward_parts", "extra")
 TOKEN_ARRAY = pa.list_(pa.float32())  # a per-token array's column type (rollout_log_probs and the caller's)
 
 TRAJECTORY_COLUMNS = [
-    ("step", pa.int64()), ("sample", pa.int32()), ("uid", pa.string()), ("index", pa.string()),
-    ("data_source", pa.string()), ("agent_name", pa.string()), ("request_id", pa.string()),
-    ("score", pa.float64()), ("advantage", pa.float64()),
-    ("finish_reason", pa.string()), ("num_turns", pa.int32()), ("response_length", pa.int32()),
-    ("model_tokens", pa.int32()), ("tool_calls", pa.int32()), ("tool_errors", pa.int32()),
-    ("turn_rewards", pa.list_(pa.float64())), ("generate_time_s", pa.float64()), ("policy_version", pa.int64()),
-    ("row", pa.string()), ("reward_parts", pa.string()), ("extra", pa.string()),
+    ("step", pa.int64()),
+    ("sample", pa.int32()),
+    ("uid", pa.string()),
+    ("index", pa.string()),
+    ("data_source", pa.string()),
+    ("agent_name", pa.string()),
+    ("request_id", pa.string()),
+    ("score", pa.float64()),
+    ("advantage", pa.float64()),
+    ("finish_reason", pa.string()),
+    ("num_turns", pa.int32()),
+    ("response_length", pa.int32()),
+    ("model_tokens", pa.int32()),
+    ("tool_calls", pa.int32()),
+    ("tool_errors", pa.int32()),
+    ("turn_rewards", pa.list_(pa.float64())),
+    ("generate_time_s", pa.float64()),
+    ("policy_version", pa.int64()),
+    ("row", pa.string()),
+    ("reward_parts", pa.string()),
+    ("extra", pa.string()),
 ]
 SEGMENT_COLUMNS = [
-    ("rewritten_by", pa.string()), ("input", pa.string()), ("output", pa.string()),
-    ("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32())),
-    ("response_mask", pa.list_(pa.int8())), ("token_text", pa.list_(pa.string())), ("turns", pa.string()),
+    ("rewritten_by", pa.string()),
+    ("input", pa.string()),
+    ("output", pa.string()),
+    ("prompt_ids", pa.list_(pa.int32())),
+    ("response_ids", pa.list_(pa.int32())),
+    ("response_mask", pa.list_(pa.int8())),
+    ("token_text", pa.list_(pa.string())),
+    ("turns", pa.string()),
     ("policy_version_runs", pa.list_(pa.list_(pa.int64()))),
 ]
 
 
 def write_rollout_dump(
-    directory: str | Path, step: int, batch: RolloutBatch, tokenizer: PreTrainedTokenizerBase, **token_arrays: torch.Tensor
+    directory: str | Path,
+    step: int,
+    batch: RolloutBatch,
+    tokenizer: PreTrainedTokenizerBase,
+    **token_arrays: torch.Tensor,
 ) -> Path:
     """Write ``directory/step_NNNNNN.parquet`` for a finished batch, one record per trajectory; return its path.
 
@@ -100,7 +123,11 @@ def write_rollout_dump(
 
 
 def _trajectory_record(
-    batch: RolloutBatch, rows: list[int], sample: int, step: int, tokenizer: PreTrainedTokenizerBase,
+    batch: RolloutBatch,
+    rows: list[int],
+    sample: int,
+    step: int,
+    tokenizer: PreTrainedTokenizerBase,
     arrays: dict[str, torch.Tensor],
 ) -> dict[str, Any]:
     """One trajectory (its segments are ``rows``, oldest first); its per-trajectory columns repeat on every row, and
@@ -145,8 +172,12 @@ def _trajectory_record(
 
 
 def _segment(
-    batch: RolloutBatch, i: int, tokenizer: PreTrainedTokenizerBase, arrays: dict[str, torch.Tensor],
-    model_turns: Iterator[TurnRecord], observation_roles: Iterator[str],
+    batch: RolloutBatch,
+    i: int,
+    tokenizer: PreTrainedTokenizerBase,
+    arrays: dict[str, torch.Tensor],
+    model_turns: Iterator[TurnRecord],
+    observation_roles: Iterator[str],
 ) -> dict[str, Any]:
     """Row ``i``'s segment: ``SEGMENT_COLUMNS`` and the per-token arrays, cut to its own prompt and response."""
     tensors = batch.batch
@@ -180,7 +211,10 @@ def _reward(fields: dict[str, np.ndarray], i: int, loop_turns: list[TurnRecord])
         "turn_scores": turn_scores(loop_turns),
         "reward_extra_info": _field(fields, "reward_extra_info", i),
     }
-    return {"reward_score": _field(fields, "reward_score", i), **{key: value for key, value in reported.items() if value}}
+    return {
+        "reward_score": _field(fields, "reward_score", i),
+        **{key: value for key, value in reported.items() if value},
+    }
 
 
 def _extra(fields: dict[str, np.ndarray], i: int, loop_turns: list[TurnRecord]) -> dict[str, Any]:
@@ -194,11 +228,18 @@ def _extra(fields: dict[str, np.ndarray], i: int, loop_turns: list[TurnRecord]) 
         "rollout_log_probs_missing": _field(fields, "rollout_log_probs_missing", i),
     }
     extra = dict(_field(fields, "extra_fields", i) or {})
-    return {**extra, **{key: value for key, value in reported.items() if value}, "metrics": _field(fields, "metrics", i)}
+    return {
+        **extra,
+        **{key: value for key, value in reported.items() if value},
+        "metrics": _field(fields, "metrics", i),
+    }
 
 
 def _turns(
-    tokenizer: PreTrainedTokenizerBase, ids: list[int], mask: list[int], observation_roles: Iterator[str],
+    tokenizer: PreTrainedTokenizerBase,
+    ids: list[int],
+    mask: list[int],
+    observation_roles: Iterator[str],
     model_turns: Iterator[TurnRecord],
 ) -> list[dict[str, Any]]:
     """Split a segment's response into runs of model tokens and of observation tokens, one turn each.
@@ -275,7 +316,9 @@ def dump_format(path: str | Path) -> str:
         raise ValueError(f"{path.name}: could not read it as Parquet ({error}); still being written?") from error
     written_as = metadata.get(b"format", b"").decode()
     if written_as != FORMAT:
-        raise ValueError(f"{path.name}: written as {written_as or 'an unknown format'!r}; this version reads {FORMAT!r}")
+        raise ValueError(
+            f"{path.name}: written as {written_as or 'an unknown format'!r}; this version reads {FORMAT!r}"
+        )
     return FORMAT
 
 
@@ -294,7 +337,10 @@ def read_rollout_dump(path: str | Path) -> tuple[str, list[dict[str, Any]]]:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as error:
         raise ValueError(f"{path.name}: could not read it as Parquet ({error}); still being written?") from error
-    segment_keys = [*(name for name, _ in SEGMENT_COLUMNS), *(field.name for field in table.schema if field.type == TOKEN_ARRAY)]
+    segment_keys = [
+        *(name for name, _ in SEGMENT_COLUMNS),
+        *(field.name for field in table.schema if field.type == TOKEN_ARRAY),
+    ]
     records = table.to_pylist()
     for record in records:
         for key in JSON_COLUMNS:

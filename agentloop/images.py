@@ -46,7 +46,9 @@ def load_image(value: Any, where: str) -> Image.Image:
         elif isinstance(value, (bytes, bytearray)):
             image = Image.open(io.BytesIO(value))
         elif isinstance(value, dict):
-            source = value.get("bytes") or value.get("path") or value.get("url") or (value.get("image_url") or {}).get("url")
+            source = (
+                value.get("bytes") or value.get("path") or value.get("url") or (value.get("image_url") or {}).get("url")
+            )
             if source is None:
                 raise ValueError(f"an image dict needs 'bytes', 'path' or 'url', got keys {sorted(value)}")
             return load_image(source, where)
@@ -65,7 +67,9 @@ def load_image(value: Any, where: str) -> Image.Image:
     return image.convert("RGB")
 
 
-def split_images(messages: list[dict[str, Any]], images: list[Any] | None, where: str) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+def split_images(
+    messages: list[dict[str, Any]], images: list[Any] | None, where: str
+) -> tuple[list[dict[str, Any]], list[Image.Image]]:
     """The messages with every image as a bare ``{"type": "image"}`` part, and the images in order.
 
     Images embedded in content parts are used as they are; ``<image>`` placeholders and payload-less image
@@ -79,7 +83,11 @@ def split_images(messages: list[dict[str, Any]], images: list[Any] | None, where
         content = message.get("content")
         if isinstance(content, str) and PLACEHOLDER in content:
             pieces = content.split(PLACEHOLDER)
-            content = [part for i, piece in enumerate(pieces) for part in ([{"type": "image"}] if i else []) + ([{"type": "text", "text": piece}] if piece else [])]
+            content = [
+                part
+                for i, piece in enumerate(pieces)
+                for part in ([{"type": "image"}] if i else []) + ([{"type": "text", "text": piece}] if piece else [])
+            ]
         if not isinstance(content, list):
             normalized.append(message)
             continue
@@ -113,7 +121,9 @@ def process_images(processor: Any, images: list[Image.Image], where: str) -> lis
     if not images:
         return []
     if processor is None:
-        raise ValueError(f"{where}: has an image, but the model is text-only (actor_rollout_ref.model.path has no vision tower)")
+        raise ValueError(
+            f"{where}: has an image, but the model is text-only (actor_rollout_ref.model.path has no vision tower)"
+        )
     merged = processor.image_processor(images=images, return_tensors="pt")
     merge = int(processor.image_processor.merge_size)
     result, start = [], 0

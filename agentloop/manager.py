@@ -115,7 +115,9 @@ class AgentLoopManager:
             "supervision/worker_restarts": self.workers.restarts,
         }
         if self.judges is not None:
-            batch.meta_info["supervision/judge_restarts"] = sum(event.kind == "restarted" for event in self.judges.events)
+            batch.meta_info["supervision/judge_restarts"] = sum(
+                event.kind == "restarted" for event in self.judges.events
+            )
         return batch
 
     def _check_judges(self) -> None:
@@ -133,20 +135,40 @@ class AgentLoopManager:
         return samples, {name: registered[name] for name in names}, sampling_params(self.rollout, validate)
 
     def stream(
-        self, steps: Iterator[list[dict[str, Any]]], groups_per_batch: int, max_staleness: int, capacity: int, version: int = 0, *,
-        keep: Callable[[RolloutBatch], bool] | None = None, max_dropped: int = 0, order: str = "finished",
+        self,
+        steps: Iterator[list[dict[str, Any]]],
+        groups_per_batch: int,
+        max_staleness: int,
+        capacity: int,
+        version: int = 0,
+        *,
+        keep: Callable[[RolloutBatch], bool] | None = None,
+        max_dropped: int = 0,
+        order: str = "finished",
     ) -> GroupStream:
         """Roll out continuously: each item of ``steps`` is one training step's rows; finished GRPO groups wait
         in a bounded buffer for ``GroupStream.take`` (see ``agentloop.streaming``); ``keep`` drops the groups it
         refuses as they finish (dynamic sampling); ``order`` says which finished groups a batch takes."""
         return GroupStream(
-            self.workers, self.pool, self._prepare, self._finish_batch, steps, groups_per_batch, max_staleness, capacity, version,
-            keep=keep, max_dropped=max_dropped, order=order,
+            self.workers,
+            self.pool,
+            self._prepare,
+            self._finish_batch,
+            steps,
+            groups_per_batch,
+            max_staleness,
+            capacity,
+            version,
+            keep=keep,
+            max_dropped=max_dropped,
+            order=order,
         )
 
     def _check_failures(self, batch: RolloutBatch) -> None:
         """Raise with the first traceback when more than ``rollout.max_failed_sample_ratio`` of the samples failed."""
-        failures = [failure for failure in batch.non_tensor_batch["failure"][batch.last_segments()] if failure is not None]
+        failures = [
+            failure for failure in batch.non_tensor_batch["failure"][batch.last_segments()] if failure is not None
+        ]
         limit, samples = float(self.rollout.max_failed_sample_ratio), batch.num_trajectories
         if len(failures) > limit * samples:
             raise RuntimeError(
@@ -175,7 +197,9 @@ class AgentLoopManager:
 
     # ------------------------------------------------------------------ servers
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor] | PackedWeights | ray.ObjectRef, version: int | None = None) -> None:
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor] | PackedWeights | ray.ObjectRef, version: int | None = None
+    ) -> None:
         """Push new weights to every server (in place; prefix caches flushed); a server that died is replaced
         and gets them too. ``version`` numbers the policy (the trainer passes the updates applied); tokens
         are stamped with it. Requests in flight are interrupted and continue under the new weights.
@@ -232,8 +256,10 @@ def _absolute_paths(config: DictConfig) -> None:
     """Make file paths absolute: actors do not share the driver's working directory."""
     rollout = config.actor_rollout_ref.rollout
     paths = (
-        (rollout.agent, "agent_loop_config_path"), (rollout.multi_turn, "tool_config_path"),
-        (rollout.multi_turn, "interaction_config_path"), (config.custom_reward_function, "path"),
+        (rollout.agent, "agent_loop_config_path"),
+        (rollout.multi_turn, "tool_config_path"),
+        (rollout.multi_turn, "interaction_config_path"),
+        (config.custom_reward_function, "path"),
     )
     for section, key in paths:
         if section[key] and "://" not in section[key]:  # pkg://module names a module, not a file

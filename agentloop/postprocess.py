@@ -42,7 +42,10 @@ def _segment_rows(outputs: list[AgentLoopOutput], prompt_length: int) -> list[tu
     for output in outputs:
         check_reward_has_a_token(output)
         segments = output.all_segments()
-        rows += [(index, segment, output.reward_score if segment is segments[-1] else None) for index, segment in enumerate(segments)]
+        rows += [
+            (index, segment, output.reward_score if segment is segments[-1] else None)
+            for index, segment in enumerate(segments)
+        ]
     for position, (index, segment, _) in enumerate(rows):
         if index == 0 and len(segment.prompt_ids) > prompt_length:
             raise ValueError(
@@ -52,7 +55,11 @@ def _segment_rows(outputs: list[AgentLoopOutput], prompt_length: int) -> list[tu
 
 
 def pad_outputs(
-    outputs: list[AgentLoopOutput], prompt_length: int, response_length: int, pad_token_id: int, vision_model: Any = None
+    outputs: list[AgentLoopOutput],
+    prompt_length: int,
+    response_length: int,
+    pad_token_id: int,
+    vision_model: Any = None,
 ) -> TensorDict:
     """Build the padded ``TensorDict`` for a list of trajectories (one row per segment); with ``vision_model`` (a
     VLM's structure, ``agentloop.models.loading.structure``), its images and M-RoPE positions too."""
@@ -97,7 +104,8 @@ def pad_outputs(
         "rollout_log_probs": log_probs,
         # the policy version that sampled each model token (-1: observation, padding, or unknown)
         "rollout_policy_versions": versions,
-        "rm_scores": scores, **_turn_tensors(outputs, response_length),  # and each turn's own reward: turn_rewards
+        "rm_scores": scores,
+        **_turn_tensors(outputs, response_length),  # and each turn's own reward: turn_rewards
         "segment_index": torch.tensor([index for index, _, _ in rows], dtype=torch.long),
     }
     if vision_model is not None:
@@ -118,7 +126,9 @@ def check_reward_has_a_token(output: AgentLoopOutput) -> None:
 
 def _turn_tensors(outputs: list[AgentLoopOutput], response_length: int) -> dict[str, torch.Tensor]:
     """``turn_index`` and ``turn_rewards`` (the module docstring), one row per segment."""
-    layouts = [layout for output in outputs for layout in _turn_layout(output.turns, output.all_segments(), response_length)]
+    layouts = [
+        layout for output in outputs for layout in _turn_layout(output.turns, output.all_segments(), response_length)
+    ]
     turn_index = torch.full((len(layouts), response_length), -1, dtype=torch.long)
     turn_rewards = torch.zeros((len(layouts), response_length), dtype=torch.float32)
     for row, (turns, rewards) in enumerate(layouts):
@@ -138,7 +148,9 @@ def _turn_layout(
     described = bool(turns) and int(counts.sum()) == int(mask.sum())
     # each model token's turn, in order through the segments (turn t owns the next turns[t].model_tokens of them); an
     # observation token's is that of the model token before it
-    owners = torch.repeat_interleave(torch.arange(len(turns)), counts) if described else torch.zeros_like(mask[mask > 0])
+    owners = (
+        torch.repeat_interleave(torch.arange(len(turns)), counts) if described else torch.zeros_like(mask[mask > 0])
+    )
     turn_of = owners[(mask.cumsum(0) - 1).clamp(min=0)] if len(owners) else torch.zeros_like(mask)
     kept = torch.cat([torch.arange(length) < response_length for length in lengths])
     kept_model = (mask.bool() & kept).nonzero().flatten()  # positions through the segments, in order
@@ -146,11 +158,16 @@ def _turn_layout(
     for t, record in enumerate(turns):
         if record.reward and len(kept_model):
             # its last kept model token, else the last one before it, else the first (undescribed: the last of all)
-            before = int(torch.searchsorted(turn_of[kept_model], t, right=True)) - 1 if described else len(kept_model) - 1
+            before = (
+                int(torch.searchsorted(turn_of[kept_model], t, right=True)) - 1 if described else len(kept_model) - 1
+            )
             rewards[kept_model[max(before, 0)]] += record.reward
     starts = [sum(lengths[:number]) for number in range(len(segments))]
     return [
-        (turn_of[start : start + min(length, response_length)], rewards[start : start + min(length, response_length)].float())
+        (
+            turn_of[start : start + min(length, response_length)],
+            rewards[start : start + min(length, response_length)].float(),
+        )
         for start, length in zip(starts, lengths)
     ]
 
@@ -171,5 +188,7 @@ def _images(
     return {
         "pixel_values": pixel_values,
         "image_grid_thw": image_grid_thw,
-        "position_ids": mrope_positions(vision_model, input_ids, torch.cat(grids), attention_mask).permute(1, 0, 2).contiguous(),
+        "position_ids": mrope_positions(vision_model, input_ids, torch.cat(grids), attention_mask)
+        .permute(1, 0, 2)
+        .contiguous(),
     }

@@ -98,13 +98,15 @@ def _warn_unrewarded(config: DictConfig, rows: dict[str, list[dict[str, Any]]], 
     discriminative reward model scores every sample)."""
     if config.reward_model.get("enable") and judge_kind(config) == "discriminative":
         return
-    unrewarded = sorted({
-        str(row.get("data_source"))
-        for split_rows in rows.values()
-        for row in split_rows
-        if (row.get("agent_name") or default_loop) not in LOOPS_WITH_REWARDS_OF_THEIR_OWN
-        and reward_function_for(config, row.get("data_source")) is None
-    })
+    unrewarded = sorted(
+        {
+            str(row.get("data_source"))
+            for split_rows in rows.values()
+            for row in split_rows
+            if (row.get("agent_name") or default_loop) not in LOOPS_WITH_REWARDS_OF_THEIR_OWN
+            and reward_function_for(config, row.get("data_source")) is None
+        }
+    )
     if unrewarded:
         logger.warning(
             "no reward function for data_source %s: unless their agent loop sets reward_score itself, these "

@@ -29,7 +29,9 @@ EndReason = Literal[
 ]
 
 
-def finish_reason_of(tokens: list[int], stop_ids: list[int], max_new_tokens: int, otherwise: FinishReason) -> FinishReason:
+def finish_reason_of(
+    tokens: list[int], stop_ids: list[int], max_new_tokens: int, otherwise: FinishReason
+) -> FinishReason:
     """Why a call that was cut short (aborted, interrupted) ended: ``stop`` if its last token is one of
     ``stop_ids``, ``length`` if it has ``max_new_tokens``, else ``otherwise``. A call cut right after the token
     that ended it is over: it must not be continued past its stop token or its budget."""
@@ -41,6 +43,7 @@ def finish_reason_of(tokens: list[int], stop_ids: list[int], max_new_tokens: int
 def end_after(finish_reason: FinishReason) -> EndReason | None:
     """The end a model turn forces on its trajectory: an aborted or length-capped turn ends it, a stop does not."""
     return {"abort": "aborted", "length": "length"}.get(finish_reason)
+
 
 # Sampling keys every engine accepts; anything else is rejected so a typo never silently samples wrong.
 SAMPLING_DEFAULTS: dict[str, Any] = {
@@ -59,9 +62,7 @@ def validate_sampling_params(params: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"sampling params must be a mapping, got {type(params).__name__}")
     unknown = sorted(set(params) - set(SAMPLING_DEFAULTS))
     if unknown:
-        raise ValueError(
-            f"unknown sampling parameter(s) {unknown}; valid keys are {sorted(SAMPLING_DEFAULTS)}"
-        )
+        raise ValueError(f"unknown sampling parameter(s) {unknown}; valid keys are {sorted(SAMPLING_DEFAULTS)}")
     merged = {**SAMPLING_DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
     for key in ("max_new_tokens", "top_k"):
         merged[key] = _number(merged, key, int)
@@ -87,7 +88,9 @@ def validate_prompt(prompt_ids: Any, max_new_tokens: int, vocab_size: int, max_m
     """Reject a prompt an engine must never see: empty, not token ids, ids outside the vocabulary, or too long
     to generate ``max_new_tokens`` after it within ``max_model_len`` tokens. One bad request fails alone."""
     if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
-        raise ValueError("prompt_ids is empty" if isinstance(prompt_ids, (list, tuple)) else "prompt_ids must be a list of token ids")
+        raise ValueError(
+            "prompt_ids is empty" if isinstance(prompt_ids, (list, tuple)) else "prompt_ids must be a list of token ids"
+        )
     # plain ints first: the check against numbers.Integral costs more per token than the rest of a request
     if not all(type(token) is int for token in prompt_ids) and not all(_is_int(token) for token in prompt_ids):
         raise ValueError("prompt_ids must be a list of integer token ids")
@@ -141,7 +144,9 @@ class TokenOutput:
 
 
 async def generate_continued(
-    generate: Callable[[list[int], dict[str, Any]], Awaitable[TokenOutput]], prompt_ids: list[int], sampling_params: dict[str, Any]
+    generate: Callable[[list[int], dict[str, Any]], Awaitable[TokenOutput]],
+    prompt_ids: list[int],
+    sampling_params: dict[str, Any],
 ) -> tuple[TokenOutput, VersionRuns, int]:
     """One turn through ``generate(ids, params)``, continued after each interruption by new weights: resubmitted
     with the tokens it has, for the tokens it has left, until it ends. Returns the whole turn, its tokens'
@@ -162,7 +167,9 @@ async def generate_continued(
         if len(tokens) >= budget:  # interrupted right after its last token
             output.finish_reason = "length"
             break
-    whole = TokenOutput(tokens, log_probs, output.finish_reason, output.cached_tokens, policy_version=output.policy_version)
+    whole = TokenOutput(
+        tokens, log_probs, output.finish_reason, output.cached_tokens, policy_version=output.policy_version
+    )
     return whole, versions, interruptions
 
 
@@ -353,8 +360,13 @@ class AgentLoopOutput:
     def all_segments(self) -> list[Segment]:
         """Every segment of the trajectory, oldest first: ``segments`` and the last one (this output's own fields)."""
         last = Segment(
-            self.prompt_ids, self.response_ids, self.response_mask, self.response_logprobs, self.multi_modal_inputs,
-            self.policy_versions, self.rewritten_by,
+            self.prompt_ids,
+            self.response_ids,
+            self.response_mask,
+            self.response_logprobs,
+            self.multi_modal_inputs,
+            self.policy_versions,
+            self.rewritten_by,
         )
         return [*self.segments, last]
 
@@ -373,14 +385,28 @@ class AgentLoopOutput:
         generated tokens' versions (``Router.take_versions``), which run through its segments in order."""
         versions = on_response([mask for segment in self.all_segments() for mask in segment.response_mask], generated)
         for segment in self.segments:
-            segment.policy_versions, versions = versions[: len(segment.response_mask)], versions[len(segment.response_mask) :]
+            segment.policy_versions, versions = (
+                versions[: len(segment.response_mask)],
+                versions[len(segment.response_mask) :],
+            )
         self.policy_versions = versions
 
 
 # The fields of AgentLoopOutput that the padded batch carries per sample, as non_tensor_batch columns of these names.
 BATCH_FIELDS = (
-    "num_turns", "reward_score", "metrics", "extra_fields", "end_reason", "turns", "observation_roles", "reward_parts",
-    "reward_source", "reward_extra_info", "failure", "judge_calls", "rollout_log_probs_missing",
+    "num_turns",
+    "reward_score",
+    "metrics",
+    "extra_fields",
+    "end_reason",
+    "turns",
+    "observation_roles",
+    "reward_parts",
+    "reward_source",
+    "reward_extra_info",
+    "failure",
+    "judge_calls",
+    "rollout_log_probs_missing",
 )
 
 

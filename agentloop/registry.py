@@ -31,8 +31,7 @@ def load_agent_loop_file(path: str) -> dict[str, dict[str, Any]]:
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(
-            f"agent loop config {path!r} does not exist "
-            "(actor_rollout_ref.rollout.agent.agent_loop_config_path)"
+            f"agent loop config {path!r} does not exist (actor_rollout_ref.rollout.agent.agent_loop_config_path)"
         )
     entries = yaml.safe_load(file.read_text()) or []
     if not isinstance(entries, list):
@@ -48,7 +47,9 @@ def load_agent_loop_file(path: str) -> dict[str, dict[str, Any]]:
         try:
             get_class(entry["_target_"])
         except Exception as error:
-            raise ValueError(f"{where}: field '_target_' = {entry['_target_']!r} cannot be imported: {error}") from error
+            raise ValueError(
+                f"{where}: field '_target_' = {entry['_target_']!r} cannot be imported: {error}"
+            ) from error
         spec = dict(entry)
         specs[spec.pop("name")] = spec
     return specs

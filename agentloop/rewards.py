@@ -65,7 +65,7 @@ def _load_named(path: str, name: str) -> Callable[..., Any]:
     """``name`` from a ``.py`` file (verl's convention) or from ``pkg://package.module``."""
     where = f"custom_reward_function.path={path!r}"
     if path.startswith("pkg://"):
-        module = importlib.import_module(path[len("pkg://"):])
+        module = importlib.import_module(path[len("pkg://") :])
     else:
         file = Path(path)
         if not file.is_file():
@@ -108,7 +108,9 @@ async def judge_arguments(function: Callable[..., Any], judge: Any) -> dict[str,
     return {name: offered[name] for name in wanted}
 
 
-async def call_reward_function(function: Callable[..., Any], timeout_s: float, **arguments: Any) -> tuple[float, dict[str, Any]]:
+async def call_reward_function(
+    function: Callable[..., Any], timeout_s: float, **arguments: Any
+) -> tuple[float, dict[str, Any]]:
     """Run a reward function off the event loop within ``timeout_s``; return ``(score, reward_extra_info)``."""
     target = function.func if isinstance(function, functools.partial) else function
     try:
@@ -124,7 +126,9 @@ async def call_reward_function(function: Callable[..., Any], timeout_s: float, *
         ) from None
     if isinstance(result, dict):
         if "score" not in result:
-            raise ValueError(f"reward function {getattr(target, '__qualname__', target)!r} returned a dict without 'score': {sorted(result)}")
+            raise ValueError(
+                f"reward function {getattr(target, '__qualname__', target)!r} returned a dict without 'score': {sorted(result)}"
+            )
         return float(result["score"]), dict(result)
     return float(result), {"acc": float(result)}
 

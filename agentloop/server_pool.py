@@ -43,8 +43,12 @@ class ServerPool:
     """Starts, probes, replaces and controls the rollout servers of one manager."""
 
     def __init__(
-        self, config: DictConfig, on_replaced: Callable[[int, ray.actor.ActorHandle], None], server_class: Any = RolloutServer,
-        role: str = "rollout server", section: str = "actor_rollout_ref.rollout",
+        self,
+        config: DictConfig,
+        on_replaced: Callable[[int, ray.actor.ActorHandle], None],
+        server_class: Any = RolloutServer,
+        role: str = "rollout server",
+        section: str = "actor_rollout_ref.rollout",
     ) -> None:
         self.config = config
         self.server_class = server_class  # RolloutServer, or an actor class with its probes and controls (a judge's)
@@ -55,7 +59,9 @@ class ServerPool:
         self.startup_timeout_s = float(self.rollout.server_startup_timeout_s)
         size = int(self.rollout.data_parallel_size)
         self.bundle = {key: float(value) for key, value in self.rollout.resources_per_server.items() if value}
-        self.placement_group = placement_group([dict(self.bundle) for _ in range(size)], strategy=self.rollout.placement_strategy)
+        self.placement_group = placement_group(
+            [dict(self.bundle) for _ in range(size)], strategy=self.rollout.placement_strategy
+        )
         wait_for(
             [self.placement_group.ready()],
             self.startup_timeout_s,
@@ -73,18 +79,26 @@ class ServerPool:
 
     def wait_until_serving(self) -> None:
         """Wait for the servers started with the pool to load their engines, then start their HTTP fronts."""
-        wait_for([server.__ray_ready__.remote() for server in self.servers], self.startup_timeout_s, f"{self.role}s to load their engines")
+        wait_for(
+            [server.__ray_ready__.remote() for server in self.servers],
+            self.startup_timeout_s,
+            f"{self.role}s to load their engines",
+        )
         self.addresses = self._start_http(self.servers) if self.rollout.http.enable else []
 
     def _spawn(self, rank: int) -> ray.actor.ActorHandle:
         return self.server_class.options(
             num_cpus=self.bundle.get("CPU", 0),
             num_gpus=self.bundle.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=rank
+            ),
         ).remote(self.config, rank)
 
     def _start_http(self, servers: list[ray.actor.ActorHandle]) -> list[str]:
-        return wait_for([server.start_http.remote() for server in servers], self.startup_timeout_s, "HTTP servers to start")
+        return wait_for(
+            [server.start_http.remote() for server in servers], self.startup_timeout_s, "HTTP servers to start"
+        )
 
     @property
     def live_ranks(self) -> list[int]:
@@ -116,7 +130,11 @@ class ServerPool:
             self.events.append(ServerEvent(rank, "given_up", cause))
             logger.error(
                 "%s %d died again (%s) after %d restarts within %ss (rollout.supervision); no longer restarting it",
-                self.role, rank, cause, len(recent), self.supervision.window_s,
+                self.role,
+                rank,
+                cause,
+                len(recent),
+                self.supervision.window_s,
             )
             if not self.live_ranks:
                 raise RuntimeError(f"every {self.role} has died and was given up; the last cause: {cause}")
@@ -125,9 +143,15 @@ class ServerPool:
         logger.warning("%s %d is dead (%s); starting a replacement", self.role, rank, cause)
         ray.kill(self.servers[rank])  # a hung server holds its bundle until it is gone
         server = self._spawn(rank)
-        wait_for([server.__ray_ready__.remote()], self.startup_timeout_s, f"the replacement of {self.role} {rank} to start")
+        wait_for(
+            [server.__ray_ready__.remote()], self.startup_timeout_s, f"the replacement of {self.role} {rank} to start"
+        )
         if self.weights is not None:
-            wait_for([server.update_weights.remote(self.weights, self.version)], self.startup_timeout_s, f"the latest weights on server {rank}")
+            wait_for(
+                [server.update_weights.remote(self.weights, self.version)],
+                self.startup_timeout_s,
+                f"the latest weights on server {rank}",
+            )
         if self.asleep:
             wait_for([server.sleep.remote()], self.startup_timeout_s, f"the replacement of server {rank} to sleep")
         if self.addresses:
@@ -138,11 +162,16 @@ class ServerPool:
 
     # ------------------------------------------------------------------ control of every server
 
-    def _call(self, method: str, args: tuple, timeout_s: float, replace: bool = True, ranks: list[int] | None = None) -> dict[int, Any]:
+    def _call(
+        self, method: str, args: tuple, timeout_s: float, replace: bool = True, ranks: list[int] | None = None
+    ) -> dict[int, Any]:
         """``method(*args)`` on every live server (of ``ranks``); a server that dies or times out is replaced
         (``replace``), which leaves the replacement in the state the call was for. Returns rank -> result or
         exception."""
-        refs = {rank: getattr(self.servers[rank], method).remote(*args) for rank in (self.live_ranks if ranks is None else ranks)}
+        refs = {
+            rank: getattr(self.servers[rank], method).remote(*args)
+            for rank in (self.live_ranks if ranks is None else ranks)
+        }
         if not refs:
             return {}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
@@ -171,7 +200,11 @@ class ServerPool:
     def busy_s(self) -> dict[int, float]:
         """Each live server's busy seconds so far (time with a request in its engine); a server that does not
         answer within 10 s is left out (it is replaced at the next ``check``)."""
-        return {rank: busy for rank, busy in self._call("busy_s", (), 10.0, replace=False).items() if isinstance(busy, float)}
+        return {
+            rank: busy
+            for rank, busy in self._call("busy_s", (), 10.0, replace=False).items()
+            if isinstance(busy, float)
+        }
 
     def idle_share_since(self, busy_before: dict[int, float], start: float) -> float:
         """The servers' mean share of the time since ``start`` (``time.perf_counter``) with nothing to generate,

@@ -95,13 +95,25 @@ class GroupStream:
     """
 
     def __init__(
-        self, workers: WorkerPool, servers: ServerPool, prepare: Callable[[list[dict[str, Any]]], Prepared],
-        finish_batch: Callable[[RolloutBatch, RouterStats, float], RolloutBatch], steps: Iterator[list[dict[str, Any]]],
-        groups_per_batch: int, max_staleness: int, capacity: int, version: int = 0, *,
-        keep: Callable[[RolloutBatch], bool] | None = None, max_dropped: int = 0, order: str = "finished",
+        self,
+        workers: WorkerPool,
+        servers: ServerPool,
+        prepare: Callable[[list[dict[str, Any]]], Prepared],
+        finish_batch: Callable[[RolloutBatch, RouterStats, float], RolloutBatch],
+        steps: Iterator[list[dict[str, Any]]],
+        groups_per_batch: int,
+        max_staleness: int,
+        capacity: int,
+        version: int = 0,
+        *,
+        keep: Callable[[RolloutBatch], bool] | None = None,
+        max_dropped: int = 0,
+        order: str = "finished",
     ) -> None:
         if order not in ORDERS:
-            raise ValueError(f"unknown group order {order!r} (async_training.group_order): choose one of {list(ORDERS)}")
+            raise ValueError(
+                f"unknown group order {order!r} (async_training.group_order): choose one of {list(ORDERS)}"
+            )
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         if capacity < groups_per_batch:
@@ -160,11 +172,14 @@ class GroupStream:
                     logger.warning(
                         "dynamic sampling dropped %d groups while a batch waited, the limit (algorithm.filter_groups."
                         "max_num_gen_batches x data.train_batch_size): training on the %d kept groups there are",
-                        self._dropped, len(self._buffer),
+                        self._dropped,
+                        len(self._buffer),
                     )
                     break
                 if not (self._steps_left or self._queued or self._in_flight):
-                    raise RuntimeError(f"the rows ran out: {len(self._buffer)} finished groups left, a batch needs {self.groups_per_batch}")
+                    raise RuntimeError(
+                        f"the rows ran out: {len(self._buffer)} finished groups left, a batch needs {self.groups_per_batch}"
+                    )
                 if deadline <= time.monotonic():
                     raise TimeoutError(
                         f"timed out after {timeout_s:.0f}s waiting for {self.groups_per_batch} finished groups ({len(self._buffer)} "
@@ -180,10 +195,14 @@ class GroupStream:
             buffered = len(self._buffer)
             self._changed.notify_all()
         now = time.perf_counter()
-        batch = self._finish_batch(RolloutBatch.concat([group_batch for _, group_batch in taken]), stats, now - self._last_take)
+        batch = self._finish_batch(
+            RolloutBatch.concat([group_batch for _, group_batch in taken]), stats, now - self._last_take
+        )
         batch.meta_info.update({"async/regenerated_groups": regenerated, "async/buffered_groups": buffered})
         if self._keep is not None:
-            batch.meta_info.update({"dynamic_sampling/finished_groups": finished, "dynamic_sampling/dropped_groups": dropped})
+            batch.meta_info.update(
+                {"dynamic_sampling/finished_groups": finished, "dynamic_sampling/dropped_groups": dropped}
+            )
         self._last_take = now
         return batch
 
@@ -227,7 +246,10 @@ class GroupStream:
         """How many items of ``steps`` the stream has taken, and those of their rows whose groups no ``take`` has
         returned yet (queued, in flight or buffered), in the order they came: what a checkpoint must replay."""
         with self._changed:
-            groups = sorted([*self._queued, *self._in_flight.values(), *(group for group, _ in self._buffer)], key=lambda group: group.id)
+            groups = sorted(
+                [*self._queued, *self._in_flight.values(), *(group for group, _ in self._buffer)],
+                key=lambda group: group.id,
+            )
             return self._pulled, [group.row for group in groups]
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -278,7 +300,9 @@ class GroupStream:
                 self._in_flight[group.id] = group
                 starting.append(group)
         for group in starting:
-            self.workers.call(group.worker, "start_group", group.id, group.samples, group.sampling_params, group.agent_loops)
+            self.workers.call(
+                group.worker, "start_group", group.id, group.samples, group.sampling_params, group.agent_loops
+            )
 
     def _next_group(self) -> Group | None:
         """The next group allowed to start: a regeneration, or a new one the staleness gate admits."""
@@ -294,8 +318,12 @@ class GroupStream:
             else:
                 samples, agent_loops, params = self._prepare(rows)
                 self._pulled += 1  # after prepare: a step whose rows failed there is not checkpointed as taken
-                for row, uid in zip(rows, dict.fromkeys(sample["uid"] for sample in samples)):  # a row's samples are consecutive
-                    self._queued.append(Group(self._next_id, row, [s for s in samples if s["uid"] == uid], agent_loops, params))
+                for row, uid in zip(
+                    rows, dict.fromkeys(sample["uid"] for sample in samples)
+                ):  # a row's samples are consecutive
+                    self._queued.append(
+                        Group(self._next_id, row, [s for s in samples if s["uid"] == uid], agent_loops, params)
+                    )
                     self._next_id += 1
         return self._queued.popleft() if self._queued else None
 
@@ -304,7 +332,9 @@ class GroupStream:
             finished, stats = poll.result()
         except RayActorError as error:
             lost = [group for group in self._in_flight.values() if group.worker == worker]
-            logger.warning("agent-loop worker %d died (%s); restarting its %d groups on a replacement", worker, error, len(lost))
+            logger.warning(
+                "agent-loop worker %d died (%s); restarting its %d groups on a replacement", worker, error, len(lost)
+            )
             for group in lost:
                 group.restarts += 1
                 if group.restarts > MAX_GROUP_RESTARTS:
@@ -315,7 +345,9 @@ class GroupStream:
                     )
             successor = self.workers.replace(worker, handle)
             for group in lost:
-                self.workers.call_on(successor, "start_group", group.id, group.samples, group.sampling_params, group.agent_loops)
+                self.workers.call_on(
+                    successor, "start_group", group.id, group.samples, group.sampling_params, group.agent_loops
+                )
             return
         with self._changed:
             self._stats.append(stats)
@@ -337,7 +369,12 @@ class GroupStream:
     def _drop_older_than(self, min_version: int) -> None:
         stale = [entry for entry in self._buffer if int(oldest_versions(entry[1]).min()) < min_version]
         for group, _ in stale:
-            logger.info("group %d (policy version %d) is older than version %d: regenerating it", group.id, group.version, min_version)
+            logger.info(
+                "group %d (policy version %d) is older than version %d: regenerating it",
+                group.id,
+                group.version,
+                min_version,
+            )
             for sample in group.samples:  # a fresh session per sample: nothing of the stale one is reused
                 sample["request_id"] = str(uuid.uuid4())
             self._queued.appendleft(group)

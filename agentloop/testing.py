@@ -39,10 +39,14 @@ class PictureTurnsAgentLoop(AgentLoopBase):
     (cycled): a vision-language model's rollout with image observations."""
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
-        return await picture_turns(self.start_trajectory(row), self.server_manager, row["request_id"], sampling_params, row["extra_info"])
+        return await picture_turns(
+            self.start_trajectory(row), self.server_manager, row["request_id"], sampling_params, row["extra_info"]
+        )
 
 
-async def picture_turns(trajectory: Any, router: Any, request_id: str, sampling_params: dict[str, Any], spec: dict[str, Any]) -> AgentLoopOutput:
+async def picture_turns(
+    trajectory: Any, router: Any, request_id: str, sampling_params: dict[str, Any], spec: dict[str, Any]
+) -> AgentLoopOutput:
     """The turns of ``PictureTurnsAgentLoop`` on ``trajectory``, through anything with the router's ``generate``."""
     from PIL import Image
 
@@ -52,7 +56,10 @@ async def picture_turns(trajectory: Any, router: Any, request_id: str, sampling_
         if turn < spec["turns"] - 1:
             size = tuple(spec["sizes"][turn % len(spec["sizes"])])
             picture = Image.new("RGB", size, ((80 * turn) % 256, 90, 200))
-            message = {"role": "user", "content": [{"type": "text", "text": f"and picture {turn + 1}?"}, {"type": "image", "image": picture}]}
+            message = {
+                "role": "user",
+                "content": [{"type": "text", "text": f"and picture {turn + 1}?"}, {"type": "image", "image": picture}],
+            }
             trajectory.add_observation(trajectory.observation([message]))
     return trajectory.to_output(num_turns=2 * spec["turns"])
 
@@ -62,7 +69,13 @@ def rule_reward(data_source: str, solution_str: str, ground_truth: Any, extra_in
     return 1.0
 
 
-async def judged_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any], judge: Any) -> float:
+async def judged_reward(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any], judge: Any
+) -> float:
     """A judge call of exactly ``extra_info.judge_length`` tokens (eos ignored) on the row's prompt text; 1.0."""
-    await judge.chat([{"role": "user", "content": extra_info["judge_prompt"]}], max_new_tokens=extra_info["judge_length"], ignore_eos=True)
+    await judge.chat(
+        [{"role": "user", "content": extra_info["judge_prompt"]}],
+        max_new_tokens=extra_info["judge_length"],
+        ignore_eos=True,
+    )
     return 1.0

@@ -32,7 +32,9 @@ class AgentLoopWorker:
     a chunk of rows into a padded batch."""
 
     def __init__(
-        self, config: DictConfig, servers: list[ray.actor.ActorHandle],
+        self,
+        config: DictConfig,
+        servers: list[ray.actor.ActorHandle],
         judges: list[ray.actor.ActorHandle] | None = None,  # the judge's servers, with reward_model.enable
     ) -> None:
         self.config = config
@@ -43,8 +45,10 @@ class AgentLoopWorker:
         self.vision_model = structure(path)
         slack = self.rollout.agent.group_affinity_slack
         self.router = Router(
-            servers, request_timeout_s=self.rollout.request_timeout_s,
-            health_timeout_s=self.rollout.supervision.health_timeout_s, group_affinity_slack=slack,
+            servers,
+            request_timeout_s=self.rollout.request_timeout_s,
+            health_timeout_s=self.rollout.supervision.health_timeout_s,
+            group_affinity_slack=slack,
         )
         self.judge = Judge.from_config(config, judges) if judges is not None else None
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -65,9 +69,14 @@ class AgentLoopWorker:
     # ------------------------------------------------------------------ streaming (agentloop.streaming)
 
     async def start_group(
-        self, group_id: int, rows: list[dict[str, Any]], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
+        self,
+        group_id: int,
+        rows: list[dict[str, Any]],
+        sampling_params: dict[str, Any],
+        agent_loops: dict[str, dict[str, Any]],
     ) -> None:
         """Start one GRPO group's samples; the padded group is handed out by ``finished_groups`` once all are done."""
+
         async def run_group() -> None:
             try:
                 results = await asyncio.gather(*(self._run_one(row, sampling_params, agent_loops) for row in rows))
@@ -102,7 +111,9 @@ class AgentLoopWorker:
     def _pad(self, rows: list[dict[str, Any]], results: list[tuple[AgentLoopOutput, float]]) -> RolloutBatch:
         """One row per segment; a trajectory's per-sample columns repeat on each of its rows."""
         outputs = [output for output, _ in results]
-        batch = pad_outputs(outputs, self.rollout.prompt_length, self.rollout.response_length, self._pad_id, self.vision_model)
+        batch = pad_outputs(
+            outputs, self.rollout.prompt_length, self.rollout.response_length, self._pad_id, self.vision_model
+        )
         segments = [output.all_segments() for output in outputs]
         repeats = [len(parts) for parts in segments]
 
@@ -133,7 +144,9 @@ class AgentLoopWorker:
         output.set_policy_versions(self.router.take_versions(row["request_id"]))
         return output, time.perf_counter() - start
 
-    async def _run_loop(self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]) -> AgentLoopOutput:
+    async def _run_loop(
+        self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
+    ) -> AgentLoopOutput:
         try:
             with self.router.running_sample(row["request_id"], row.get("uid")):
                 loop = build_agent_loop(
@@ -149,7 +162,15 @@ class AgentLoopWorker:
                 await score_output(self.config, self.tokenizer, row, output)
                 check_reward_has_a_token(output)  # a reward the batch would drop fails its sample instead
                 return output
-        except Exception as error:  # one sample's fault (a loop's bug, a reward function or judge that fails) stays its own
-            logger.warning("agent loop %r failed on sample %s (dataset index %s): %s: %s",
-                           row["agent_name"], row["request_id"], row["index"], type(error).__name__, error)
+        except (
+            Exception
+        ) as error:  # one sample's fault (a loop's bug, a reward function or judge that fails) stays its own
+            logger.warning(
+                "agent loop %r failed on sample %s (dataset index %s): %s: %s",
+                row["agent_name"],
+                row["request_id"],
+                row["index"],
+                type(error).__name__,
+                error,
+            )
             return failed_output(error, self._pad_id)

@@ -55,7 +55,9 @@ class InDriverWorker:
         self._thread.start()
         self._worker: AgentLoopWorker | None = None
         # copies, as an actor gets them: the worker's own server and judge lists are not the pool's
-        self.ready = asyncio.run_coroutine_threadsafe(self._build(*copy.deepcopy((config, servers, judges))), self._loop)
+        self.ready = asyncio.run_coroutine_threadsafe(
+            self._build(*copy.deepcopy((config, servers, judges))), self._loop
+        )
 
     async def _build(
         self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: list[ray.actor.ActorHandle] | None
@@ -76,6 +78,7 @@ class InDriverWorker:
 
     def stop(self) -> None:
         """Cancel every task on the loop (agent loops, MCP sessions, health checks), then stop the loop's thread."""
+
         async def cancel_all() -> None:
             tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
             for task in tasks:
@@ -88,7 +91,9 @@ class InDriverWorker:
         try:
             asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(STOP_TIMEOUT_S)
         except Exception as error:  # a task that ignores its cancellation: the daemon thread is left to the process
-            logger.warning("the in-driver agent-loop worker did not stop its tasks within %ss: %r", STOP_TIMEOUT_S, error)
+            logger.warning(
+                "the in-driver agent-loop worker did not stop its tasks within %ss: %r", STOP_TIMEOUT_S, error
+            )
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(STOP_TIMEOUT_S)
         if not self._thread.is_alive():
@@ -156,7 +161,10 @@ class WorkerPool:
 
     def wait_until_ready(self, timeout_s: float) -> None:
         """Wait for every worker to start (load its tokenizer)."""
-        ready = [worker.ready if isinstance(worker, InDriverWorker) else self.call_on(worker, "__ray_ready__") for worker in self.handles]
+        ready = [
+            worker.ready if isinstance(worker, InDriverWorker) else self.call_on(worker, "__ray_ready__")
+            for worker in self.handles
+        ]
         self.wait(ready, timeout_s, "agent loop workers to start")
 
     def replace(self, index: int, dead: Worker) -> Worker:
@@ -198,7 +206,11 @@ class WorkerPool:
         return [[samples[i] for i in chunk] for chunk in chunks]
 
     def run_chunks(
-        self, chunks: list[list[dict[str, Any]]], sampling_params: dict[str, Any], agent_loops: dict[str, Any], deadline: float
+        self,
+        chunks: list[list[dict[str, Any]]],
+        sampling_params: dict[str, Any],
+        agent_loops: dict[str, Any],
+        deadline: float,
     ) -> list[tuple[RolloutBatch, RouterStats]]:
         """Each chunk on its worker; a worker that dies has its chunk rerun on a replacement (twice at most)."""
         used: dict[int, Worker] = {}  # the worker each chunk was last sent to
@@ -227,7 +239,12 @@ class WorkerPool:
                 reruns += 1
                 if reruns > 2 * len(chunks):
                     raise
-                logger.warning("agent-loop worker %d died (%s); rerunning its %d samples on a replacement", index, error, len(chunks[index]))
+                logger.warning(
+                    "agent-loop worker %d died (%s); rerunning its %d samples on a replacement",
+                    index,
+                    error,
+                    len(chunks[index]),
+                )
                 self.replace(index, used[index])
                 pending[submit(index)] = index
         return [results[index] for index in range(len(chunks))]

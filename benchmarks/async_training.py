@@ -50,11 +50,16 @@ def slow_tools_yaml(directory: Path) -> str:
 
 def train(mode: str, steps: int, tools: str, out: Path, max_staleness: int, extra: list[str]) -> dict[str, Any]:
     overrides = [
-        f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
-        "trainer.logger=[]", f"trainer.default_local_dir={out}", "trainer.rollout_data_dir=null",
+        f"trainer.total_training_steps={steps}",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.logger=[]",
+        f"trainer.default_local_dir={out}",
+        "trainer.rollout_data_dir=null",
         "actor_rollout_ref.rollout.free_cache_engine=false",
         # the final validation samples as training does (a greedy score saturates within these few steps)
-        "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
         "actor_rollout_ref.rollout.val_kwargs.n=8",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
         f"async_training.max_staleness={max_staleness if mode == 'async' else 0}",
@@ -88,7 +93,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-staleness", type=int, default=1)
-    parser.add_argument("overrides", nargs="*", help="config overrides for both modes, e.g. async_training.partial_rollout=false")
+    parser.add_argument(
+        "overrides", nargs="*", help="config overrides for both modes, e.g. async_training.partial_rollout=false"
+    )
     args = parser.parse_args()
     random.seed(0)
     # the workers import benchmarks.async_training.SlowCalculatorTool: Ray puts the driver's working directory
@@ -99,19 +106,38 @@ def main() -> None:
         tools = slow_tools_yaml(Path(tmp))
         for repeat in range(args.repeats):
             for mode in ("sync", "async"):
-                result = train(mode, args.steps, tools, Path(tmp) / f"{mode}-{repeat}", args.max_staleness, args.overrides)
+                result = train(
+                    mode, args.steps, tools, Path(tmp) / f"{mode}-{repeat}", args.max_staleness, args.overrides
+                )
                 results[mode].append(result)
-                print(f"{mode:5s} run {repeat}: " + ", ".join(f"{key} {value:.3f}" for key, value in result.items()), flush=True)
+                print(
+                    f"{mode:5s} run {repeat}: " + ", ".join(f"{key} {value:.3f}" for key, value in result.items()),
+                    flush=True,
+                )
     mean = {mode: {key: float(np.mean([r[key] for r in runs])) for key in runs[0]} for mode, runs in results.items()}
     print(f"\n{args.steps} steps x 64 samples, {args.repeats} runs per mode")
     print(f"wall time sync/async: {mean['sync']['wall_s'] / mean['async']['wall_s']:.2f}  (target >= 1.5)")
-    error = {mode: {key: float(np.std([r[key] for r in runs], ddof=1) / np.sqrt(len(runs))) if len(runs) > 1 else float("nan")
-                    for key in runs[0]} for mode, runs in results.items()}
-    for key, title in (("reward", "reward, mean of the last 3 steps"), ("validation", "validation reward of the trained policy")):
-        print(f"{title}: " + ", ".join(f"{mode} {mean[mode][key]:.3f} ± {error[mode][key]:.3f}" for mode in mean) + " (± standard error)")
+    error = {
+        mode: {
+            key: float(np.std([r[key] for r in runs], ddof=1) / np.sqrt(len(runs))) if len(runs) > 1 else float("nan")
+            for key in runs[0]
+        }
+        for mode, runs in results.items()
+    }
+    for key, title in (
+        ("reward", "reward, mean of the last 3 steps"),
+        ("validation", "validation reward of the trained policy"),
+    ):
+        print(
+            f"{title}: "
+            + ", ".join(f"{mode} {mean[mode][key]:.3f} ± {error[mode][key]:.3f}" for mode in mean)
+            + " (± standard error)"
+        )
     print(f"mean staleness: sync {mean['sync']['staleness']:.2f}, async {mean['async']['staleness']:.2f}")
     for side in ("ranks", "servers"):
-        print(f"idle share of the {side}: sync {mean['sync'][f'idle_{side}']:.2f}, async {mean['async'][f'idle_{side}']:.2f}")
+        print(
+            f"idle share of the {side}: sync {mean['sync'][f'idle_{side}']:.2f}, async {mean['async'][f'idle_{side}']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -76,16 +76,18 @@ class Figures:
 def config(
     response_length: int, strategy: str = "append", turns: int = 1, window: int = 2, overrides: tuple[str, ...] = ()
 ) -> DictConfig:
-    return compose_config([
-        "data.max_prompt_length=64",
-        f"data.max_response_length={response_length}",
-        f"actor_rollout_ref.rollout.resources_per_server.CPU={THREADS}",
-        "actor_rollout_ref.rollout.env.class_name=benchmarks.context.NextStepEnv",
-        f"actor_rollout_ref.rollout.env.max_turns={turns}",
-        f"actor_rollout_ref.rollout.multi_turn.context.strategy={strategy}",
-        f"actor_rollout_ref.rollout.multi_turn.context.window_turns={window}",
-        *overrides,
-    ])
+    return compose_config(
+        [
+            "data.max_prompt_length=64",
+            f"data.max_response_length={response_length}",
+            f"actor_rollout_ref.rollout.resources_per_server.CPU={THREADS}",
+            "actor_rollout_ref.rollout.env.class_name=benchmarks.context.NextStepEnv",
+            f"actor_rollout_ref.rollout.env.max_turns={turns}",
+            f"actor_rollout_ref.rollout.multi_turn.context.strategy={strategy}",
+            f"actor_rollout_ref.rollout.multi_turn.context.window_turns={window}",
+            *overrides,
+        ]
+    )
 
 
 async def rollout(
@@ -119,8 +121,11 @@ def padded(outputs: list[AgentLoopOutput], prompt_length: int, pad_id: int) -> T
 def figures(batch: TensorDict, trajectories: int, micro_batching: MicroBatching, seconds: float) -> Figures:
     padded = sum(model_inputs(micro)["input_ids"].numel() for micro in micro_batching.split(batch, "cpu"))
     return Figures(
-        len(batch) / trajectories, float(batch["attention_mask"].sum()) / trajectories,
-        float(batch["response_mask"].sum()) / trajectories, padded / trajectories, seconds / trajectories,
+        len(batch) / trajectories,
+        float(batch["attention_mask"].sum()) / trajectories,
+        float(batch["response_mask"].sum()) / trajectories,
+        padded / trajectories,
+        seconds / trajectories,
     )
 
 
@@ -142,7 +147,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--window", type=int, default=2, help="sliding_window's window_turns")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
+    parser.add_argument(
+        "overrides", nargs="*", help="config overrides, e.g. actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"
+    )
     args = parser.parse_args()
     turns = sorted(args.turns)
     base = config(64, overrides=tuple(args.overrides))
@@ -187,18 +194,24 @@ def main() -> None:
     results = {key: figures(batch, args.samples, micro_batching, min(times[key])) for key, batch in batches.items()}
 
     names = (*STRATEGIES, "naive")
-    print(f"samples: {args.samples}; a turn: 1 model token, then eos and {observation} observation tokens; "
-          f"prompt {prompt} tokens; window_turns {args.window}; "
-          f"micro-batches of {micro_batching.size} rows; rollouts {rollout_s:.0f} s")
-    print(f"{'turns':>5} {'strategy':<19} {'rows':>6} {'tokens':>8} {'model':>6} {'padded':>8} {'tokens/append':>13} "
-          f"{'ms':>8} {'time/append':>11}")
+    print(
+        f"samples: {args.samples}; a turn: 1 model token, then eos and {observation} observation tokens; "
+        f"prompt {prompt} tokens; window_turns {args.window}; "
+        f"micro-batches of {micro_batching.size} rows; rollouts {rollout_s:.0f} s"
+    )
+    print(
+        f"{'turns':>5} {'strategy':<19} {'rows':>6} {'tokens':>8} {'model':>6} {'padded':>8} {'tokens/append':>13} "
+        f"{'ms':>8} {'time/append':>11}"
+    )
     for count in turns:
         append = results[count, "append"]
         for name in names:
             result = results[count, name]
-            print(f"{count:5d} {name:<19} {result.rows:6.1f} {result.tokens:8.1f} {result.model_tokens:6.1f} "
-                  f"{result.padded:8.0f} {result.tokens / append.tokens:13.2f} {1000 * result.seconds:8.2f} "
-                  f"{result.seconds / append.seconds:11.2f}")
+            print(
+                f"{count:5d} {name:<19} {result.rows:6.1f} {result.tokens:8.1f} {result.model_tokens:6.1f} "
+                f"{result.padded:8.0f} {result.tokens / append.tokens:13.2f} {1000 * result.seconds:8.2f} "
+                f"{result.seconds / append.seconds:11.2f}"
+            )
     if len(turns) > 1:
         low, high = turns[0], turns[-1]
         steps = ", ".join(f"{a}->{b}" for a, b in zip(turns, turns[1:]))
@@ -206,8 +219,10 @@ def main() -> None:
         for name in names:
             first, last = results[low, name], results[high, name]
             slopes = [(results[b, name].tokens - results[a, name].tokens) / (b - a) for a, b in zip(turns, turns[1:])]
-            print(f"  {name:<19} tokens x{last.tokens / first.tokens:5.2f}, time x{last.seconds / first.seconds:5.2f}; "
-                  f"per turn {', '.join(f'{slope:.1f}' for slope in slopes)}")
+            print(
+                f"  {name:<19} tokens x{last.tokens / first.tokens:5.2f}, time x{last.seconds / first.seconds:5.2f}; "
+                f"per turn {', '.join(f'{slope:.1f}' for slope in slopes)}"
+            )
 
 
 if __name__ == "__main__":

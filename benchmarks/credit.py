@@ -33,7 +33,9 @@ from agentloop.config import compose_config
 from trainer.ray_trainer import RayPPOTrainer
 
 SMOKE = [
-    "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.agent.num_workers=1",
+    "data.train_batch_size=2",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.rollout.agent.num_workers=1",
     "actor_rollout_ref.rollout.hf.num_blocks=256",
 ]
 FINAL_WINDOW = 5
@@ -61,9 +63,16 @@ def train(estimator: str, seed: int, steps: int, out: Path, overrides: list[str]
     """Train ``corridor_grpo`` with ``estimator`` and ``seed``; the rewards come from the run's ``metrics.jsonl``."""
     config = compose_config(
         [
-            f"algorithm.adv_estimator={estimator}", f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
-            f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
-            "trainer.logger=[]", f"trainer.default_local_dir={out}", "trainer.rollout_data_dir=null", *overrides,
+            f"algorithm.adv_estimator={estimator}",
+            f"data.seed={seed}",
+            f"actor_rollout_ref.rollout.seed={seed}",
+            f"trainer.total_training_steps={steps}",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "trainer.logger=[]",
+            f"trainer.default_local_dir={out}",
+            "trainer.rollout_data_dir=null",
+            *overrides,
         ],
         config_name="corridor_grpo",
     )
@@ -85,8 +94,11 @@ def compare(estimators: list[str], seeds: list[int], steps: int, directory: Path
         for estimator in estimators:
             run = train(estimator, seed, steps, directory / f"{estimator}-{seed}", overrides)
             runs.append(run)
-            print(f"{estimator} seed {seed}: rewards {' '.join(f'{r:.2f}' for r in run.rewards)}; final {run.final:.3f}, "
-                  f"{run.wall_s:.0f} s", flush=True)
+            print(
+                f"{estimator} seed {seed}: rewards {' '.join(f'{r:.2f}' for r in run.rewards)}; final {run.final:.3f}, "
+                f"{run.wall_s:.0f} s",
+                flush=True,
+            )
     return runs
 
 
@@ -99,18 +111,22 @@ def report(runs: list[Run], estimators: list[str], steps: int, threshold: float)
     rows = []
     for name, group in by_estimator.items():
         to_threshold = float(np.median([run.steps_to(threshold) for run in group]))
-        rows.append({
-            "estimator": name,
-            "steps_to_threshold": to_threshold,
-            "steps_to_reference_final": float(np.median([run.steps_to(target) for run in group])),
-            "final": float(np.median([run.final for run in group])),
-            "wall_s": float(np.median([run.wall_s for run in group])),
-            "ratio": to_threshold / reference_steps if math.isfinite(to_threshold + reference_steps) else math.nan,
-        })
+        rows.append(
+            {
+                "estimator": name,
+                "steps_to_threshold": to_threshold,
+                "steps_to_reference_final": float(np.median([run.steps_to(target) for run in group])),
+                "final": float(np.median([run.final for run in group])),
+                "wall_s": float(np.median([run.wall_s for run in group])),
+                "ratio": to_threshold / reference_steps if math.isfinite(to_threshold + reference_steps) else math.nan,
+            }
+        )
     seeds = len(by_estimator[reference])
     print(f"\n{steps} steps, {seeds} seed(s) each, medians over seeds; {reference}'s final reward {target:.3f}")
-    print(f"| estimator | steps to {threshold:g} | steps to {reference}'s final {target:.3f} (target <= {steps / 2:g}) | "
-          f"final reward (last {FINAL_WINDOW} steps) | wall time | steps to {threshold:g} / {reference}'s |")
+    print(
+        f"| estimator | steps to {threshold:g} | steps to {reference}'s final {target:.3f} (target <= {steps / 2:g}) | "
+        f"final reward (last {FINAL_WINDOW} steps) | wall time | steps to {threshold:g} / {reference}'s |"
+    )
     print("|---|---|---|---|---|---|")
     for row in rows:
         ratio = "—" if math.isnan(row["ratio"]) else f"{row['ratio']:.2f}"
@@ -125,11 +141,17 @@ def _steps(value: float, steps: int) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict[str, float | str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--estimators", nargs="+", default=["grpo", "turn_grpo", "gigpo"],
-                        help="values of algorithm.adv_estimator; the first is the reference")
+    parser.add_argument(
+        "--estimators",
+        nargs="+",
+        default=["grpo", "turn_grpo", "gigpo"],
+        help="values of algorithm.adv_estimator; the first is the reference",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--threshold", type=float, default=0.8, help="reward level to reach (the task's rewards are at most 1)")
+    parser.add_argument(
+        "--threshold", type=float, default=0.8, help="reward level to reach (the task's rewards are at most 1)"
+    )
     parser.add_argument("--out", type=Path, help="keep each run's directory here (default: a temporary directory)")
     parser.add_argument("--smoke", action="store_true", help="2 steps of 2 prompts x 4 samples on the first seed")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. algorithm.gamma=0.9")

@@ -32,7 +32,9 @@ async def _gather(engine: HFEngine, prompts: list[list[int]], params: dict[str, 
 
 def max_log_prob_error(engine: HFEngine, path: str, device: str, dtype: str) -> float:
     """Largest difference between the engine's sampled-token log-probs and a plain forward pass's."""
-    outputs = asyncio.run(_gather(engine, CHECK_PROMPTS, {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}, "check"))
+    outputs = asyncio.run(
+        _gather(engine, CHECK_PROMPTS, {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}, "check")
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
     error = 0.0
     for prompt, output in zip(CHECK_PROMPTS, outputs):
@@ -88,7 +90,9 @@ def main() -> None:
             if "failed" in row:
                 print(f"| {row['model']} | {device} | {dtype} | failed: {row['failed']} | | |")
             else:
-                print(f"| {row['model']} | {device} | {dtype} | {row['start_s']:.2f} | {row['max_log_prob_error']:.1e} | {row['tokens_per_s']:,.0f} |")
+                print(
+                    f"| {row['model']} | {device} | {dtype} | {row['start_s']:.2f} | {row['max_log_prob_error']:.1e} | {row['tokens_per_s']:,.0f} |"
+                )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,9 @@ async def main() -> None:
             times["a"].append(await step_s(shipped, requests))
             times["b"].append(await step_s(multinomial, requests))
         a, b = min(times["a"]), min(times["b"])
-        print(f"{requests:4d} requests: (a) inverse CDF {a * 1000:.1f} ms/step, (b) multinomial {b * 1000:.1f} ms/step, b/a {b / a:.2f}")
+        print(
+            f"{requests:4d} requests: (a) inverse CDF {a * 1000:.1f} ms/step, (b) multinomial {b * 1000:.1f} ms/step, b/a {b / a:.2f}"
+        )
     for engine in (shipped, multinomial):
         await engine.shutdown()
 

@@ -87,7 +87,10 @@ class Paths:
         """(b) A session of the conversation: each call sends the messages so far, the replies as returned."""
         with Router.running_sample(tag):
             session = self.gateway.open(self.params, timeout_s=600, max_tokens_per_call=None)
-        url, headers = self.gateway.base_url(session) + "/chat/completions", {"Authorization": f"Bearer {session.api_key}"}
+        url, headers = (
+            self.gateway.base_url(session) + "/chat/completions",
+            {"Authorization": f"Bearer {session.api_key}"},
+        )
         messages: list[dict[str, Any]] = []
         completions, seconds = [], []
         client = self.idle_clients.pop()
@@ -109,7 +112,9 @@ class Paths:
         return seconds
 
 
-def check_own_trajectories(tokenizer: PreTrainedTokenizerBase, sessions: list[tuple[Session, list[str], list[dict]]]) -> None:
+def check_own_trajectories(
+    tokenizer: PreTrainedTokenizerBase, sessions: list[tuple[Session, list[str], list[dict]]]
+) -> None:
     """Each session recorded exactly its own conversation: its first message rendered, then per call the tokens the
     gateway returned for it and the eos and template delta of its own next message, and each call's context as the
     gateway returned it."""
@@ -144,8 +149,11 @@ class Clock:
 
 
 async def paired(
-    calls: int, turns: int, direct: Callable[[str, list[str]], Awaitable[list[float]]],
-    gateway: Callable[[str, list[str]], Awaitable[list[float]]], tag: str,
+    calls: int,
+    turns: int,
+    direct: Callable[[str, list[str]], Awaitable[list[float]]],
+    gateway: Callable[[str, list[str]], Awaitable[list[float]]],
+    tag: str,
 ) -> tuple[list[float], list[float]]:
     """Conversations of ``turns`` calls on both paths, alternating which goes first, until ``calls`` calls of each
     (from the 2nd call of each conversation when ``turns`` > 1) are timed: the seconds of those calls, in pairs."""
@@ -158,13 +166,15 @@ async def paired(
             b, a = await gateway(f"{tag}-{pair}-b", texts), await direct(f"{tag}-{pair}-a", texts)
         else:
             a, b = await direct(f"{tag}-{pair}-a", texts), await gateway(f"{tag}-{pair}-b", texts)
-        direct_s += a[1 if turns > 1 else 0:]
-        gateway_s += b[1 if turns > 1 else 0:]
+        direct_s += a[1 if turns > 1 else 0 :]
+        gateway_s += b[1 if turns > 1 else 0 :]
         pair += 1
     return direct_s, gateway_s
 
 
-async def concurrent(run: Callable[[str, list[str]], Awaitable[list[float]]], tag: str, sessions: int, calls: int) -> float:
+async def concurrent(
+    run: Callable[[str, list[str]], Awaitable[list[float]]], tag: str, sessions: int, calls: int
+) -> float:
     """Calls per second of ``sessions`` conversations of ``calls`` calls run at once."""
     start = time.perf_counter()
     await asyncio.gather(*(run(f"{tag}-{i}", conversation_texts(f"{tag}-{i}", calls)) for i in range(sessions)))
@@ -195,11 +205,19 @@ async def measure(args: argparse.Namespace, servers: list[ray.actor.ActorHandle]
         check_own_trajectories(tokenizer, one.sessions)
         handled = [seconds for i, seconds in enumerate(complete.seconds) if turns == 1 or i % turns]
         generated = [seconds for i, seconds in enumerate(generate.seconds) if turns == 1 or i % turns]
-        rows.append((
-            name, len(direct_s), ms(direct_s), ms(gateway_s), ms(gateway_s) - ms(direct_s),
-            ms([b - a for a, b in zip(direct_s, gateway_s)]), ms([b - g for b, g in zip(gateway_s, generated)]),
-            ms([h - g for h, g in zip(handled, generated)]), ms([b - h for b, h in zip(gateway_s, handled)]),
-        ))
+        rows.append(
+            (
+                name,
+                len(direct_s),
+                ms(direct_s),
+                ms(gateway_s),
+                ms(gateway_s) - ms(direct_s),
+                ms([b - a for a, b in zip(direct_s, gateway_s)]),
+                ms([b - g for b, g in zip(gateway_s, generated)]),
+                ms([h - g for h, g in zip(handled, generated)]),
+                ms([b - h for b, h in zip(gateway_s, handled)]),
+            )
+        )
     await asyncio.gather(*(client.aclose() for client in one.idle_clients))
 
     both = await paths(servers, tokenizer, config, params, clients=args.sessions)
@@ -209,22 +227,32 @@ async def measure(args: argparse.Namespace, servers: list[ray.actor.ActorHandle]
     for repeat in range(args.repeats):
         direct_rates.append(await concurrent(both.direct, f"direct-{repeat}", args.sessions, args.session_calls))
         both.sessions.clear()
-        gateway_rates.append(await concurrent(both.through_gateway, f"gateway-{repeat}", args.sessions, args.session_calls))
+        gateway_rates.append(
+            await concurrent(both.through_gateway, f"gateway-{repeat}", args.sessions, args.session_calls)
+        )
         check_own_trajectories(tokenizer, both.sessions)
     await asyncio.gather(*(client.aclose() for client in both.idle_clients))
 
     print(f"one hf server, {THREADS} thread; {args.tokens} new tokens per call; medians (ms)")
-    print(f"{'calls':<40} {'n':>3} {'(a) direct':>10} {'(b) gateway':>11} {'b-a':>6} {'pairs':>6} {'own':>6} {'handler':>8} "
-          f"{'HTTP':>6}")
+    print(
+        f"{'calls':<40} {'n':>3} {'(a) direct':>10} {'(b) gateway':>11} {'b-a':>6} {'pairs':>6} {'own':>6} {'handler':>8} "
+        f"{'HTTP':>6}"
+    )
     for name, count, a, b, overhead, pairs, own, handler, http in rows:
-        print(f"{name:<40} {count:3d} {a:10.2f} {b:11.2f} {overhead:6.2f} {pairs:6.2f} {own:6.2f} {handler:8.2f} {http:6.2f}")
-    print("b-a: the overhead per call, target <= 5 ms; pairs: median of the per-call differences; own: (b) less its router's "
-          "generate, the overhead without the engine's noise, of which handler: Gateway._complete less the generate, and "
-          "HTTP: the client's time less Gateway._complete")
+        print(
+            f"{name:<40} {count:3d} {a:10.2f} {b:11.2f} {overhead:6.2f} {pairs:6.2f} {own:6.2f} {handler:8.2f} {http:6.2f}"
+        )
+    print(
+        "b-a: the overhead per call, target <= 5 ms; pairs: median of the per-call differences; own: (b) less its router's "
+        "generate, the overhead without the engine's noise, of which handler: Gateway._complete less the generate, and "
+        "HTTP: the client's time less Gateway._complete"
+    )
     direct_rate, gateway_rate = statistics.median(direct_rates), statistics.median(gateway_rates)
-    print(f"{args.sessions} sessions x {args.session_calls} calls at once, two servers ({args.repeats} repeats, medians): "
-          f"(a) direct {direct_rate:.1f} calls/s, (b) gateway {gateway_rate:.1f} calls/s, b/a {gateway_rate / direct_rate:.3f}; "
-          f"{len(both.sessions)} sessions' trajectories checked after each repeat: each exactly its own")
+    print(
+        f"{args.sessions} sessions x {args.session_calls} calls at once, two servers ({args.repeats} repeats, medians): "
+        f"(a) direct {direct_rate:.1f} calls/s, (b) gateway {gateway_rate:.1f} calls/s, b/a {gateway_rate / direct_rate:.3f}; "
+        f"{len(both.sessions)} sessions' trajectories checked after each repeat: each exactly its own"
+    )
 
 
 def main() -> None:
@@ -236,11 +264,13 @@ def main() -> None:
     parser.add_argument("--session-calls", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    config = compose_config([
-        f"actor_rollout_ref.rollout.resources_per_server.CPU={THREADS}",
-        # room for every turn of the longest conversation: its replies and its questions' deltas (about 25 tokens)
-        f"data.max_response_length={max(args.turns, args.session_calls) * (args.tokens + 64)}",
-    ])
+    config = compose_config(
+        [
+            f"actor_rollout_ref.rollout.resources_per_server.CPU={THREADS}",
+            # room for every turn of the longest conversation: its replies and its questions' deltas (about 25 tokens)
+            f"data.max_response_length={max(args.turns, args.session_calls) * (args.tokens + 64)}",
+        ]
+    )
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     servers = [RolloutServer.remote(config, rank) for rank in range(2)]

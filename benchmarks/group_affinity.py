@@ -34,16 +34,24 @@ def engine_overrides(engine: str, vllm_python: str | None) -> list[str]:
     if not vllm_python:
         raise SystemExit("--engine vllm needs --vllm-python or $AGENTLOOP_VLLM_PYTHON")
     return [
-        "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.vllm.python={vllm_python}",
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.vllm.python={vllm_python}",
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=32",
     ]
 
 
 def rollout(slack: str, rows: list[dict], n: int, overrides: list[str]) -> tuple[float, float, float]:
-    manager = AgentLoopManager(compose_config([
-        "actor_rollout_ref.rollout.data_parallel_size=2", f"actor_rollout_ref.rollout.n={n}",
-        f"actor_rollout_ref.rollout.agent.group_affinity_slack={slack}", "data.max_prompt_length=512", *overrides,
-    ]))
+    manager = AgentLoopManager(
+        compose_config(
+            [
+                "actor_rollout_ref.rollout.data_parallel_size=2",
+                f"actor_rollout_ref.rollout.n={n}",
+                f"actor_rollout_ref.rollout.agent.group_affinity_slack={slack}",
+                "data.max_prompt_length=512",
+                *overrides,
+            ]
+        )
+    )
     try:
         # warm-up (compiled kernels, allocated caches) on the measured rows: with affinity on, one row's samples would
         # all go to one server and leave the other cold, its first-call costs in the measured wall time
@@ -72,8 +80,16 @@ def main() -> None:
     ray.init(include_dashboard=False, log_to_driver=False)
     words = "what is the sum of these numbers please think step by step then answer".split()
     rows = [
-        {"prompt": [{"role": "user", "content": f"problem {i}: " + " ".join(words[(i + j) % len(words)] for j in range(300))}],
-         "agent_name": "fixed_length", "extra_info": {"length": 8}}
+        {
+            "prompt": [
+                {
+                    "role": "user",
+                    "content": f"problem {i}: " + " ".join(words[(i + j) % len(words)] for j in range(300)),
+                }
+            ],
+            "agent_name": "fixed_length",
+            "extra_info": {"length": 8},
+        }
         for i in range(args.rows)
     ]
     results: dict[str, list[tuple[float, float, float]]] = {"off": [], "on": []}
@@ -81,10 +97,15 @@ def main() -> None:
         for mode, slack in (("off", "null"), ("on", "8")):
             results[mode].append(rollout(slack, rows, args.n, overrides))
             share, prefilled, wall = results[mode][-1]
-            print(f"affinity {mode:3s}: cached share {share:.3f}, prefilled {prefilled:.0f} tokens, {wall:.2f}s", flush=True)
+            print(
+                f"affinity {mode:3s}: cached share {share:.3f}, prefilled {prefilled:.0f} tokens, {wall:.2f}s",
+                flush=True,
+            )
     for mode, runs in results.items():
         share, prefilled, wall = np.mean(runs, axis=0)
-        print(f"mean, affinity {mode:3s}: rollout/cached_token_share {share:.3f}, prompt tokens prefilled {prefilled:.0f}, wall {wall:.2f}s")
+        print(
+            f"mean, affinity {mode:3s}: rollout/cached_token_share {share:.3f}, prompt tokens prefilled {prefilled:.0f}, wall {wall:.2f}s"
+        )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,10 @@ def main() -> None:
         host, port = url.split("//")[1].rsplit(":", 1)
         session = requests.Session()
         body = b'{"rid": "unknown"}'
-        packet = (b"POST /abort_request HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body
+        packet = (
+            b"POST /abort_request HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+        ) + body
 
         def by_hand() -> None:
             with socket.create_connection((host, int(port))) as connection:
@@ -52,8 +54,10 @@ def main() -> None:
         raw = mean_ms(by_hand, args.requests)
     finally:
         manager.shutdown()
-    print(f"(a) GET /health {health:.2f} ms, POST /abort_request {post:.2f} ms; (b) one packet by hand {raw:.2f} ms; "
-          f"a/b {post / raw:.1f}")
+    print(
+        f"(a) GET /health {health:.2f} ms, POST /abort_request {post:.2f} ms; (b) one packet by hand {raw:.2f} ms; "
+        f"a/b {post / raw:.1f}"
+    )
 
 
 if __name__ == "__main__":

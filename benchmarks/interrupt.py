@@ -36,7 +36,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    config = compose_config(["actor_rollout_ref.rollout.resources_per_server.CPU=2", "actor_rollout_ref.rollout.agent.num_workers=1"])
+    config = compose_config(
+        ["actor_rollout_ref.rollout.resources_per_server.CPU=2", "actor_rollout_ref.rollout.agent.num_workers=1"]
+    )
     manager = AgentLoopManager(config)
     state = AutoModelForCausalLM.from_pretrained(config.actor_rollout_ref.model.path).state_dict()
     server = manager.servers[0]
@@ -49,14 +51,19 @@ def main() -> None:
         outputs: list[TokenOutput] = ray.get(requests, timeout=120)
         idle = timed_update(manager, state)
         interrupted = sum(output.finish_reason == "interrupted" for output in outputs)
-        print(f"repeat {repeat}: in flight {busy:.3f}s ({interrupted}/{args.requests} interrupted), idle {idle:.3f}s", flush=True)
+        print(
+            f"repeat {repeat}: in flight {busy:.3f}s ({interrupted}/{args.requests} interrupted), idle {idle:.3f}s",
+            flush=True,
+        )
         ratios.append(busy / idle)
         busy_times.append(busy)
         idle_times.append(idle)
     manager.shutdown()
     ray.shutdown()
     print(f"\n{args.requests} requests in flight, {args.repeats} repeats")
-    print(f"update with requests in flight: median {statistics.median(busy_times):.3f}s; idle: median {statistics.median(idle_times):.3f}s")
+    print(
+        f"update with requests in flight: median {statistics.median(busy_times):.3f}s; idle: median {statistics.median(idle_times):.3f}s"
+    )
     print(f"ratio in-flight / idle (median of per-repeat ratios): {statistics.median(ratios):.1f}")
 
 

@@ -29,8 +29,17 @@ PROMPT = "grade this answer for its correctness and its style then say a number 
 
 def rows(kind: str, samples: int, length: int, judge_length: int) -> list[dict]:
     return [
-        {"prompt": [{"role": "user", "content": f"sample {i}: {PROMPT}"}], "agent_name": "fixed_length", "data_source": kind,
-         "extra_info": {"index": i, "length": length, "judge_prompt": f"sample {i}: {PROMPT}", "judge_length": judge_length}}
+        {
+            "prompt": [{"role": "user", "content": f"sample {i}: {PROMPT}"}],
+            "agent_name": "fixed_length",
+            "data_source": kind,
+            "extra_info": {
+                "index": i,
+                "length": length,
+                "judge_prompt": f"sample {i}: {PROMPT}",
+                "judge_length": judge_length,
+            },
+        }
         for i in range(samples)
     ]
 
@@ -46,10 +55,14 @@ def judge_alone(manager: AgentLoopManager, samples: int, judge_length: int) -> f
     judge = Judge.from_config(manager.config, manager.judges.servers)
 
     async def calls() -> None:
-        await asyncio.gather(*(
-            judge.chat([{"role": "user", "content": f"sample {i}: {PROMPT}"}], max_new_tokens=judge_length, ignore_eos=True)
-            for i in range(samples)
-        ))
+        await asyncio.gather(
+            *(
+                judge.chat(
+                    [{"role": "user", "content": f"sample {i}: {PROMPT}"}], max_new_tokens=judge_length, ignore_eos=True
+                )
+                for i in range(samples)
+            )
+        )
 
     start = time.perf_counter()
     asyncio.run(calls())
@@ -64,11 +77,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     ray.init(include_dashboard=False, log_to_driver=False)
-    manager = AgentLoopManager(compose_config([
-        "reward_model.enable=true", f"reward_model.rollout.response_length={args.judge_length}",
-        "+custom_reward_function.by_data_source.rule=agentloop.testing.rule_reward",
-        "+custom_reward_function.by_data_source.judged=agentloop.testing.judged_reward",
-    ]))
+    manager = AgentLoopManager(
+        compose_config(
+            [
+                "reward_model.enable=true",
+                f"reward_model.rollout.response_length={args.judge_length}",
+                "+custom_reward_function.by_data_source.rule=agentloop.testing.rule_reward",
+                "+custom_reward_function.by_data_source.judged=agentloop.testing.judged_reward",
+            ]
+        )
+    )
     try:
         timed_step(manager, rows("judged", 2, args.length, args.judge_length))  # warm-up: kernels, caches, imports
         times: dict[str, list[float]] = {"rule": [], "judge alone": [], "judged": []}

@@ -67,7 +67,9 @@ class LongTailLoop(AgentLoopBase):
                 await asyncio.sleep(info["latencies"][turn])
                 if lockstep:
                     await lockstep.done(2 * turn + 1)
-        return AgentLoopOutput(prompt_ids, response, [1] * len(response), [0.0] * len(response), num_turns=info["turns"])
+        return AgentLoopOutput(
+            prompt_ids, response, [1] * len(response), [0.0] * len(response), num_turns=info["turns"]
+        )
 
 
 def make_rows(count: int, seed: int, lockstep: bool, batch: str) -> list[dict[str, Any]]:
@@ -94,7 +96,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. actor_rollout_ref.rollout.hf.num_blocks=4096")
+    parser.add_argument(
+        "overrides", nargs="*", help="config overrides, e.g. actor_rollout_ref.rollout.hf.num_blocks=4096"
+    )
     args = parser.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     config = compose_config(
@@ -125,12 +129,16 @@ def main() -> None:
     manager.shutdown()
     ray.shutdown()
 
-    print(f"samples: {args.samples}, turns 1-8, {TOKENS_PER_TURN} tokens per turn, tool latency lognormal(median 0.1 s, sigma 1) <= 2 s")
+    print(
+        f"samples: {args.samples}, turns 1-8, {TOKENS_PER_TURN} tokens per turn, tool latency lognormal(median 0.1 s, sigma 1) <= 2 s"
+    )
     print(f"(a) request-level makespan:      {a:.2f}s")
     print(f"(b) batch-synchronous makespan:  {b:.2f}s")
     print(f"ratio b/a: {b / a:.2f} (target >= 2.5)")
-    print(f"work bound: {bound:.2f}s (longest trajectory {chain:.2f}s, throughput {throughput:.2f}s); "
-          f"a / bound: {a / bound:.2f} (target <= 1.2)")
+    print(
+        f"work bound: {bound:.2f}s (longest trajectory {chain:.2f}s, throughput {throughput:.2f}s); "
+        f"a / bound: {a / bound:.2f} (target <= 1.2)"
+    )
 
 
 if __name__ == "__main__":

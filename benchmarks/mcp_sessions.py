@@ -67,15 +67,21 @@ async def main(calls: int, repeats: int) -> None:
     def median(pick: Callable[[tuple], float]) -> float:
         return statistics.median(pick(row) for row in rows)
 
-    print(f"p50 sequential: (a) {median(lambda r: r[0][0]) * 1e3:.1f} ms, (b) {median(lambda r: r[1][0]) * 1e3:.2f} ms, "
-          f"a/b {median(lambda r: r[0][0] / r[1][0]):.0f}")
-    print(f"8 parallel:     (a) {median(lambda r: r[0][1]) * 1e3:.0f} ms, (b) {median(lambda r: r[1][1]) * 1e3:.1f} ms, "
-          f"a/b {median(lambda r: r[0][1] / r[1][1]):.0f}")
+    print(
+        f"p50 sequential: (a) {median(lambda r: r[0][0]) * 1e3:.1f} ms, (b) {median(lambda r: r[1][0]) * 1e3:.2f} ms, "
+        f"a/b {median(lambda r: r[0][0] / r[1][0]):.0f}"
+    )
+    print(
+        f"8 parallel:     (a) {median(lambda r: r[0][1]) * 1e3:.0f} ms, (b) {median(lambda r: r[1][1]) * 1e3:.1f} ms, "
+        f"a/b {median(lambda r: r[0][1] / r[1][1]):.0f}"
+    )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=10, help="sequential calls per repeat for (a); (b) makes 10x as many")
+    parser.add_argument(
+        "--calls", type=int, default=10, help="sequential calls per repeat for (a); (b) makes 10x as many"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     arguments = parser.parse_args()
     asyncio.run(main(arguments.calls, arguments.repeats))

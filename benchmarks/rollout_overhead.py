@@ -62,7 +62,9 @@ class DirectEngine:
         tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         self.requests = [
             (
-                tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False),
+                tokenizer.apply_chat_template(
+                    row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+                ),
                 {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": row["extra_info"]["length"]},
             )
             for row in rows
@@ -122,8 +124,10 @@ def main() -> None:
     # Staggered arrivals so that completions and new dispatches interleave, as in a real rollout.
     _, _, meta = through_stack(manager, make_rows(args.samples, seed=1, arrival_gap_s=0.01))
     manager.shutdown()
-    print(f"two servers, mixed lengths, staggered arrivals: requests per server {meta['rollout/requests_per_server']}, "
-          f"in-flight max/mean {meta['rollout/in_flight_imbalance']:.3f} (target <= 1.15)")
+    print(
+        f"two servers, mixed lengths, staggered arrivals: requests per server {meta['rollout/requests_per_server']}, "
+        f"in-flight max/mean {meta['rollout/in_flight_imbalance']:.3f} (target <= 1.15)"
+    )
     ray.shutdown()
 
 

@@ -49,14 +49,16 @@ def make_rows(count: int) -> list[dict[str, Any]]:
 
 
 def config():
-    return compose_config([
-        f"actor_rollout_ref.model.path={tiny_vlm_path()}",
-        "data.max_prompt_length=64",
-        "data.max_response_length=128",
-        f"actor_rollout_ref.rollout.resources_per_server.CPU={THREADS}",
-        "actor_rollout_ref.rollout.agent.num_workers=1",
-        "actor_rollout_ref.rollout.temperature=0",
-    ])
+    return compose_config(
+        [
+            f"actor_rollout_ref.model.path={tiny_vlm_path()}",
+            "data.max_prompt_length=64",
+            "data.max_response_length=128",
+            f"actor_rollout_ref.rollout.resources_per_server.CPU={THREADS}",
+            "actor_rollout_ref.rollout.agent.num_workers=1",
+            "actor_rollout_ref.rollout.temperature=0",
+        ]
+    )
 
 
 class EngineAsRouter:
@@ -97,15 +99,22 @@ class Direct:
         messages, images = split_images(row["prompt"], row["images"], "row")
         processed = process_images(self.processor, images, "row")
         pad = tokenizer.convert_tokens_to_ids(self.processor.image_token)
-        ids = expand_image_pads(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False), processed, pad, "row")
+        ids = expand_image_pads(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False),
+            processed,
+            pad,
+            "row",
+        )
         return Trajectory(tokenizer, messages, ids, None, processor=self.processor, images=processed)
 
     def run(self) -> tuple[int, float]:
         async def run_all():
-            return await asyncio.gather(*(
-                picture_turns(self.trajectory(row), self.router, f"r{i}-{time.monotonic()}", self.params, SPEC)
-                for i, row in enumerate(self.rows)
-            ))
+            return await asyncio.gather(
+                *(
+                    picture_turns(self.trajectory(row), self.router, f"r{i}-{time.monotonic()}", self.params, SPEC)
+                    for i, row in enumerate(self.rows)
+                )
+            )
 
         start = time.perf_counter()
         outputs = self.loop.run_until_complete(run_all())
@@ -147,7 +156,9 @@ def main() -> None:
     print(f"(b) through the stack: {stack_rate:9.1f} tokens/s (median)")
     print(f"ratio b/a: {stack_rate / direct_rate:.3f}")
     print(f"image processor calls per image (a): {direct.calls / images:.2f} ({direct.calls} calls, {images} images)")
-    print(f"image tensor bytes per sample in the batch: {padded / len(batch):.0f} dense-padded, {used / len(batch):.0f} used")
+    print(
+        f"image tensor bytes per sample in the batch: {padded / len(batch):.0f} dense-padded, {used / len(batch):.0f} used"
+    )
     ray.shutdown()
 
 

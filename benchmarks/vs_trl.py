@@ -100,7 +100,9 @@ class Workload:
     response_length: int = 128  # the quick start's data.max_response_length: model turns and tool results together
     agentloop_config: str = "arithmetic_grpo"
     trl_runs_of: str | None = None  # a workload whose TRL runs this one is compared with (TRL has no async mode)
-    rollout_engine: str = "hf"  # vllm: rollout.vllm.python from AGENTLOOP_VLLM_PYTHON (python -m agentloop.server.vllm_env)
+    rollout_engine: str = (
+        "hf"  # vllm: rollout.vllm.python from AGENTLOOP_VLLM_PYTHON (python -m agentloop.server.vllm_env)
+    )
 
     def agentloop_overrides(self, tools_dir: Path) -> list[str]:
         overrides = [
@@ -130,12 +132,29 @@ def warm_start(long_episodes: bool) -> str:
 WORKLOADS = {
     "a": Workload("a", "the quick start as it is"),
     "b": Workload("b", "tool latency lognormal (median 0.1 s, sigma 1, <= 2 s)", slow_tools=True),
-    "c": Workload("c", "longer episodes: four model turns with text each (8 allowed, 512 response tokens)",
-                  max_assistant_turns=8, response_length=512, long_episodes=True),
-    "d": Workload("d", "agentloop asynchronous (arithmetic_grpo_async) on (b)", slow_tools=True,
-                  agentloop_config="arithmetic_grpo_async", trl_runs_of="b"),
-    "e": Workload("e", "(c) with agentloop's rollouts on vLLM (rollout.name=vllm)", max_assistant_turns=8,
-                  response_length=512, long_episodes=True, trl_runs_of="c", rollout_engine="vllm"),
+    "c": Workload(
+        "c",
+        "longer episodes: four model turns with text each (8 allowed, 512 response tokens)",
+        max_assistant_turns=8,
+        response_length=512,
+        long_episodes=True,
+    ),
+    "d": Workload(
+        "d",
+        "agentloop asynchronous (arithmetic_grpo_async) on (b)",
+        slow_tools=True,
+        agentloop_config="arithmetic_grpo_async",
+        trl_runs_of="b",
+    ),
+    "e": Workload(
+        "e",
+        "(c) with agentloop's rollouts on vLLM (rollout.name=vllm)",
+        max_assistant_turns=8,
+        response_length=512,
+        long_episodes=True,
+        trl_runs_of="c",
+        rollout_engine="vllm",
+    ),
 }
 
 UNMATCHED = [
@@ -220,7 +239,9 @@ def launch(command: list[str], log: Path, watch: Path | None = None) -> tuple[fl
 
     watcher = threading.Thread(target=follow, daemon=True) if watch else None
     with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        process = subprocess.Popen(
+            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
         if watcher:
             watcher.start()
         returncode = process.wait()
@@ -234,33 +255,59 @@ def launch(command: list[str], log: Path, watch: Path | None = None) -> tuple[fl
 def run_agentloop(workload: Workload, steps: int, directory: Path) -> tuple[float, int, list[Step]]:
     output = directory / "agentloop"
     command = [
-        sys.executable, "-m", "trainer.main_ppo", "--config-name", workload.agentloop_config,
-        f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={output}",
+        sys.executable,
+        "-m",
+        "trainer.main_ppo",
+        "--config-name",
+        workload.agentloop_config,
+        f"trainer.total_training_steps={steps}",
+        f"trainer.default_local_dir={output}",
         *workload.agentloop_overrides(directory),
     ]
     metrics = output / "metrics.jsonl"
     wall, returncode, appeared = launch(command, directory / "agentloop.log", watch=metrics)
     lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     extra_keys = ("timing_s/gen", "timing_s/train", "response_length/mean", "num_turns/mean")
-    return wall, returncode, [
-        Step(line["step"], appeared.get(index, wall), line["timing_s/step"], line["critic/score/mean"],
-             {key: line[key] for key in extra_keys if key in line})
-        for index, line in enumerate(lines) if "timing_s/step" in line  # step 0: validation only
-    ]
+    return (
+        wall,
+        returncode,
+        [
+            Step(
+                line["step"],
+                appeared.get(index, wall),
+                line["timing_s/step"],
+                line["critic/score/mean"],
+                {key: line[key] for key in extra_keys if key in line},
+            )
+            for index, line in enumerate(lines)
+            if "timing_s/step" in line  # step 0: validation only
+        ],
+    )
 
 
 def run_trl(workload: Workload, steps: int, directory: Path) -> tuple[float, int, list[Step]]:
     record = directory / "trl_steps.jsonl"
     spec = {"steps": steps, "output": str(directory / "trl"), "record": str(record), **asdict(workload)}
     launched = time.time()
-    wall, returncode, _ = launch([sys.executable, "-m", "benchmarks.vs_trl", "--trl-worker", json.dumps(spec)], directory / "trl.log")
+    wall, returncode, _ = launch(
+        [sys.executable, "-m", "benchmarks.vs_trl", "--trl-worker", json.dumps(spec)], directory / "trl.log"
+    )
     lines = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
     extra_keys = ("completions/mean_length", "tools/call_frequency")
-    return wall, returncode, [
-        Step(line["step"], line["end"] - launched, line["end"] - line["begin"], line["reward"],
-             {key: line[key] for key in extra_keys if key in line})
-        for line in lines
-    ]
+    return (
+        wall,
+        returncode,
+        [
+            Step(
+                line["step"],
+                line["end"] - launched,
+                line["end"] - line["begin"],
+                line["reward"],
+                {key: line[key] for key in extra_keys if key in line},
+            )
+            for line in lines
+        ],
+    )
 
 
 # ---------------------------------------------------------------- the TRL side (in its own process)
@@ -321,7 +368,9 @@ def trl_worker(spec: dict[str, Any]) -> None:
     model = warm_start(spec["long_episodes"])
     rows = read_rows(cached_split(*TRAIN_SPLIT))
     # agentloop's order: its sampler's batches (data.seed 0, shuffled), handed to TRL unshuffled
-    order = [index for batch in BatchSampler(len(rows), PROMPTS_PER_STEP, seed=0).batches(spec["steps"]) for index in batch]
+    order = [
+        index for batch in BatchSampler(len(rows), PROMPTS_PER_STEP, seed=0).batches(spec["steps"]) for index in batch
+    ]
     dataset = Dataset.from_list(
         [{"prompt": rows[i]["prompt"], "ground_truth": rows[i]["reward_model"]["ground_truth"]} for i in order]
     )
@@ -342,22 +391,51 @@ def trl_worker(spec: dict[str, Any]) -> None:
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:  # a step's log (not the run's summary)
                 numbers = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
-                record.write(json.dumps({"step": state.global_step, "begin": self.begin, "end": self.end, **numbers}) + "\n")
+                record.write(
+                    json.dumps({"step": state.global_step, "begin": self.begin, "end": self.end, **numbers}) + "\n"
+                )
                 record.flush()
 
     config = GRPOConfig(
-        output_dir=spec["output"], max_steps=spec["steps"], seed=0, use_cpu=True, bf16=False, fp16=False,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE, gradient_accumulation_steps=1,
-        num_generations=GROUP_SIZE, shuffle_dataset=False, remove_unused_columns=False,
-        max_completion_length=spec["response_length"], max_tool_calling_iterations=spec["max_assistant_turns"] - 1,
-        temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, epsilon=0.2,
-        loss_type="dapo", scale_rewards="group",  # dapo: token-mean over the batch, as agentloop's loss_agg_mode
+        output_dir=spec["output"],
+        max_steps=spec["steps"],
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
+        gradient_accumulation_steps=1,
+        num_generations=GROUP_SIZE,
+        shuffle_dataset=False,
+        remove_unused_columns=False,
+        max_completion_length=spec["response_length"],
+        max_tool_calling_iterations=spec["max_assistant_turns"] - 1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        num_iterations=1,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",  # dapo: token-mean over the batch, as agentloop's loss_agg_mode
         gradient_checkpointing=False,  # TRL's default is on; agentloop's enable_gradient_checkpointing is off
-        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, model_init_kwargs={"dtype": "float32"},
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        model_init_kwargs={"dtype": "float32"},
     )
     trainer = GRPOTrainer(
-        model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[StepClock()],
+        model=model,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
         environment_factory=lambda: ArithmeticEnvironment(spec["slow_tools"]),
     )
     # the prompt shows the tool schemas as agentloop renders them (the YAML's; the warm start learnt these), not the
@@ -385,8 +463,13 @@ def median_of(runs: list[Run], figure: str) -> tuple[float | None, str]:
 def report(workload: Workload, ours: list[Run], theirs: list[Run]) -> None:
     print(f"\n({workload.name}) {workload.title}: {len(ours)} agentloop run(s), {len(theirs)} TRL run(s), medians")
     print("| figure | agentloop | TRL | TRL / agentloop |\n|---|---|---|---|")
-    rows = [("median step time", "median_step_s"), ("sum of the steps", "steps_sum_s"), ("whole run, command to exit", "wall_s"),
-            ("start-up, launch to first step", "startup_s"), (f"launch to a {REWARD_WINDOW}-step mean reward >= {REWARD_TARGET}", "to_reward_s")]
+    rows = [
+        ("median step time", "median_step_s"),
+        ("sum of the steps", "steps_sum_s"),
+        ("whole run, command to exit", "wall_s"),
+        ("start-up, launch to first step", "startup_s"),
+        (f"launch to a {REWARD_WINDOW}-step mean reward >= {REWARD_TARGET}", "to_reward_s"),
+    ]
     for label, figure in rows:
         (a, a_note), (t, t_note) = median_of(ours, figure), median_of(theirs, figure)
         ratio = f"{t / a:.2f}" if a and t else "-"
@@ -394,10 +477,15 @@ def report(workload: Workload, ours: list[Run], theirs: list[Run]) -> None:
     for run in ours + theirs:
         rewards = [s.reward for s in run.steps]
         last = statistics.fmean(rewards[-REWARD_WINDOW:]) if rewards else float("nan")
-        extras = {key: statistics.fmean(s.extra[key] for s in run.steps if key in s.extra) for key in (run.steps[0].extra if run.steps else {})}
-        print(f"  {run.system:9} r{run.repeat} rc={run.returncode} reward {rewards[0] if rewards else float('nan'):.2f} -> "
-              f"{last:.2f} (last {REWARD_WINDOW}); load {run.load_before[0]:.1f}->{run.load_after[0]:.1f}; "
-              + ", ".join(f"{key} {value:.3g}" for key, value in extras.items()))
+        extras = {
+            key: statistics.fmean(s.extra[key] for s in run.steps if key in s.extra)
+            for key in (run.steps[0].extra if run.steps else {})
+        }
+        print(
+            f"  {run.system:9} r{run.repeat} rc={run.returncode} reward {rewards[0] if rewards else float('nan'):.2f} -> "
+            f"{last:.2f} (last {REWARD_WINDOW}); load {run.load_before[0]:.1f}->{run.load_after[0]:.1f}; "
+            + ", ".join(f"{key} {value:.3g}" for key, value in extras.items())
+        )
         print("    " + " ".join(f"{r:.2f}".lstrip("0") or "0" for r in rewards))
 
 
@@ -434,20 +522,46 @@ def main() -> None:
                 directory.mkdir(parents=True)
                 load_before = os.getloadavg()
                 wall, returncode, step_list = run(workload, steps, directory)
-                runs.append(Run(system, name, repeat, wall, returncode, step_list, load_before, os.getloadavg(),
-                                str(directory / f"{system.lower()}.log")))
+                runs.append(
+                    Run(
+                        system,
+                        name,
+                        repeat,
+                        wall,
+                        returncode,
+                        step_list,
+                        load_before,
+                        os.getloadavg(),
+                        str(directory / f"{system.lower()}.log"),
+                    )
+                )
                 print(f"{name} {system} r{repeat}: {wall:.0f} s, rc {returncode}, {len(step_list)} steps", flush=True)
-    (out / "runs.json").write_text(json.dumps(
-        [{**asdict(run), "startup_s": run.startup_s, "median_step_s": run.median_step_s, "steps_sum_s": run.steps_sum_s,
-          "to_reward_s": run.to_reward_s} for run in runs], indent=1))
+    (out / "runs.json").write_text(
+        json.dumps(
+            [
+                {
+                    **asdict(run),
+                    "startup_s": run.startup_s,
+                    "median_step_s": run.median_step_s,
+                    "steps_sum_s": run.steps_sum_s,
+                    "to_reward_s": run.to_reward_s,
+                }
+                for run in runs
+            ],
+            indent=1,
+        )
+    )
     import trl
 
     print(f"\nagentloop vs TRL {trl.__version__}, {steps} steps, {os.cpu_count()} CPUs; runs: {out / 'runs.json'}")
     for name in names:
         workload = WORKLOADS[name]
         trl_name = workload.trl_runs_of if workload.trl_runs_of in names else name
-        report(workload, [r for r in runs if r.system == "agentloop" and r.workload == name],
-               [r for r in runs if r.system == "TRL" and r.workload == trl_name])
+        report(
+            workload,
+            [r for r in runs if r.system == "agentloop" and r.workload == name],
+            [r for r in runs if r.system == "TRL" and r.workload == trl_name],
+        )
     print("\nNot matched (and which way it biases TRL / agentloop):")
     for line in UNMATCHED:
         print(f"- {line}")

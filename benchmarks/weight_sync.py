@@ -47,8 +47,14 @@ def _build_medium_model(directory: Path) -> None:
     # The tiny model's config and tokenizer, only wider and deeper: what is pushed is the weights.
     settings = AutoConfig.from_pretrained(tiny_model_path()).to_dict()
     del settings["layer_types"]  # derived from the depth
-    settings.update(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                    num_key_value_heads=4, head_dim=64)
+    settings.update(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+    )
     config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
@@ -132,14 +138,21 @@ def main() -> None:
     paths = {"tiny": tiny_model_path, "medium": medium_model_path}
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     state = "asleep" if args.asleep else "awake"
-    print(f"{RANKS} FSDP ranks (gloo), 1 rollout server ({state}); medians of {args.repeats} repeats; "
-          "baseline: torch.save(state_dict, io.BytesIO())")
-    print("| model | params | fp32 MB | trainer's push / baseline | push through the driver / baseline | gather alone / baseline |")
+    print(
+        f"{RANKS} FSDP ranks (gloo), 1 rollout server ({state}); medians of {args.repeats} repeats; "
+        "baseline: torch.save(state_dict, io.BytesIO())"
+    )
+    print(
+        "| model | params | fp32 MB | trainer's push / baseline | push through the driver / baseline | gather alone / baseline |"
+    )
     print("|---|---|---|---|---|---|")
     for name in args.models.split(","):
         row = measure(paths[name](), args.repeats, args.asleep)
-        print(f"| {name} | {row['params_m']:.1f}M | {row['mb']:.0f} | {row['trainer']:.2f} | "
-              f"{row['driver']:.2f} | {row['gather']:.2f} |", flush=True)
+        print(
+            f"| {name} | {row['params_m']:.1f}M | {row['mb']:.0f} | {row['trainer']:.2f} | "
+            f"{row['driver']:.2f} | {row['gather']:.2f} |",
+            flush=True,
+        )
     ray.shutdown()
 
 

@@ -1,6 +1,6 @@
 """Turn chat prompts into one padded batch through the full stack, then show one trajectory.
 
-    python examples/rollout_quickstart.py [hydra overrides, e.g. actor_rollout_ref.rollout.n=4]
+python examples/rollout_quickstart.py [hydra overrides, e.g. actor_rollout_ref.rollout.n=4]
 """
 
 import os
@@ -18,8 +18,13 @@ PROMPTS = ["What is 3 + 4?", "Say hello to the world.", "Compute 12 * 7 please."
 def main(overrides: list[str]) -> None:
     config = compose_config(
         # one event loop in this process runs the agent loops (agent.num_workers=0): four prompts need no worker process
-        ["actor_rollout_ref.rollout.n=2", "data.max_response_length=32", "data.max_prompt_length=64",
-         "actor_rollout_ref.rollout.agent.num_workers=0", *overrides]
+        [
+            "actor_rollout_ref.rollout.n=2",
+            "data.max_response_length=32",
+            "data.max_prompt_length=64",
+            "actor_rollout_ref.rollout.agent.num_workers=0",
+            *overrides,
+        ]
     )
     if os.environ.get("RAY_ADDRESS"):  # the cluster it names (as `ray job submit` sets it)
         ray.init()
@@ -37,7 +42,7 @@ def main(overrides: list[str]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(manager.config.actor_rollout_ref.model.path)
     sample = output.batch[0]
     prompt = sample["prompts"][sample["attention_mask"][: sample["prompts"].shape[0]].bool()]
-    length = int(sample["attention_mask"][sample["prompts"].shape[0]:].sum())
+    length = int(sample["attention_mask"][sample["prompts"].shape[0] :].sum())
     print("\nprompt:", repr(tokenizer.decode(prompt)))
     print("response:", repr(tokenizer.decode(sample["responses"][:length])))
     print("response_mask:", sample["response_mask"][:length].tolist())

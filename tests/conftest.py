@@ -15,14 +15,25 @@ from agentloop.models.tiny_qwen import tiny_model_path
 from agentloop.models.tiny_reward_model import tiny_reward_model_path
 from agentloop.models.tiny_vlm import tiny_vlm_path
 from tests.support.models import (
-    ScriptedModel, build_coin_model, build_gsm8k_model, build_ok_model, build_scripted_model, corridor_warm_start,
+    ScriptedModel,
+    build_coin_model,
+    build_gsm8k_model,
+    build_ok_model,
+    build_scripted_model,
+    corridor_warm_start,
 )
 
 REPO = Path(__file__).resolve().parent.parent
 # fixture -> the model it needs, built before the first test by one bounded subprocess
 MODEL_FIXTURES = {
-    "model_path": "tiny", "scripted_model": "scripted", "ok_model": "ok", "coin_model": "coin", "vlm_path": "vlm",
-    "corridor_model": "corridor", "reward_model_path": "reward_model", "gsm8k_model": "gsm8k",
+    "model_path": "tiny",
+    "scripted_model": "scripted",
+    "ok_model": "ok",
+    "coin_model": "coin",
+    "vlm_path": "vlm",
+    "corridor_model": "corridor",
+    "reward_model_path": "reward_model",
+    "gsm8k_model": "gsm8k",
 }
 BUILD_TIMEOUT_S = float(os.environ.get("AGENTLOOP_TEST_BUILD_TIMEOUT_S", 1800))
 # Every Ray instance the tests and the jobs they start make is their own: ray.init() would otherwise join one that
@@ -34,7 +45,12 @@ RAY_USERS: set[str] = set()  # the collected modules (paths) some test of which 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build the models the collected tests need, outside every test's timeout but bounded on its own."""
-    needed = {MODEL_FIXTURES[name] for item in session.items for name in getattr(item, "fixturenames", ()) if name in MODEL_FIXTURES}
+    needed = {
+        MODEL_FIXTURES[name]
+        for item in session.items
+        for name in getattr(item, "fixturenames", ())
+        if name in MODEL_FIXTURES
+    }
     if not needed:
         return
     names = ["tiny", *sorted(needed - {"tiny"})]  # the others are fine-tuned from the tiny model
@@ -43,7 +59,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     try:
         result = subprocess.run(
             [sys.executable, "-m", "tests.support.models", *names],
-            cwd=REPO, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
         raise pytest.UsageError(
@@ -53,7 +72,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if result.returncode:
         raise pytest.UsageError(f"building the test models {names} failed:\n{result.stderr[-3000:]}")
     if reporter is not None:
-        reporter.write_line(f"test models {names} ready in {time.monotonic() - start:.0f}s (cached after the first build)")
+        reporter.write_line(
+            f"test models {names} ready in {time.monotonic() - start:.0f}s (cached after the first build)"
+        )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -161,8 +182,11 @@ def _init_local_ray() -> None:
 def _resources_held() -> dict[str, float]:
     """Resources (memory and the object store aside) some actor or task still holds."""
     available = ray.available_resources()
-    return {key: total - available.get(key, 0.0) for key, total in ray.cluster_resources().items()
-            if "memory" not in key and available.get(key, 0.0) < total}
+    return {
+        key: total - available.get(key, 0.0)
+        for key, total in ray.cluster_resources().items()
+        if "memory" not in key and available.get(key, 0.0) < total
+    }
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -17,7 +17,9 @@ def T(values):
     return torch.tensor(values, dtype=torch.float64)
 
 
-MASK = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float64)
+MASK = torch.tensor(
+    [[1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float64
+)
 
 
 def close(a, b):
@@ -35,7 +37,9 @@ def last_token_rewards(scores):
 def test_grpo_advantages(norm):
     scores = [1.0, 0.0, 0.5, 3.0]
     groups = ["a", "a", "b", "a"]
-    advantages, returns = alg.grpo_outcome_advantage(last_token_rewards(scores), MASK, groups, norm_adv_by_std_in_grpo=norm)
+    advantages, returns = alg.grpo_outcome_advantage(
+        last_token_rewards(scores), MASK, groups, norm_adv_by_std_in_grpo=norm
+    )
     group_a = [scores[i] for i in (0, 1, 3)]
     mean, std = statistics.mean(group_a), statistics.stdev(group_a)
     expected = {0: scores[0] - mean, 1: scores[1] - mean, 3: scores[3] - mean, 2: scores[2] - 0.0}
@@ -66,7 +70,10 @@ def reference_gae(rewards, values, mask, gamma, lam):
             returns[row][positions[i]] = gae + values[row][positions[i]]
     flat = [advantages[r][t] for r in range(len(mask)) for t in range(len(mask[0])) if mask[r][t]]
     mean, var = statistics.mean(flat), statistics.variance(flat)
-    whitened = [[(advantages[r][t] - mean) / math.sqrt(var + 1e-8) * mask[r][t] for t in range(len(mask[0]))] for r in range(len(mask))]
+    whitened = [
+        [(advantages[r][t] - mean) / math.sqrt(var + 1e-8) * mask[r][t] for t in range(len(mask[0]))]
+        for r in range(len(mask))
+    ]
     return whitened, returns
 
 
@@ -89,12 +96,18 @@ def test_gae_skips_observation_tokens(gamma, lam):
 #   C: turn 0 (2 tokens), observation, turn 1 (2). Score 0.25; turn 0 reported 0.25: r = [0.25, 0].
 #   D: one turn of 3 tokens, score 2.0.
 TURN_MASK = T([[1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 1, 1], [1, 1, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
-TURN_INDEX = torch.tensor([[0, 0, 0, 0, 1, -1], [2, 2, -1, -1, -1, -1], [0, 0, 1, 1, 2, 2], [0, 0, 0, 1, 1, -1], [0, 0, 0, -1, -1, -1]])
+TURN_INDEX = torch.tensor(
+    [[0, 0, 0, 0, 1, -1], [2, 2, -1, -1, -1, -1], [0, 0, 1, 1, 2, 2], [0, 0, 0, 1, 1, -1], [0, 0, 0, -1, -1, -1]]
+)
 TURN_SEGMENTS = torch.tensor([0, 1, 0, 0, 0])
 TURN_GROUPS = ["g", "g", "g", "h"]  # one per trajectory
-SCORES = T([[0, 0, 0, 0, 0, 0], [0, 1.0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0.0], [0, 0, 0, 0, 0.25, 0], [0, 0, 2.0, 0, 0, 0]])
+SCORES = T(
+    [[0, 0, 0, 0, 0, 0], [0, 1.0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0.0], [0, 0, 0, 0, 0.25, 0], [0, 0, 2.0, 0, 0, 0]]
+)
 OWN = T([[0, 0.5, 0, 0, 0, 0], [0, 0.2, 0, 0, 0, 0], [0, 0, 0.5, 0, 0, 0], [0, 0.25, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
-DISTRIBUTED = T([[0, 0.5, 0, 0, 0, 0], [0, 0.5, 0, 0, 0, 0], [0, 0, 0.5, 0, 0, -0.5], [0, 0.25, 0, 0, 0.0, 0], [0, 0, 2.0, 0, 0, 0]])
+DISTRIBUTED = T(
+    [[0, 0.5, 0, 0, 0, 0], [0, 0.5, 0, 0, 0, 0], [0, 0, 0.5, 0, 0, -0.5], [0, 0.25, 0, 0, 0.0, 0], [0, 0, 2.0, 0, 0, 0]]
+)
 TRAJECTORY_OF_ROW = [0, 0, 1, 2, 3]
 
 
@@ -126,7 +139,17 @@ def test_turn_rewards_distribute_the_score_over_the_turns():
 
 
 # returns-to-go with gamma 0.5: G_t = r_t + 0.5 G_(t+1)
-RETURNS = {(0, 0): 0.625, (0, 1): 0.25, (0, 2): 0.5, (1, 0): 0.125, (1, 1): 0.25, (1, 2): -0.5, (2, 0): 0.25, (2, 1): 0.0, (3, 0): 2.0}
+RETURNS = {
+    (0, 0): 0.625,
+    (0, 1): 0.25,
+    (0, 2): 0.5,
+    (1, 0): 0.125,
+    (1, 1): 0.25,
+    (1, 2): -0.5,
+    (2, 0): 0.25,
+    (2, 1): 0.0,
+    (3, 0): 2.0,
+}
 
 
 def test_turn_returns_discount_over_turns():
@@ -137,17 +160,23 @@ def test_turn_returns_discount_over_turns():
 
 @pytest.mark.parametrize("normalize", ["per_turn", "pooled"])
 def test_turn_grpo_normalises_turn_returns_within_the_group(normalize):
-    advantages, _ = alg.turn_grpo_advantage(DISTRIBUTED, TURN_INDEX, TURN_MASK, TURN_GROUPS, 0.5, normalize, segment_index=TURN_SEGMENTS)
-    sets = [[(0, t), (1, t), (2, t)][: 3 if t < 2 else 2] for t in range(3)] if normalize == "per_turn" else [
-        [key for key in RETURNS if key[0] < 3]
-    ]
+    advantages, _ = alg.turn_grpo_advantage(
+        DISTRIBUTED, TURN_INDEX, TURN_MASK, TURN_GROUPS, 0.5, normalize, segment_index=TURN_SEGMENTS
+    )
+    sets = (
+        [[(0, t), (1, t), (2, t)][: 3 if t < 2 else 2] for t in range(3)]
+        if normalize == "per_turn"
+        else [[key for key in RETURNS if key[0] < 3]]
+    )
     expected = torch.zeros(4, 3, dtype=torch.float64)
     for keys in [*sets, [(3, 0)]]:
         for key, value in zip(keys, normalised([RETURNS[key] for key in keys])):
             expected[key] = value
     assert close(advantages, on_turn_tokens(expected))
     if normalize == "per_turn":  # by hand: turn 2's returns 0.5 and -0.5 have mean 0 and std 1/sqrt(2)
-        assert close(advantages[1, 0], 0.5 / (math.sqrt(0.5) + 1e-6)) and close(advantages[2, 4], -0.5 / (math.sqrt(0.5) + 1e-6))
+        assert close(advantages[1, 0], 0.5 / (math.sqrt(0.5) + 1e-6)) and close(
+            advantages[2, 4], -0.5 / (math.sqrt(0.5) + 1e-6)
+        )
 
 
 def verl_agent_gigpo(steps, gamma, step_weight, by_std, cross_steps):
@@ -204,8 +233,16 @@ def test_gigpo_is_verl_agents_on_revisited_states_and_unequal_lengths(by_std, ep
     for (_, trajectory, _, _), turn, advantage in zip(steps, turn_of_row, expected_rows):
         per_turn[trajectory, turn] = advantage
     advantages, returns = alg.gigpo_advantage(
-        DISTRIBUTED, TURN_INDEX, TURN_MASK, TURN_GROUPS, FIXTURE_STATES, 0.7, 0.5, by_std,
-        segment_index=TURN_SEGMENTS, episode_normalize=episode_normalize,
+        DISTRIBUTED,
+        TURN_INDEX,
+        TURN_MASK,
+        TURN_GROUPS,
+        FIXTURE_STATES,
+        0.7,
+        0.5,
+        by_std,
+        segment_index=TURN_SEGMENTS,
+        episode_normalize=episode_normalize,
     )
     assert close(advantages, on_turn_tokens(per_turn)) and torch.equal(advantages, returns)
 
@@ -221,7 +258,7 @@ def one_row_per_trajectory(turn_rewards):
         for turn, reward in enumerate(trajectory_rewards):
             span = slice(3 * turn, min(3 * turn + 3, 3 * len(trajectory_rewards) - 1))
             turn_index[row, span] = turn
-            mask[row, 3 * turn:3 * turn + 2] = 1
+            mask[row, 3 * turn : 3 * turn + 2] = 1
             rewards[row, 3 * turn + 1] = reward
     return rewards, turn_index, mask
 
@@ -241,7 +278,13 @@ def test_gigpo_pools_a_revisit_of_the_first_state_with_the_first_turns():
     assert close(advantages[0, 3:5], [5 / 6, 5 / 6])
     # first_turn_step_advantage=False: first turns keep the episode term alone, A's revisit is still pooled with them
     advantages, _ = alg.gigpo_advantage(
-        rewards, turn_index, mask, groups, states, gamma=1.0, norm_adv_by_std_in_grpo=False,
+        rewards,
+        turn_index,
+        mask,
+        groups,
+        states,
+        gamma=1.0,
+        norm_adv_by_std_in_grpo=False,
         first_turn_step_advantage=False,
     )
     assert close(advantages[0, :2], [0.5, 0.5]) and close(advantages[0, 3:5], [5 / 6, 5 / 6])
@@ -257,8 +300,14 @@ def test_gigpos_episode_statistics_count_each_trajectory_once_per_step():
 
     def episode_terms(episode_normalize):
         advantages, _ = alg.gigpo_advantage(
-            rewards, turn_index, mask, groups, states, norm_adv_by_std_in_grpo=False,
-            episode_normalize=episode_normalize, first_turn_step_advantage=False,
+            rewards,
+            turn_index,
+            mask,
+            groups,
+            states,
+            norm_adv_by_std_in_grpo=False,
+            episode_normalize=episode_normalize,
+            first_turn_step_advantage=False,
         )
         assert all(len(set(advantages[row][mask[row] > 0].tolist())) == 1 for row in range(4))
         return advantages[:, 0].tolist()
@@ -277,7 +326,9 @@ def test_gae_takes_each_turns_reward_on_its_last_model_token():
     torch.manual_seed(0)
     values = torch.randn(1, 6, dtype=torch.float64)
     advantages, returns = alg.gae_advantage_return(rewards, values, TURN_MASK[3:4], 0.9, 0.8)
-    expected_adv, expected_ret = reference_gae([[0, 0.25, 0, 0, 0.0, 0]], values.tolist(), TURN_MASK[3:4].tolist(), 0.9, 0.8)
+    expected_adv, expected_ret = reference_gae(
+        [[0, 0.25, 0, 0, 0.0, 0]], values.tolist(), TURN_MASK[3:4].tolist(), 0.9, 0.8
+    )
     assert close(advantages, expected_adv) and close(returns, expected_ret)
 
 
@@ -286,7 +337,9 @@ def test_with_one_turn_every_estimator_is_todays_exactly(by_std):
     """One turn per trajectory (a two-row one too), a KL-like penalty on every model token and the turn's own reward on
     its last token: turn_grpo (both normalisations) and gigpo (without first-turn step advantages) are grpo, gae is the
     outcome-only gae, bit for bit."""
-    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32)
+    mask = torch.tensor(
+        [[1, 1, 0, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32
+    )
     segment_index = torch.tensor([0, 0, 1, 0, 0])
     turn_index = torch.where(mask > 0, 0, -1)
     turn_index[0, 2] = 0  # an observation of the turn
@@ -301,13 +354,24 @@ def test_with_one_turn_every_estimator_is_todays_exactly(by_std):
     distributed = alg.turn_token_rewards(rewards, own, mask, segment_index)
     assert torch.equal(distributed, rewards)
     for normalize in alg.TURN_NORMALIZATIONS:
-        turn_grpo, _ = alg.turn_grpo_advantage(distributed, turn_index, mask, groups, 0.9, normalize, by_std, segment_index=segment_index)
+        turn_grpo, _ = alg.turn_grpo_advantage(
+            distributed, turn_index, mask, groups, 0.9, normalize, by_std, segment_index=segment_index
+        )
         assert torch.equal(turn_grpo, grpo)
     states = [["s"], ["s"], ["s"], ["s"]]
     for episode_normalize in alg.GIGPO_EPISODE_NORMALIZATIONS:
         gigpo, _ = alg.gigpo_advantage(
-            distributed, turn_index, mask, groups, states, 1.0, 0.9, by_std, segment_index=segment_index,
-            episode_normalize=episode_normalize, first_turn_step_advantage=False,
+            distributed,
+            turn_index,
+            mask,
+            groups,
+            states,
+            1.0,
+            0.9,
+            by_std,
+            segment_index=segment_index,
+            episode_normalize=episode_normalize,
+            first_turn_step_advantage=False,
         )
         assert torch.equal(gigpo, grpo)
     # verl-agent's GiGPO steps from the first turns too: their step group is the episode group, so (1 + omega) x GRPO
@@ -318,7 +382,9 @@ def test_with_one_turn_every_estimator_is_todays_exactly(by_std):
     assert torch.allclose(gigpo, grpo * torch.tensor([1.5, 1.5, 1.5, 1.5, 1.0])[:, None], atol=1e-6)
     values = torch.randn(mask.shape)
     gae = alg.gae_advantage_return(distributed, values, mask, 0.9, 0.8, segment_index)
-    assert all(torch.equal(a, b) for a, b in zip(gae, alg.gae_advantage_return(rewards, values, mask, 0.9, 0.8, segment_index)))
+    assert all(
+        torch.equal(a, b) for a, b in zip(gae, alg.gae_advantage_return(rewards, values, mask, 0.9, 0.8, segment_index))
+    )
 
 
 def k3(p, q):
@@ -370,7 +436,9 @@ def test_plain_k3_gradient_is_not_k2s():
     [(0.1, 0.5), (0.11, 0.5 * 1.01), (0.5, 0.5 * 1.02), (0.09, 0.5 * 0.99), (0.0, 0.5 * 0.98)],
 )
 def test_adaptive_kl_coef(observed, expected):
-    assert alg.adaptive_kl_coef(0.5, observed, target_kl=0.1, horizon=100, n_steps=10) == pytest.approx(expected, abs=1e-12)
+    assert alg.adaptive_kl_coef(0.5, observed, target_kl=0.1, horizon=100, n_steps=10) == pytest.approx(
+        expected, abs=1e-12
+    )
 
 
 # the last row has no model token (a failed sample, or one rejected by rollout_rs)

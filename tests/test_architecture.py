@@ -22,12 +22,45 @@ LAYERS = [
     ["trainer", "agentloop.tasks", "agentloop.viewer"],
     ["agentloop", "agentloop.config", "agentloop.testing"],
     ["agentloop.manager"],
-    ["agentloop.worker", "agentloop.worker_pool", "agentloop.streaming", "agentloop.metrics", "agentloop.dumps", "agentloop.registry", "agentloop.postprocess", "agentloop.server_pool", "agentloop.preflight", "agentloop.judge", "agentloop.judge.pool"],
+    [
+        "agentloop.worker",
+        "agentloop.worker_pool",
+        "agentloop.streaming",
+        "agentloop.metrics",
+        "agentloop.dumps",
+        "agentloop.registry",
+        "agentloop.postprocess",
+        "agentloop.server_pool",
+        "agentloop.preflight",
+        "agentloop.judge",
+        "agentloop.judge.pool",
+    ],
     ["agentloop.agent_loop", "agentloop.gateway", "agentloop.judge.client", "agentloop.judge.front"],
     ["agentloop.router"],
     ["agentloop.server", "agentloop.judge.reward_model_server"],
-    ["agentloop.tools", "agentloop.interactions", "agentloop.envs", "agentloop.rewards", "agentloop.reward_score", "agentloop.models", "agentloop.judge.session"],
-    ["agentloop.protocol", "agentloop.policy_versions", "agentloop.batch", "agentloop.rows", "agentloop.waiting", "agentloop.yaml_entries", "agentloop.config_keys", "agentloop.images", "agentloop.allocator", "agentloop.http_server", "agentloop.cluster", "agentloop.utils"],
+    [
+        "agentloop.tools",
+        "agentloop.interactions",
+        "agentloop.envs",
+        "agentloop.rewards",
+        "agentloop.reward_score",
+        "agentloop.models",
+        "agentloop.judge.session",
+    ],
+    [
+        "agentloop.protocol",
+        "agentloop.policy_versions",
+        "agentloop.batch",
+        "agentloop.rows",
+        "agentloop.waiting",
+        "agentloop.yaml_entries",
+        "agentloop.config_keys",
+        "agentloop.images",
+        "agentloop.allocator",
+        "agentloop.http_server",
+        "agentloop.cluster",
+        "agentloop.utils",
+    ],
 ]
 
 
@@ -50,14 +83,21 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                targets |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in files else node.module for alias in node.names}
+                targets |= {
+                    f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in files else node.module
+                    for alias in node.names
+                }
         graph[module] = {target for target in targets if target in files and target != module}
     return graph
 
 
 def layer_of(module: str) -> int:
-    matches = [(len(prefix), index) for index, layer in enumerate(LAYERS) for prefix in layer
-               if module == prefix or (prefix != "agentloop" and module.startswith(prefix + "."))]
+    matches = [
+        (len(prefix), index)
+        for index, layer in enumerate(LAYERS)
+        for prefix in layer
+        if module == prefix or (prefix != "agentloop" and module.startswith(prefix + "."))
+    ]
     assert matches, f"{module} is in no layer of LAYERS: add it where it belongs"
     return max(matches)[1]
 
@@ -79,7 +119,11 @@ def test_no_import_circle():
         state[module] = "open"
         for target in sorted(graph[module]):
             if state.get(target) == "open":
-                cycles.append(" -> ".join(path[path.index(target):] + [module, target]) if target in path else f"{module} -> {target}")
+                cycles.append(
+                    " -> ".join(path[path.index(target) :] + [module, target])
+                    if target in path
+                    else f"{module} -> {target}"
+                )
             elif target not in state:
                 visit(target, path + [module])
         state[module] = "done"
@@ -117,7 +161,8 @@ def test_functions_stay_short():
         f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({length} lines)"
         for path in module_files().values()
         for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
     ]
     assert not long, f"split these functions (over {MAX_FUNCTION_LINES} lines) into named steps:\n" + "\n".join(long)
 
@@ -128,15 +173,21 @@ def test_every_engine_implements_the_contract(name):
     assert isinstance(inspect.getattr_static(cls, "from_config"), classmethod)
     for member, declared in vars(Engine).items():
         if inspect.iscoroutinefunction(declared):
-            assert inspect.iscoroutinefunction(getattr(cls, member, None)), f"{cls.__name__}.{member} must be `async def`"
+            assert inspect.iscoroutinefunction(getattr(cls, member, None)), (
+                f"{cls.__name__}.{member} must be `async def`"
+            )
             declared_params = list(inspect.signature(declared).parameters)
             assert list(inspect.signature(getattr(cls, member)).parameters)[: len(declared_params)] == declared_params
         elif isinstance(declared, property):
-            assert isinstance(inspect.getattr_static(cls, member, None), property), f"{cls.__name__}.{member} must be a property"
+            assert isinstance(inspect.getattr_static(cls, member, None), property), (
+                f"{cls.__name__}.{member} must be a property"
+            )
 
 
 def test_unknown_backend_names_the_available_ones():
-    with pytest.raises(ValueError, match=r"rollout.name='trtllm' is not a known backend; available: \['hf', 'sglang', 'vllm'\]"):
+    with pytest.raises(
+        ValueError, match=r"rollout.name='trtllm' is not a known backend; available: \['hf', 'sglang', 'vllm'\]"
+    ):
         build_engine(small_config("actor_rollout_ref.rollout.name=trtllm"), 0)
     with pytest.raises(ValueError, match="'no_such.Engine' cannot be imported"):
         build_engine(small_config("actor_rollout_ref.rollout.name=no_such.Engine"), 0)

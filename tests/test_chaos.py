@@ -15,21 +15,33 @@ def test_training_survives_a_killed_server_and_a_killed_worker(local_ray, coin_m
 
     chaos = {0: "worker", 5: "server"}  # row 0 is in step 1's batch, row 5 in step 2's (4 rows a step, in order)
     rows = [
-        {"prompt": [{"role": "user", "content": f"question {i}"}], "agent_name": "probe_chaos", "data_source": "chaos",
-         "extra_info": {"index": i, "chaos": chaos.get(i), "chaos_marker": str(tmp_path / f"killed_{chaos.get(i)}")}}
+        {
+            "prompt": [{"role": "user", "content": f"question {i}"}],
+            "agent_name": "probe_chaos",
+            "data_source": "chaos",
+            "extra_info": {"index": i, "chaos": chaos.get(i), "chaos_marker": str(tmp_path / f"killed_{chaos.get(i)}")},
+        }
         for i in range(32)
     ]
     train = write_rows(rows, str(tmp_path / "train.jsonl"))
     out = tmp_path / "run"
-    trainer = RayPPOTrainer(small_config(
-        f"actor_rollout_ref.model.path={coin_model}",
-        f"data.train_files=[{train}]", "data.train_batch_size=4", "data.shuffle=false",
-        "actor_rollout_ref.rollout.n=16", "actor_rollout_ref.rollout.data_parallel_size=2",
-        "actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.actor.optim.lr=2e-3",
-        "trainer.total_training_steps=8", "trainer.logger=[console]",
-        f"trainer.rollout_data_dir={out / 'rollouts'}", f"trainer.default_local_dir={out}",
-    ))
+    trainer = RayPPOTrainer(
+        small_config(
+            f"actor_rollout_ref.model.path={coin_model}",
+            f"data.train_files=[{train}]",
+            "data.train_batch_size=4",
+            "data.shuffle=false",
+            "actor_rollout_ref.rollout.n=16",
+            "actor_rollout_ref.rollout.data_parallel_size=2",
+            "actor_rollout_ref.rollout.agent.num_workers=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            "actor_rollout_ref.actor.optim.lr=2e-3",
+            "trainer.total_training_steps=8",
+            "trainer.logger=[console]",
+            f"trainer.rollout_data_dir={out / 'rollouts'}",
+            f"trainer.default_local_dir={out}",
+        )
+    )
     try:
         history = trainer.fit()
         assert [line["step"] for line in history] == list(range(1, 9))

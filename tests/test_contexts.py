@@ -60,8 +60,14 @@ def test_sliding_window_keeps_the_prompt_and_the_last_turns_with_their_observati
     messages = conversation(4)
     assert sliding_window(messages, 2) == messages[:2] + messages[6:]
     assert sliding_window(messages, 4) == messages
-    user_turns = messages[:2] + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}, {"role": "user", "content": "v"}]
-    assert sliding_window(user_turns + [{"role": "assistant", "content": "b"}], 1) == messages[:2] + [{"role": "assistant", "content": "b"}]
+    user_turns = messages[:2] + [
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "u"},
+        {"role": "user", "content": "v"},
+    ]
+    assert sliding_window(user_turns + [{"role": "assistant", "content": "b"}], 1) == messages[:2] + [
+        {"role": "assistant", "content": "b"}
+    ]
 
 
 @pytest.mark.parametrize(
@@ -105,11 +111,18 @@ def re_encodes(tokenizer, segment) -> bool:
     return all(tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids for ids in runs + [run] if ids)
 
 
-@pytest.mark.parametrize("strategy", ["append", "inference_template", "sliding_window", "tests.support.contexts.last_message_only"])
+@pytest.mark.parametrize(
+    "strategy", ["append", "inference_template", "sliding_window", "tests.support.contexts.last_message_only"]
+)
 def test_every_segment_scores_as_sampled_under_its_exact_context(server, tokenizer, scripted, strategy):
     output = run_loop(
-        server, tokenizer, scripted, "loop", f"{STRATEGY}={strategy}",
-        "actor_rollout_ref.rollout.multi_turn.context.window_turns=1", sampling=SAMPLED,
+        server,
+        tokenizer,
+        scripted,
+        "loop",
+        f"{STRATEGY}={strategy}",
+        "actor_rollout_ref.rollout.multi_turn.context.window_turns=1",
+        sampling=SAMPLED,
     )
     model = AutoModelForCausalLM.from_pretrained(scripted[1], dtype=torch.float32)
     segments = output.all_segments()
@@ -119,11 +132,13 @@ def test_every_segment_scores_as_sampled_under_its_exact_context(server, tokeniz
         assert torch.allclose(rollout[mask], teacher_forced(model, segment)[mask], atol=1e-4)
         assert torch.all(rollout[~mask] == 0)
     assert [segment.rewritten_by for segment in segments] == [None] + [strategy] * (len(segments) - 1)
-    if strategy == "append" or (strategy == "inference_template" and all(
-        re_encodes(tokenizer, segment) for segment in segments
-    )):  # our template re-renders the conversation as it was appended
+    if strategy == "append" or (
+        strategy == "inference_template" and all(re_encodes(tokenizer, segment) for segment in segments)
+    ):  # our template re-renders the conversation as it was appended
         assert len(segments) == 1
-    elif strategy == "inference_template":  # a sampled reply whose text encodes to other ids: the re-render differs there
+    elif (
+        strategy == "inference_template"
+    ):  # a sampled reply whose text encodes to other ids: the re-render differs there
         for before, after in zip(segments, segments[1:]):
             so_far = before.prompt_ids + before.response_ids
             assert after.prompt_ids[: len(so_far)] != so_far
@@ -136,11 +151,21 @@ def test_append_is_todays_trajectory_and_a_window_starts_segments_that_drop_old_
     default = run_loop(server, tokenizer, scripted, "loop")
     append = run_loop(server, tokenizer, scripted, "loop", f"{STRATEGY}=append")
     assert (append.prompt_ids, append.response_ids, append.response_mask, append.response_logprobs) == (
-        default.prompt_ids, default.response_ids, default.response_mask, default.response_logprobs
+        default.prompt_ids,
+        default.response_ids,
+        default.response_mask,
+        default.response_logprobs,
     )
     assert not default.segments and default.end_reason == "stop"
 
-    window = run_loop(server, tokenizer, scripted, "loop", f"{STRATEGY}=sliding_window", "actor_rollout_ref.rollout.multi_turn.context.window_turns=1")
+    window = run_loop(
+        server,
+        tokenizer,
+        scripted,
+        "loop",
+        f"{STRATEGY}=sliding_window",
+        "actor_rollout_ref.rollout.multi_turn.context.window_turns=1",
+    )
     segments = window.all_segments()
     assert len(segments) >= 2  # (without its earlier turns, the scripted model may call tools up to max_turns)
     assert segments[0].prompt_ids == default.prompt_ids
@@ -157,8 +182,12 @@ def test_append_is_todays_trajectory_and_a_window_starts_segments_that_drop_old_
     # what its reward scores: every turn and observation once, in order, though no later context shows them all
     whole = tokenizer.decode(window.whole_response_ids())
     assert whole.count("<tool_response>") == len(window.observation_roles) == len(window.turns) - 1
-    turns = [tokenizer.decode(segment.response_ids[start:end]) for segment in segments for value, start, end in
-             mask_runs(segment.response_mask) if value]
+    turns = [
+        tokenizer.decode(segment.response_ids[start:end])
+        for segment in segments
+        for value, start, end in mask_runs(segment.response_mask)
+        if value
+    ]
     assert whole.startswith(turns[0]) and whole.endswith(turns[-1])
     position = 0
     for turn in turns:  # in order (index raises if one is missing past the one before)
@@ -175,7 +204,9 @@ def test_a_batch_has_a_row_per_segment_the_ranks_score_as_sampled(local_ray, scr
     """One row per segment through the manager, a failing user strategy failing its sample only, and the trainer's
     two ranks re-scoring every segment as the engine sampled it (rank 0 holds more rows than rank 1)."""
     config = tool_config(
-        scripted, f"{STRATEGY}=tests.support.contexts.window_failing_on_loop", "actor_rollout_ref.rollout.max_failed_sample_ratio=0.5"
+        scripted,
+        f"{STRATEGY}=tests.support.contexts.window_failing_on_loop",
+        "actor_rollout_ref.rollout.max_failed_sample_ratio=0.5",
     )
     setup = manager_and_two_ranks(config)
     manager, actors = next(setup)
@@ -195,15 +226,28 @@ def test_a_batch_has_a_row_per_segment_the_ranks_score_as_sampled(local_ray, scr
     assert fields["rewritten_by"][1] == "tests.support.contexts.window_failing_on_loop"
     assert len(set(fields["uid"][: rows - 1])) == 1 and fields["uid"][0] != fields["uid"][-1]  # repeated per row
     # the reward sits on the trajectory's last row only; every row's context is its own
-    assert tensors["rm_scores"][: rows - 2].sum() == 0 and tensors["rm_scores"][rows - 2].sum() == fields["reward_score"][0]
-    assert tensors["prompts"].shape[1] >= 768 and all(tensors["response_mask"][row].sum() > 0 for row in range(rows - 1))
+    assert (
+        tensors["rm_scores"][: rows - 2].sum() == 0
+        and tensors["rm_scores"][rows - 2].sum() == fields["reward_score"][0]
+    )
+    assert tensors["prompts"].shape[1] >= 768 and all(
+        tensors["response_mask"][row].sum() > 0 for row in range(rows - 1)
+    )
     assert fields["end_reason"][-1] == "failed" and all(failure is None for failure in fields["failure"][:-1])
-    assert "context strategy 'tests.support.contexts.window_failing_on_loop' raised RuntimeError: cannot rewrite" in fields["failure"][-1].error
-    assert batch.meta_info["rollout/failed_samples"] == 1 and batch.meta_info["rollout/segments_per_trajectory/max"] == rows - 1
+    assert (
+        "context strategy 'tests.support.contexts.window_failing_on_loop' raised RuntimeError: cannot rewrite"
+        in fields["failure"][-1].error
+    )
+    assert (
+        batch.meta_info["rollout/failed_samples"] == 1
+        and batch.meta_info["rollout/segments_per_trajectory/max"] == rows - 1
+    )
 
 
 def test_policy_versions_run_through_the_segments_in_order():
-    output = AgentLoopOutput([1], [5, 6, 7], [1, 0, 1], [0.0] * 3, segments=[Segment([1], [2, 3, 4], [1, 1, 0], [0.0] * 3)])
+    output = AgentLoopOutput(
+        [1], [5, 6, 7], [1, 0, 1], [0.0] * 3, segments=[Segment([1], [2, 3, 4], [1, 1, 0], [0.0] * 3)]
+    )
     output.set_policy_versions([3, 3, 4, 4])
     assert output.segments[0].policy_versions == [3, 3, -1] and output.policy_versions == [4, -1, 4]
 
@@ -223,7 +267,13 @@ def test_qwen3s_template_drops_earlier_reasoning_and_that_starts_a_segment(model
 
     def rolled_out(strategy: str) -> Trajectory:
         ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=False)
-        trajectory = Trajectory(tokenizer, prompt, list(ids), None, context=ContextStrategy(strategy, (lambda m: m) if strategy != "append" else None))
+        trajectory = Trajectory(
+            tokenizer,
+            prompt,
+            list(ids),
+            None,
+            context=ContextStrategy(strategy, (lambda m: m) if strategy != "append" else None),
+        )
         generation_prompt_thinks = tokenizer.decode(ids).endswith("<think>\n")
         opening = "" if generation_prompt_thinks else "<think>\n"
         trajectory.add_model_turn(think_turn(tokenizer, opening + "Add them.\n</think>\n\nI will check with the tool."))
@@ -236,7 +286,9 @@ def test_qwen3s_template_drops_earlier_reasoning_and_that_starts_a_segment(model
     output = rendered.to_output()
     segments = output.all_segments()
     assert len(segments) == 2 and segments[1].rewritten_by == "inference_template"
-    expected = tokenizer.apply_chat_template(rendered.messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    expected = tokenizer.apply_chat_template(
+        rendered.messages, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     assert segments[1].prompt_ids == list(expected)
     context = tokenizer.decode(segments[1].prompt_ids)
     assert "Add them." not in context and "It says 5." not in context and "The answer is 5." in context
@@ -257,7 +309,8 @@ def solution_str(tokenizer, output: AgentLoopOutput, tmp_path) -> str:
     """What a reward function is given as ``solution_str`` for ``output``, through the worker's scoring."""
     (tmp_path / "echo_reward.py").write_text(ECHO_REWARD)
     config = small_config(
-        f"custom_reward_function.path={tmp_path / 'echo_reward.py'}", "custom_reward_function.name=echo",
+        f"custom_reward_function.path={tmp_path / 'echo_reward.py'}",
+        "custom_reward_function.name=echo",
         "data.max_response_length=512",
     )
     asyncio.run(score_output(config, tokenizer, {"data_source": "any"}, output))
@@ -317,8 +370,12 @@ def test_a_client_that_rewrites_its_history_closes_the_segment_with_the_messages
         return TokenOutput(ids, [-0.5] * len(ids), "stop")
 
     prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}]
-    edited = [{"role": "system", "content": "Be briefer."}, {"role": "user", "content": "q"},
-              {"role": "assistant", "content": "a1"}, {"role": "user", "content": "and then?"}]
+    edited = [
+        {"role": "system", "content": "Be briefer."},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "and then?"},
+    ]
     client, appended = (Trajectory(tokenizer, prompt, render(prompt), None) for _ in range(2))
     for trajectory in (client, appended):
         trajectory.add_model_turn(reply("a0"))
@@ -339,7 +396,9 @@ def test_a_window_segment_shows_exactly_the_images_of_the_messages_it_keeps(vlm_
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     messages, images = split_images([{"role": "user", "content": "<image>Which?"}], [picture("red")], "row 0")
     processed = process_images(processor, images, "row 0")
-    prompt = expand_image_pads(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False), processed, pad, "row 0")
+    prompt = expand_image_pads(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False), processed, pad, "row 0"
+    )
     window = ContextStrategy("sliding_window", functools.partial(sliding_window, window_turns=1))
     trajectory = Trajectory(tokenizer, messages, prompt, None, processor=processor, images=processed, context=window)
     sizes = [(84, 112), (56, 56), (112, 56)]
@@ -354,7 +413,9 @@ def test_a_window_segment_shows_exactly_the_images_of_the_messages_it_keeps(vlm_
     # the first context grows by a turn and its picture; each later one shows the prompt's picture and its turn's
     prompt_grid = list(processed[0].grid_thw)
     expected = [[prompt_grid, list(process_images(processor, [picture("blue", *sizes[0])], "")[0].grid_thw)]]
-    expected += [[prompt_grid, list(process_images(processor, [picture("blue", *size)], "")[0].grid_thw)] for size in sizes[1:]]
+    expected += [
+        [prompt_grid, list(process_images(processor, [picture("blue", *size)], "")[0].grid_thw)] for size in sizes[1:]
+    ]
     assert [segment.multi_modal_inputs["image_grid_thw"].tolist() for segment in segments] == expected
     for segment in segments:
         grids = segment.multi_modal_inputs["image_grid_thw"]

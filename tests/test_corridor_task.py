@@ -61,17 +61,25 @@ def test_rows_are_deterministic_balanced_and_fit_the_configured_lengths(model_pa
     train, test = read_rows(str(config.data.train_files[0])), read_rows(str(config.data.val_files[0]))
     assert (len(train), len(test)) == (512, 64) and train == make_rows(512, split="train")
     assert make_rows(4, split="train") != make_rows(4, split="test")
-    assert {row["agent_name"] for row in train} == {"env_agent"} and {row["data_source"] for row in train} == {"corridor"}
+    assert {row["agent_name"] for row in train} == {"env_agent"} and {row["data_source"] for row in train} == {
+        "corridor"
+    }
     sides = [side for row in train for side in row["reward_model"]["ground_truth"].split()]
     assert sides.count("left") / len(sides) == pytest.approx(0.5, abs=0.03)
-    assert all(row["reward_model"]["ground_truth"].split() == episode(row["extra_info"]["env_kwargs"]["episode"], 4)
-               for row in train)
+    assert all(
+        row["reward_model"]["ground_truth"].split() == episode(row["extra_info"]["env_kwargs"]["episode"], 4)
+        for row in train
+    )
     # the tiny model's tokenizer (the warm start keeps it): prompts, and four answers with their observations, fit
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     for row in train + test:
-        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompt = tokenizer.apply_chat_template(
+            row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         whole = tokenizer.apply_chat_template(conversation(row, None), tokenize=True, return_dict=False)
-        assert len(prompt) <= config.data.max_prompt_length and len(whole) - len(prompt) <= config.data.max_response_length
+        assert (
+            len(prompt) <= config.data.max_prompt_length and len(whole) - len(prompt) <= config.data.max_response_length
+        )
 
 
 def test_the_warm_start_conversations_follow_the_clues_then_ignore_them():
@@ -100,6 +108,8 @@ def test_the_benchmark_smoke_run_trains_grpo_through_the_config(local_ray, corri
         assert line["multi_turn/finish_reason/done"] == 8 and line["num_turns/min"] == 8
         assert 0 <= line["critic/score/mean"] <= 1 and math.isfinite(line["actor/pg_loss"])
     # the report: grpo is its own reference, and one of its steps reaches its own final (mean) reward
-    assert row["estimator"] == "grpo" and row["final"] == pytest.approx(sum(line["critic/score/mean"] for line in lines) / 2)
+    assert row["estimator"] == "grpo" and row["final"] == pytest.approx(
+        sum(line["critic/score/mean"] for line in lines) / 2
+    )
     assert row["steps_to_reference_final"] in (1, 2)
     assert row["ratio"] == 1.0 if math.isfinite(row["steps_to_threshold"]) else math.isnan(row["ratio"])

@@ -16,12 +16,21 @@ PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 
 def locked() -> dict[str, Version]:
-    pins = (re.match(r"^([A-Za-z0-9_.\-]+)==(\S+)$", line.strip()) for line in (REPO / "constraints.txt").read_text().splitlines())
+    pins = (
+        re.match(r"^([A-Za-z0-9_.\-]+)==(\S+)$", line.strip())
+        for line in (REPO / "constraints.txt").read_text().splitlines()
+    )
     return {canonicalize_name(pin[1]): Version(pin[2]) for pin in pins if pin}
 
 
 def declared() -> list[Requirement]:
-    return [Requirement(text) for text in [*PROJECT["dependencies"], *(r for extra in PROJECT["optional-dependencies"].values() for r in extra)]]
+    return [
+        Requirement(text)
+        for text in [
+            *PROJECT["dependencies"],
+            *(r for extra in PROJECT["optional-dependencies"].values() for r in extra),
+        ]
+    ]
 
 
 def test_the_lock_pins_every_declared_dependency_inside_its_range():
@@ -29,11 +38,17 @@ def test_the_lock_pins_every_declared_dependency_inside_its_range():
     for requirement in declared():
         name = canonicalize_name(requirement.name)
         assert name in pins, f"constraints.txt has no pin for {requirement} (refresh it with .ci/lock)"
-        assert requirement.specifier.contains(pins[name]), f"constraints.txt pins {name}=={pins[name]}, outside {requirement}"
+        assert requirement.specifier.contains(pins[name]), (
+            f"constraints.txt pins {name}=={pins[name]}, outside {requirement}"
+        )
 
 
 def test_fast_moving_dependencies_have_an_upper_bound():
-    bounded = {canonicalize_name(r.name) for r in declared() if any(spec.operator in ("<", "<=", "==", "~=") for spec in r.specifier)}
+    bounded = {
+        canonicalize_name(r.name)
+        for r in declared()
+        if any(spec.operator in ("<", "<=", "==", "~=") for spec in r.specifier)
+    }
     assert {"torch", "transformers", "ray", "tensordict", "mcp", "sglang"} <= bounded
 
 

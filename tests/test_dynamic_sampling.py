@@ -31,18 +31,27 @@ PROMPT, RESPONSE = 3, 8
 def rollout_of(trajectories: list[dict]) -> RolloutBatch:
     """A padded batch as the workers build it: each trajectory ``{uid, segments: [response length, ...], score,
     end_reason, failed, extra}``, one row per segment, the score on its last row's last response token."""
-    rows = [(trajectory, index, length) for trajectory in trajectories for index, length in enumerate(trajectory["segments"])]
+    rows = [
+        (trajectory, index, length)
+        for trajectory in trajectories
+        for index, length in enumerate(trajectory["segments"])
+    ]
     attention = torch.zeros(len(rows), PROMPT + RESPONSE, dtype=torch.long)
     scores = torch.zeros(len(rows), RESPONSE)
     for row, (trajectory, index, length) in enumerate(rows):
         attention[row, : PROMPT + length] = 1
         if index == len(trajectory["segments"]) - 1 and length:
             scores[row, length - 1] = trajectory.get("score", 0.0)
-    batch = TensorDict({
-        "prompts": torch.ones(len(rows), PROMPT, dtype=torch.long), "attention_mask": attention,
-        "response_mask": attention[:, PROMPT:].clone(), "rm_scores": scores,
-        "segment_index": torch.tensor([index for _, index, _ in rows]),
-    }, batch_size=[len(rows)])
+    batch = TensorDict(
+        {
+            "prompts": torch.ones(len(rows), PROMPT, dtype=torch.long),
+            "attention_mask": attention,
+            "response_mask": attention[:, PROMPT:].clone(),
+            "rm_scores": scores,
+            "segment_index": torch.tensor([index for _, index, _ in rows]),
+        },
+        batch_size=[len(rows)],
+    )
     fields = {
         "uid": [trajectory["uid"] for trajectory, _, _ in rows],
         "end_reason": [trajectory.get("end_reason", "stop") for trajectory, _, _ in rows],
@@ -60,36 +69,61 @@ def test_overlong_penalty_is_dapos_soft_punishment():
 
 
 def test_overlong_buffer_shapes_each_trajectorys_last_segment_score():
-    config = compose_config([f"data.max_response_length={RESPONSE}", "reward_model.overlong_buffer.enable=true",
-                             "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.penalty_factor=0.5",
-                             "reward_model.overlong_buffer.log=true"])
+    config = compose_config(
+        [
+            f"data.max_response_length={RESPONSE}",
+            "reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.len=4",
+            "reward_model.overlong_buffer.penalty_factor=0.5",
+            "reward_model.overlong_buffer.log=true",
+        ]
+    )
     buffer = OverlongBuffer.from_config(config)
-    rollout = rollout_of([
-        {"uid": "a", "segments": [3], "score": 1.0},
-        {"uid": "a", "segments": [6], "score": 1.0},
-        # two segments: the last one's 7 response tokens count, not the first one's 8 or the sum
-        {"uid": "b", "segments": [8, 7], "score": 0.0, "end_reason": "length"},
-        {"uid": "b", "segments": [0], "failed": True},
-    ])
+    rollout = rollout_of(
+        [
+            {"uid": "a", "segments": [3], "score": 1.0},
+            {"uid": "a", "segments": [6], "score": 1.0},
+            # two segments: the last one's 7 response tokens count, not the first one's 8 or the sum
+            {"uid": "b", "segments": [8, 7], "score": 0.0, "end_reason": "length"},
+            {"uid": "b", "segments": [0], "failed": True},
+        ]
+    )
     metrics = buffer.shape(rollout)
     scores = rollout.batch["rm_scores"]
     assert scores.sum(-1).tolist() == [1.0, 0.75, 0.0, -0.375, 0.0]
     assert scores[1, 5] == 0.75 and scores[3, 6] == -0.375, "on the last response token, where the score is"
-    assert metrics == {"overlong/reward/min": -0.375, "overlong/reward/mean": pytest.approx(-0.625 / 4), "overlong/reward/max": 0.0,
-                       "overlong/penalized_share": 0.5}
-    for setting, message in (("len=0", r"len=0 must be in \(0"), ("len=9", r"len=9 must be in \(0, data.max_response_length=8\]")):
+    assert metrics == {
+        "overlong/reward/min": -0.375,
+        "overlong/reward/mean": pytest.approx(-0.625 / 4),
+        "overlong/reward/max": 0.0,
+        "overlong/penalized_share": 0.5,
+    }
+    for setting, message in (
+        ("len=0", r"len=0 must be in \(0"),
+        ("len=9", r"len=9 must be in \(0, data.max_response_length=8\]"),
+    ):
         with pytest.raises(ValueError, match=message):
-            check_config(compose_config([f"data.max_response_length={RESPONSE}", "data.train_files=[x]",
-                                         "reward_model.overlong_buffer.enable=true", f"reward_model.overlong_buffer.{setting}"]))
+            check_config(
+                compose_config(
+                    [
+                        f"data.max_response_length={RESPONSE}",
+                        "data.train_files=[x]",
+                        "reward_model.overlong_buffer.enable=true",
+                        f"reward_model.overlong_buffer.{setting}",
+                    ]
+                )
+            )
 
 
 def test_overlong_filtering_masks_every_row_of_a_length_ended_trajectory():
-    rollout = rollout_of([
-        {"uid": "a", "segments": [4, 5], "end_reason": "length"},
-        {"uid": "a", "segments": [5], "end_reason": "stop"},
-        {"uid": "b", "segments": [8], "end_reason": "length"},
-        {"uid": "b", "segments": [2], "end_reason": "context_length"},
-    ])
+    rollout = rollout_of(
+        [
+            {"uid": "a", "segments": [4, 5], "end_reason": "length"},
+            {"uid": "a", "segments": [5], "end_reason": "stop"},
+            {"uid": "b", "segments": [8], "end_reason": "length"},
+            {"uid": "b", "segments": [2], "end_reason": "context_length"},
+        ]
+    )
     batch = rollout.batch.clone()
     assert mask_length_ended(rollout, batch) == {"overlong/filtered_trajectories": 2.0}
     assert batch["response_mask"].sum(-1).tolist() == [0, 0, 5, 0, 2]
@@ -97,21 +131,31 @@ def test_overlong_filtering_masks_every_row_of_a_length_ended_trajectory():
 
 
 def group_filter(metric: str, *overrides: str) -> GroupFilter:
-    return GroupFilter.from_config(compose_config(["algorithm.filter_groups.enable=true", f"algorithm.filter_groups.metric={metric}",
-                                                   f"data.max_response_length={RESPONSE}", *overrides]))
+    return GroupFilter.from_config(
+        compose_config(
+            [
+                "algorithm.filter_groups.enable=true",
+                f"algorithm.filter_groups.metric={metric}",
+                f"data.max_response_length={RESPONSE}",
+                *overrides,
+            ]
+        )
+    )
 
 
 def test_groups_whose_metric_does_not_vary_are_dropped():
-    rollout = rollout_of([
-        {"uid": "same", "segments": [2], "score": 1.0, "extra": {"acc": 1.0}},
-        {"uid": "same", "segments": [3, 4], "score": 1.0, "extra": {"acc": 1.0}},  # two segments: one trajectory
-        {"uid": "varies", "segments": [2], "score": 0.0, "extra": {"acc": 0.0}},
-        {"uid": "varies", "segments": [2], "score": 1.0, "extra": {"acc": 1.0}},
-        # a failed sample leaves its group: the one left has nothing to compare with
-        {"uid": "one_left", "segments": [2], "score": 1.0, "extra": {"acc": 1.0}},
-        {"uid": "one_left", "segments": [0], "failed": True},
-        {"uid": "alone", "segments": [2], "score": 0.5, "extra": {"acc": 0.0}},
-    ])
+    rollout = rollout_of(
+        [
+            {"uid": "same", "segments": [2], "score": 1.0, "extra": {"acc": 1.0}},
+            {"uid": "same", "segments": [3, 4], "score": 1.0, "extra": {"acc": 1.0}},  # two segments: one trajectory
+            {"uid": "varies", "segments": [2], "score": 0.0, "extra": {"acc": 0.0}},
+            {"uid": "varies", "segments": [2], "score": 1.0, "extra": {"acc": 1.0}},
+            # a failed sample leaves its group: the one left has nothing to compare with
+            {"uid": "one_left", "segments": [2], "score": 1.0, "extra": {"acc": 1.0}},
+            {"uid": "one_left", "segments": [0], "failed": True},
+            {"uid": "alone", "segments": [2], "score": 0.5, "extra": {"acc": 0.0}},
+        ]
+    )
     for metric in ("score", "acc", "seq_reward"):
         filter_ = group_filter(metric)
         assert filter_.informative(rollout) == {"same": False, "varies": True, "one_left": False, "alone": True}, metric
@@ -141,7 +185,10 @@ def test_a_short_batch_keeps_as_many_groups_as_split_over_the_ranks():
 
 def test_a_generation_batch_of_another_size_needs_dynamic_sampling():
     base = ["data.train_files=[x]", "data.train_batch_size=4"]
-    with pytest.raises(ValueError, match=r"gen_batch_size=8 differs from data.train_batch_size=4: .*\(algorithm.filter_groups.enable=true\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"gen_batch_size=8 differs from data.train_batch_size=4: .*\(algorithm.filter_groups.enable=true\)",
+    ):
         check_config(compose_config([*base, "data.gen_batch_size=8"]))
     with pytest.raises(ValueError, match="data.gen_batch_size=0 must be positive"):
         check_config(compose_config([*base, "data.gen_batch_size=0", "algorithm.filter_groups.enable=true"]))
@@ -155,16 +202,30 @@ def test_a_generation_batch_of_another_size_needs_dynamic_sampling():
 def coin_config(coin_model: str, tmp_path, *overrides: str, sources: tuple[str, ...] = ()) -> object:
     """The coin task (reward 1 for "yes"), 4 prompts x 2 samples a step on one CPU rank; row i's data source is
     ``sources[i]`` where given (a source without a reward function scores 0), else ``coin``."""
-    rows = [{"prompt": [{"role": "user", "content": f"question {i}"}], "agent_name": "single_turn_agent",
-             "data_source": sources[i] if i < len(sources) else "coin", "extra_info": {"index": i}} for i in range(40)]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"question {i}"}],
+            "agent_name": "single_turn_agent",
+            "data_source": sources[i] if i < len(sources) else "coin",
+            "extra_info": {"index": i},
+        }
+        for i in range(40)
+    ]
     train = write_rows(rows, str(tmp_path / "train.jsonl"))
     return small_config(
-        f"actor_rollout_ref.model.path={coin_model}", f"data.train_files=[{train}]", "data.train_batch_size=4",
-        "data.shuffle=false", "data.max_response_length=4", "actor_rollout_ref.rollout.n=2",
+        f"actor_rollout_ref.model.path={coin_model}",
+        f"data.train_files=[{train}]",
+        "data.train_batch_size=4",
+        "data.shuffle=false",
+        "data.max_response_length=4",
+        "actor_rollout_ref.rollout.n=2",
         "+custom_reward_function.by_data_source.coin=tests.support.models.says_yes",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "trainer.logger=[console]",
-        f"trainer.default_local_dir={tmp_path / 'run'}", f"trainer.rollout_data_dir={tmp_path / 'run' / 'rollouts'}",
-        "algorithm.filter_groups.enable=true", *overrides,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "trainer.logger=[console]",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        f"trainer.rollout_data_dir={tmp_path / 'run' / 'rollouts'}",
+        "algorithm.filter_groups.enable=true",
+        *overrides,
     )
 
 
@@ -181,16 +242,29 @@ def acc(record: dict) -> float:
 
 
 def test_synchronous_dynamic_sampling_trains_only_groups_with_a_signal(local_ray, coin_model, tmp_path):
-    history = fit(coin_config(
-        coin_model, tmp_path, "algorithm.filter_groups.metric=acc", "data.gen_batch_size=6", "trainer.total_training_steps=3",
-        "trainer.save_freq=3", "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
-        "reward_model.overlong_buffer.penalty_factor=0.5", "reward_model.overlong_buffer.log=true",
-    ))
+    history = fit(
+        coin_config(
+            coin_model,
+            tmp_path,
+            "algorithm.filter_groups.metric=acc",
+            "data.gen_batch_size=6",
+            "trainer.total_training_steps=3",
+            "trainer.save_freq=3",
+            "reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.len=4",
+            "reward_model.overlong_buffer.penalty_factor=0.5",
+            "reward_model.overlong_buffer.log=true",
+        )
+    )
     assert [line["step"] for line in history] == [1, 2, 3]
     for line in history:
         groups = trained_groups(tmp_path, line["step"])
-        assert len(groups) == line["dynamic_sampling/kept_groups"] == 4 and all(len(group) == 2 for group in groups.values())
-        assert all(len({acc(record) for record in group}) == 2 for group in groups.values()), "a group whose samples all scored alike"
+        assert len(groups) == line["dynamic_sampling/kept_groups"] == 4 and all(
+            len(group) == 2 for group in groups.values()
+        )
+        assert all(len({acc(record) for record in group}) == 2 for group in groups.values()), (
+            "a group whose samples all scored alike"
+        )
         # every generation batch's 6 groups were trained, dropped, or left over past the batch's 4
         made = line["dynamic_sampling/generation_batches"]
         outcomes = ("kept_groups", "dropped_groups", "surplus_groups")
@@ -200,7 +274,10 @@ def test_synchronous_dynamic_sampling_trains_only_groups_with_a_signal(local_ray
         penalties = [-record["response_length"] / 4 * 0.5 for record in records]
         for record, penalty in zip(records, penalties):
             assert record["score"] == pytest.approx(record["reward_parts"]["reward_score"] + penalty)
-        assert line["overlong/reward/mean"] == pytest.approx(np.mean(penalties)) and line["overlong/penalized_share"] == 1.0
+        assert (
+            line["overlong/reward/mean"] == pytest.approx(np.mean(penalties))
+            and line["overlong/penalized_share"] == 1.0
+        )
         assert line["critic/score/mean"] == pytest.approx(np.mean([record["score"] for record in records]))
     dropped = sum(line["dynamic_sampling/dropped_groups"] for line in history)
     print("groups dropped per step:", [line["dynamic_sampling/dropped_groups"] for line in history])
@@ -209,20 +286,37 @@ def test_synchronous_dynamic_sampling_trains_only_groups_with_a_signal(local_ray
     made = sum(line["dynamic_sampling/generation_batches"] for line in history)
     state = json.loads((tmp_path / "run" / "global_step_3" / "trainer_state.json").read_text())
     assert state["sampler_position"] == made and state["untrained_rows"] == []
-    drawn = {record["index"] for line in history for group in trained_groups(tmp_path, line["step"]).values() for record in group}
+    drawn = {
+        record["index"]
+        for line in history
+        for group in trained_groups(tmp_path, line["step"]).values()
+        for record in group
+    }
     assert {int(index) for index in drawn} <= set(range(6 * made))
 
 
-def test_a_step_left_without_groups_skips_its_update_and_overlong_filtering_masks_length_ended_samples(local_ray, coin_model, tmp_path):
+def test_a_step_left_without_groups_skips_its_update_and_overlong_filtering_masks_length_ended_samples(
+    local_ray, coin_model, tmp_path
+):
     # step 1's rows score 0 whatever they say: no group varies, and after max_num_gen_batches=1 nothing is left to
     # train. Step 2's rows are the coin's, answered in one token (max_response_length=1): every sample ends by length
-    config = coin_config(coin_model, tmp_path, "algorithm.filter_groups.max_num_gen_batches=1", "actor_rollout_ref.rollout.n=4",
-                         "data.max_response_length=1", "algorithm.overlong_filtering=true", "actor_rollout_ref.actor.optim.lr=2e-3",
-                         "trainer.total_training_steps=2", sources=("unscored",) * 4)
+    config = coin_config(
+        coin_model,
+        tmp_path,
+        "algorithm.filter_groups.max_num_gen_batches=1",
+        "actor_rollout_ref.rollout.n=4",
+        "data.max_response_length=1",
+        "algorithm.overlong_filtering=true",
+        "actor_rollout_ref.actor.optim.lr=2e-3",
+        "trainer.total_training_steps=2",
+        sources=("unscored",) * 4,
+    )
     with pytest.warns(UserWarning) as caught:
         skipped, trained = fit(config)
     messages = [str(warning.message) for warning in caught]
-    assert any("step 1: dynamic sampling (algorithm.filter_groups) left no group to train" in message for message in messages), messages
+    assert any(
+        "step 1: dynamic sampling (algorithm.filter_groups) left no group to train" in message for message in messages
+    ), messages
     assert skipped["dynamic_sampling/kept_groups"] == 0 and skipped["dynamic_sampling/dropped_groups"] == 4
     assert skipped["dynamic_sampling/generation_batches"] == 1 and not any(key.startswith("actor/") for key in skipped)
     assert not (tmp_path / "run" / "rollouts" / "step_000001.parquet").exists()
@@ -241,16 +335,27 @@ def test_a_step_left_without_groups_skips_its_update_and_overlong_filtering_mask
 
 
 def test_asynchronous_dynamic_sampling_keeps_the_staleness_bound(local_ray, coin_model, tmp_path):
-    history = fit(coin_config(
-        coin_model, tmp_path, "algorithm.filter_groups.metric=acc", "trainer.total_training_steps=4",
-        "actor_rollout_ref.actor.optim.lr=2e-3", "async_training.max_staleness=1", "async_training.partial_rollout=true",
-        "actor_rollout_ref.rollout.free_cache_engine=false",
-    ))
+    history = fit(
+        coin_config(
+            coin_model,
+            tmp_path,
+            "algorithm.filter_groups.metric=acc",
+            "trainer.total_training_steps=4",
+            "actor_rollout_ref.actor.optim.lr=2e-3",
+            "async_training.max_staleness=1",
+            "async_training.partial_rollout=true",
+            "actor_rollout_ref.rollout.free_cache_engine=false",
+        )
+    )
     assert [line["step"] for line in history] == [1, 2, 3, 4]
     for line in history:
         step, groups = line["step"], trained_groups(tmp_path, line["step"])
-        assert len(groups) == line["dynamic_sampling/kept_groups"] == 4 and all(len(group) == 2 for group in groups.values())
-        assert all(len({acc(record) for record in group}) == 2 for group in groups.values()), "a group whose samples all scored alike"
+        assert len(groups) == line["dynamic_sampling/kept_groups"] == 4 and all(
+            len(group) == 2 for group in groups.values()
+        )
+        assert all(len({acc(record) for record in group}) == 2 for group in groups.values()), (
+            "a group whose samples all scored alike"
+        )
         # step s trains version s - 1 on groups started at version s - 2 or later
         assert all(record["policy_version"] >= step - 2 for group in groups.values() for record in group)
         assert line["async/staleness/max"] <= 1

@@ -68,7 +68,9 @@ def env_row(env: str, **fields):
 
 
 def run_env(server, tokenizer, ok_model, interactions_yaml, env, *overrides):
-    loop = EnvAgentLoop(server_manager=Router([server]), tokenizer=tokenizer, config=config(ok_model, interactions_yaml, *overrides))
+    loop = EnvAgentLoop(
+        server_manager=Router([server]), tokenizer=tokenizer, config=config(ok_model, interactions_yaml, *overrides)
+    )
     return asyncio.run(loop.run(dict(GREEDY), **env_row(env)))
 
 
@@ -97,11 +99,18 @@ def test_env_done_at_turn_two(server, tokenizer, ok_model, interactions_yaml):
     assert output.end_reason == "done"
     assert output.metrics["env_steps"] == 2 and output.num_turns == 4
     assert output.reward_parts.env == 1.0  # two steps of info["reward"] = 0.5
-    assert [turn.env_reward for turn in output.turns] == [0.5, 0.5] and [turn.reward for turn in output.turns] == [0.5, 0.5]
+    assert [turn.env_reward for turn in output.turns] == [0.5, 0.5] and [turn.reward for turn in output.turns] == [
+        0.5,
+        0.5,
+    ]
     assert [turn.state_key for turn in output.turns] == ["position 0", "position 1"]  # the env's own state_key() hook
     # without a reward function for the row's data source, the env's rewards are the reward
     asyncio.run(score_output(config(ok_model, interactions_yaml), tokenizer, {"data_source": "games"}, output))
-    assert output.reward_score == 1.0 and output.reward_parts.by_source() == {"env": 1.0} and output.reward_source == "reward_parts"
+    assert (
+        output.reward_score == 1.0
+        and output.reward_parts.by_source() == {"env": 1.0}
+        and output.reward_source == "reward_parts"
+    )
     assert_exact(output, tokenizer, ["observation 1"])
 
 
@@ -109,16 +118,25 @@ def test_env_that_never_finishes_stops_at_max_turns(server, tokenizer, ok_model,
     output = run_env(server, tokenizer, ok_model, interactions_yaml, "NeverDoneEnv")
     assert output.end_reason == "max_turns" and output.metrics["env_steps"] == 4
     # without a state_key() hook, the text a turn answered names its state: the prompt, then the same observation
-    prompt, observation = state_digest(env_row("NeverDoneEnv")["prompt"]), state_digest([{"role": "user", "content": "keep going"}])
+    prompt, observation = (
+        state_digest(env_row("NeverDoneEnv")["prompt"]),
+        state_digest([{"role": "user", "content": "keep going"}]),
+    )
     assert [turn.state_key for turn in output.turns] == [prompt] + [observation] * 3 and prompt != observation
     assert_exact(output, tokenizer, ["keep going"] * 3)
 
 
 def test_observations_exhausting_the_budget_truncate_without_overflow(server, tokenizer, ok_model, interactions_yaml):
-    output = run_env(server, tokenizer, ok_model, interactions_yaml, "BigObservationEnv", "data.max_response_length=200")
+    output = run_env(
+        server, tokenizer, ok_model, interactions_yaml, "BigObservationEnv", "data.max_response_length=200"
+    )
     assert output.end_reason == "length"
     assert len(output.response_ids) <= 200 and output.response_mask[-1] == 1
-    assert len(output.response_ids) + len(observation_delta(tokenizer, [{"role": "user", "content": "lots of text " * 40}])) > 200
+    assert (
+        len(output.response_ids)
+        + len(observation_delta(tokenizer, [{"role": "user", "content": "lots of text " * 40}]))
+        > 200
+    )
     assert_exact(output, tokenizer, ["lots of text " * 40] * (output.metrics["env_steps"] - 1).__int__())
 
 
@@ -132,21 +150,28 @@ def test_env_failing_every_other_step_is_retried_with_its_recovery_hook(server, 
 def test_failed_step_is_retried_after_reset_and_replay(server, tokenizer, ok_model, interactions_yaml):
     output = run_env(server, tokenizer, ok_model, interactions_yaml, "FailsOnceEnv")
     assert output.end_reason == "done"
-    assert [turn.env_retries for turn in output.turns] == [{}, {"RuntimeError": 1}]  # the second turn's step failed once
+    assert [turn.env_retries for turn in output.turns] == [
+        {},
+        {"RuntimeError": 1},
+    ]  # the second turn's step failed once
     assert_exact(output, tokenizer, ["history 1 after 1 resets"])
 
 
 @pytest.mark.parametrize("env, kind", [("AlwaysFailsEnv", "RuntimeError"), ("SlowEnv", "timeout")])
 def test_exhausted_retry_budget_ends_cleanly(server, tokenizer, ok_model, interactions_yaml, env, kind):
     # SlowEnv takes 5 s a step: a 0.5 s step timeout makes each try time out
-    output = run_env(server, tokenizer, ok_model, interactions_yaml, env, "actor_rollout_ref.rollout.env.step_timeout_s=0.5")
+    output = run_env(
+        server, tokenizer, ok_model, interactions_yaml, env, "actor_rollout_ref.rollout.env.step_timeout_s=0.5"
+    )
     assert output.end_reason == "env_error"
     assert env_retries_by_kind(output.turns) == {kind: 3}  # first try + max_env_retries_per_turn (2)
     assert_exact(output, tokenizer, [])
 
 
 def test_interaction_terminates_after_k_turns(server, tokenizer, ok_model, interactions_yaml):
-    loop = ToolAgentLoop(server_manager=Router([server]), tokenizer=tokenizer, config=config(ok_model, interactions_yaml))
+    loop = ToolAgentLoop(
+        server_manager=Router([server]), tokenizer=tokenizer, config=config(ok_model, interactions_yaml)
+    )
     row = {
         "prompt": [{"role": "user", "content": "start 1"}],
         "request_id": "interaction-1",
@@ -163,8 +188,13 @@ def test_interaction_terminates_after_k_turns(server, tokenizer, ok_model, inter
 
 def test_turn_metrics_in_meta_info(manager):
     rows = [env_row("DoneAtTurn2Env"), env_row("FlakyEnv"), env_row("AlwaysFailsEnv")]
-    rows.append({"prompt": [{"role": "user", "content": "start 2"}], "agent_name": "tool_agent",
-                 "extra_info": {"interaction_kwargs": {"name": "counter", "turns": 2}}})
+    rows.append(
+        {
+            "prompt": [{"role": "user", "content": "start 2"}],
+            "agent_name": "tool_agent",
+            "extra_info": {"interaction_kwargs": {"name": "counter", "turns": 2}},
+        }
+    )
     meta = manager.generate_sequences(rows, validate=True).meta_info
     assert meta["multi_turn/finish_reason/done"] == 2 and meta["multi_turn/finish_reason/env_error"] == 1
     assert meta["multi_turn/finish_reason/stop"] == 1

@@ -84,15 +84,21 @@ def function_tool_of(schema: dict[str, Any]) -> FunctionTool:
         return tool_result(function["name"], json.loads(arguments))
 
     return FunctionTool(
-        name=function["name"], description=function["description"], params_json_schema=function["parameters"],
-        on_invoke_tool=invoke, strict_json_schema=False,
+        name=function["name"],
+        description=function["description"],
+        params_json_schema=function["parameters"],
+        on_invoke_tool=invoke,
+        strict_json_schema=False,
     )
 
 
 async def scripted_agents_sdk(base_url: str, api_key: str, row: dict[str, Any]) -> None:
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx.AsyncClient(transport=WithoutStrict()))
+    client = AsyncOpenAI(
+        base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx.AsyncClient(transport=WithoutStrict())
+    )
     solver = Agent(
-        name="scripted", model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+        name="scripted",
+        model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
         tools=[function_tool_of(schema) for schema in SCHEMAS],
     )
     with contextlib.suppress(MaxTurnsExceeded):  # a sampled run may call tools on and on
@@ -112,7 +118,9 @@ def submit_answer(answer: float) -> str:
 
 
 async def scripted_langgraph(base_url: str, api_key: str, row: dict[str, Any]) -> None:
-    model = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, max_retries=0, streaming=True).bind_tools(SCHEMAS)
+    model = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, max_retries=0, streaming=True).bind_tools(
+        SCHEMAS
+    )
 
     async def call_model(state: MessagesState) -> dict[str, Any]:
         return {"messages": [await model.ainvoke(state["messages"])]}
@@ -142,7 +150,9 @@ def manager(local_ray, scripted_model, tmp_path_factory):
     ]
     path = tmp_path_factory.mktemp("registry") / "frameworks.yaml"
     path.write_text(yaml.safe_dump(entries))
-    manager = AgentLoopManager(tool_config(scripted_model, f"actor_rollout_ref.rollout.agent.agent_loop_config_path={path}"))
+    manager = AgentLoopManager(
+        tool_config(scripted_model, f"actor_rollout_ref.rollout.agent.agent_loop_config_path={path}")
+    )
     yield manager
     manager.shutdown()
 
@@ -221,13 +231,17 @@ def tool_calls(tokenizer, reply: list[int]) -> list[Any]:
 
 def tool_messages(tokenizer, reply: list[int]) -> list[dict[str, Any]]:
     """The tool messages a framework sends back for a reply: one per call, with its tool's answer."""
-    return [{"role": "tool", "content": tool_result(call.name, call.arguments)} for call in tool_calls(tokenizer, reply)]
+    return [
+        {"role": "tool", "content": tool_result(call.name, call.arguments)} for call in tool_calls(tokenizer, reply)
+    ]
 
 
 @pytest.mark.parametrize("fixture", ["greedy", "sampled"])
 def test_each_trajectory_is_one_segment(request, fixture):
     batch, index = request.getfixturevalue(fixture)
-    assert trajectory_sizes(batch.batch["segment_index"]) == [1] * len(index)  # the frameworks send history back unchanged
+    assert trajectory_sizes(batch.batch["segment_index"]) == [1] * len(
+        index
+    )  # the frameworks send history back unchanged
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
@@ -252,10 +266,15 @@ def test_an_example_returns_its_reward(greedy, tokenizer, name):
     batch, index = greedy
     _, response, mask, _ = recorded(batch, index[name], tokenizer)
     answers = [
-        call.arguments.get("answer") for value, a, b in mask_runs(mask.int().tolist()) if value == 1
-        for call in tool_calls(tokenizer, response[a:b]) if call.name == "submit_answer"
+        call.arguments.get("answer")
+        for value, a, b in mask_runs(mask.int().tolist())
+        if value == 1
+        for call in tool_calls(tokenizer, response[a:b])
+        if call.name == "submit_answer"
     ]
-    assert batch.non_tensor_batch["reward_score"][index[name]] == float(bool(answers) and arithmetic_tools.is_correct(answers[-1], TRUTH))
+    assert batch.non_tensor_batch["reward_score"][index[name]] == float(
+        bool(answers) and arithmetic_tools.is_correct(answers[-1], TRUTH)
+    )
 
 
 @pytest.mark.parametrize("name", list(SCRIPTED))
@@ -270,4 +289,6 @@ def test_a_developer_message_is_rendered_as_a_system_message(greedy, tokenizer):
     batch, index = greedy
     prompt, _, _, _ = recorded(batch, index["o_series_langchain"], tokenizer)
     messages = [{"role": "system", "content": SYSTEM}, *script_row("multi")["prompt"]]
-    assert prompt == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert prompt == tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )

@@ -15,9 +15,12 @@ ROWS = [{"prompt": [{"role": "user", "content": f"question number {i}"}]} for i 
 
 @pytest.fixture(scope="module")
 def setup(local_ray):
-    config = small_config("actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.optim.lr=1e-3",
-                          "actor_rollout_ref.actor.optim.warmup_style=cosine",
-                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    config = small_config(
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.optim.warmup_style=cosine",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    )
     yield from manager_and_two_ranks(config)
 
 
@@ -45,7 +48,9 @@ def test_sharded_scores_match_the_engine_update_moves_them_and_the_push_keeps_th
     manager.update_weights(state)
     fresh = manager.generate_sequences(ROWS)
     fresh_mask = fresh.batch["response_mask"].bool()
-    assert torch.allclose(scores(actors, fresh.batch)[fresh_mask], fresh.batch["rollout_log_probs"][fresh_mask], atol=1e-4)
+    assert torch.allclose(
+        scores(actors, fresh.batch)[fresh_mask], fresh.batch["rollout_log_probs"][fresh_mask], atol=1e-4
+    )
 
 
 def test_checkpoint_restores_weights_optimizer_and_lr_schedule(setup, tmp_path):
@@ -63,7 +68,9 @@ def test_checkpoint_restores_weights_optimizer_and_lr_schedule(setup, tmp_path):
         return ray.get([actor.full_state_dict.remote() for actor in actors], timeout=120)[0]
 
     update()
-    ray.get([actor.save_checkpoint.remote(str(tmp_path / "ckpt"), str(tmp_path / "hf")) for actor in actors], timeout=120)
+    ray.get(
+        [actor.save_checkpoint.remote(str(tmp_path / "ckpt"), str(tmp_path / "hf")) for actor in actors], timeout=120
+    )
     saved = weights()
     after_save = update()
     moved = weights()
@@ -95,7 +102,10 @@ def test_update_scoring_its_own_old_log_probs_is_the_rescore_then_update_step(se
     correction = RolloutCorrection(rollout_is="token", rollout_is_threshold=1.5)
 
     def on_ranks(method, data, **kwargs):
-        return ray.get([getattr(actor, method).remote(half, **kwargs) for actor, half in zip(actors, data.split(len(data) // 2))], timeout=120)
+        return ray.get(
+            [getattr(actor, method).remote(half, **kwargs) for actor, half in zip(actors, data.split(len(data) // 2))],
+            timeout=120,
+        )
 
     def weights():
         return ray.get([actor.full_state_dict.remote() for actor in actors], timeout=120)[0]

@@ -27,7 +27,9 @@ def test_tutor_interaction():
     async def dialogue():
         await tutor.start_interaction("t", ground_truth=7)
         wrong = await tutor.generate_response("t", [{"role": "assistant", "content": "It is 8"}], ground_truth=7)
-        right = await tutor.generate_response("t", [{"role": "assistant", "content": "<think>3+4</think>It is 7"}], ground_truth=7)
+        right = await tutor.generate_response(
+            "t", [{"role": "assistant", "content": "<think>3+4</think>It is 7"}], ground_truth=7
+        )
         return wrong, right, await tutor.calculate_score("t")
 
     wrong, right, score = asyncio.run(dialogue())
@@ -36,7 +38,12 @@ def test_tutor_interaction():
 
 def test_demo_runs_through_the_stack(local_ray):
     result = subprocess.run(
-        [sys.executable, "-m", "examples.games.demo"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=joining_the_suite_ray()
+        [sys.executable, "-m", "examples.games.demo"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=joining_the_suite_ray(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if "finish=" in line]

@@ -62,7 +62,9 @@ def model(scripted):
 async def run_external(server, tokenizer, scripted, *overrides, sampling=GREEDY, row=None, after=None, **loop_kwargs):
     """One ExternalAgentLoop in this process over the real server; ``after(gateway_url)`` runs once it is done."""
     router = Router([server])
-    loop = ExternalAgentLoop(server_manager=router, tokenizer=tokenizer, config=tool_config(scripted, *overrides), **loop_kwargs)
+    loop = ExternalAgentLoop(
+        server_manager=router, tokenizer=tokenizer, config=tool_config(scripted, *overrides), **loop_kwargs
+    )
     row = {**(row or script_row("multi")), "request_id": f"external-{id(loop)}"}
     with Router.running_sample(row["request_id"]):
         try:
@@ -85,7 +87,9 @@ def assert_exact(model, output):
         assert torch.all(rollout[~mask] == 0)
 
 
-def test_an_openai_sdk_agent_is_one_segment_with_exact_model_tokens_and_masked_tool_outputs(server, tokenizer, scripted, model):
+def test_an_openai_sdk_agent_is_one_segment_with_exact_model_tokens_and_masked_tool_outputs(
+    server, tokenizer, scripted, model
+):
     output = external(server, tokenizer, scripted, function=f"{AGENTS}.scripted_openai")
     assert output.end_reason == "stop" and not output.segments and output.metrics["gateway_calls"] == 3
     runs = mask_runs(output.response_mask)
@@ -95,11 +99,14 @@ def test_an_openai_sdk_agent_is_one_segment_with_exact_model_tokens_and_masked_t
     assert texts == [turn + "<|im_end|>" for turn in SCRIPTS["multi"]]
     # the tool results the client added are observation tokens, exactly the template's delta (as in tool_agent)
     observations = [output.response_ids[a:b] for value, a, b in runs if value == 0]
-    assert observations == [observation_delta(tokenizer, [{"role": "tool", "content": text}]) for text in ("5", "correct")]
+    assert observations == [
+        observation_delta(tokenizer, [{"role": "tool", "content": text}]) for text in ("5", "correct")
+    ]
     assert output.reward_score is None  # it returned None and the row's data source has no reward function
     # the turns record the calls the client ran and the results it sent back, as tool_agent's do
     assert [(call.name, call.arguments, call.result) for turn in output.turns for call in turn.calls] == [
-        ("calculator", {"expression": "2 + 3"}, "5"), ("submit_answer", {"answer": 5}, "correct")
+        ("calculator", {"expression": "2 + 3"}, "5"),
+        ("submit_answer", {"answer": 5}, "correct"),
     ]
 
     sampled = external(server, tokenizer, scripted, function=f"{AGENTS}.scripted_openai", sampling=SAMPLED)
@@ -124,7 +131,11 @@ def test_a_streaming_client_gets_the_same_replies(server, tokenizer, scripted):
     output = external(server, tokenizer, scripted, function=f"{AGENTS}.streaming_openai")
     plain = external(server, tokenizer, scripted, function=f"{AGENTS}.scripted_openai")
     assert output.reward_score == 1.0 and not output.segments
-    assert (output.prompt_ids, output.response_ids, output.response_mask) == (plain.prompt_ids, plain.response_ids, plain.response_mask)
+    assert (output.prompt_ids, output.response_ids, output.response_mask) == (
+        plain.prompt_ids,
+        plain.response_ids,
+        plain.response_mask,
+    )
 
 
 def test_a_command_agent_gets_its_session_from_the_environment_and_its_reward_from_stdout(server, tokenizer, scripted):
@@ -136,8 +147,12 @@ def test_a_command_agent_gets_its_session_from_the_environment_and_its_reward_fr
 def test_without_a_returned_reward_the_data_source_scores_the_final_assistant_message(server, tokenizer, scripted):
     row = script_row("multi", data_source="arith", reward_model={"ground_truth": 5})
     output = external(
-        server, tokenizer, scripted, "+custom_reward_function.by_data_source.arith=agentloop.tasks.arithmetic.reward.arithmetic_score",
-        function=f"{AGENTS}.scripted_openai", row=row,
+        server,
+        tokenizer,
+        scripted,
+        "+custom_reward_function.by_data_source.arith=agentloop.tasks.arithmetic.reward.arithmetic_score",
+        function=f"{AGENTS}.scripted_openai",
+        row=row,
     )
     assert output.reward_score == 1.0 and output.reward_source == "reward_function"
 
@@ -155,8 +170,14 @@ def test_the_token_budget_ends_the_session_with_length_and_keeps_the_trajectory(
     ("kwargs", "message"),
     [
         ({"function": f"{AGENTS}.silent"}, "made no model call"),
-        ({"function": f"{AGENTS}.hangs", "timeout_s": 2}, "ran past actor_rollout_ref.rollout.agent.external.timeout_s=2s after 1 model call"),
-        ({"command": f"{sys.executable} -c \"import sys; sys.stderr.write('boom'); sys.exit(3)\""}, "exited with 3; stderr tail:\nboom"),
+        (
+            {"function": f"{AGENTS}.hangs", "timeout_s": 2},
+            "ran past actor_rollout_ref.rollout.agent.external.timeout_s=2s after 1 model call",
+        ),
+        (
+            {"command": f"{sys.executable} -c \"import sys; sys.stderr.write('boom'); sys.exit(3)\""},
+            "exited with 3; stderr tail:\nboom",
+        ),
         ({"command": "sleep 60", "timeout_s": 2}, "ran past"),
         ({"function": "tests.support.no_such_module.agent"}, "cannot be imported"),
         ({}, "needs exactly one of"),
@@ -170,7 +191,10 @@ def test_a_failing_program_fails_its_sample_with_the_reason(server, tokenizer, s
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ((), "rows use external_agent: external_agent needs exactly one of actor_rollout_ref.rollout.agent.external.function"),
+        (
+            (),
+            "rows use external_agent: external_agent needs exactly one of actor_rollout_ref.rollout.agent.external.function",
+        ),
         (("actor_rollout_ref.rollout.agent.external.function=examples.no_such.agent",), "cannot be imported"),
     ],
 )
@@ -187,19 +211,34 @@ def test_hostile_requests_get_4xx_and_leave_the_session_working(server, tokenize
         urls.append(base_url)
         good = {"model": "m", "messages": row["prompt"]}
         async with httpx.AsyncClient(timeout=60) as http:
-            async def post(name: str, url: str = base_url, key: str = api_key, headers: dict | None = None, **kwargs) -> None:
+
+            async def post(
+                name: str, url: str = base_url, key: str = api_key, headers: dict | None = None, **kwargs
+            ) -> None:
                 headers = {"Authorization": f"Bearer {key}", **(headers or {})}
                 reply = await http.post(f"{url}/chat/completions", headers=headers, **kwargs)
                 seen[name] = reply.status_code
                 assert "error" in reply.json() or reply.status_code == 200
+
             await post("malformed json", content=b'{"messages": [', headers={"content-type": "application/json"})
             await post("huge body", json={**good, "user": "x" * 20_000})
             await post("unknown session", url=base_url.replace("/sessions/", "/sessions/x"), json=good)
             await post("wrong key", key="guess", json=good)
             await post("n=2", json={**good, "n": 2})
             await post("no messages", json={**good, "messages": []})
-            await post("bad tool arguments", json={**good, "messages": [*row["prompt"], {"role": "assistant", "tool_calls": [
-                {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]})
+            await post(
+                "bad tool arguments",
+                json={
+                    **good,
+                    "messages": [
+                        *row["prompt"],
+                        {
+                            "role": "assistant",
+                            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{not json"}}],
+                        },
+                    ],
+                },
+            )
             await post("good", json=good)
             models = await http.get(f"{base_url}/models", headers={"Authorization": f"Bearer {api_key}"})
             seen["models"] = models.status_code
@@ -207,23 +246,40 @@ def test_hostile_requests_get_4xx_and_leave_the_session_working(server, tokenize
 
     async def after() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
-            reply = await http.post(f"{urls[0]}/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+            reply = await http.post(
+                f"{urls[0]}/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+            )
             seen["after the end"] = reply.status_code
 
     import tests.support.external_agents as agents
 
     agents.hostile = hostile
-    output = external(server, tokenizer, scripted, "actor_rollout_ref.rollout.agent.gateway.max_body_bytes=8192",
-                      function=f"{AGENTS}.hostile", after=after)
+    output = external(
+        server,
+        tokenizer,
+        scripted,
+        "actor_rollout_ref.rollout.agent.gateway.max_body_bytes=8192",
+        function=f"{AGENTS}.hostile",
+        after=after,
+    )
     assert seen == {
-        "malformed json": 422, "huge body": 413, "unknown session": 404, "wrong key": 401, "n=2": 400, "no messages": 422,
-        "bad tool arguments": 400, "good": 200, "models": 200, "after the end": 404,
+        "malformed json": 422,
+        "huge body": 413,
+        "unknown session": 404,
+        "wrong key": 401,
+        "n=2": 400,
+        "no messages": 422,
+        "bad tool arguments": 400,
+        "good": 200,
+        "models": 200,
+        "after the end": 404,
     }
     assert output.reward_score == 1.0 and output.metrics["gateway_calls"] == 1
 
 
 @pytest.mark.parametrize(
-    "null_content", [{"role": "tool", "tool_call_id": "x", "content": None}, {"role": "user", "content": None}],
+    "null_content",
+    [{"role": "tool", "tool_call_id": "x", "content": None}, {"role": "user", "content": None}],
     ids=["tool", "user"],
 )
 def test_a_malformed_continuation_gets_the_first_calls_400_and_leaves_no_trace(
@@ -233,6 +289,7 @@ def test_a_malformed_continuation_gets_the_first_calls_400_and_leaves_no_trace(
 
     async def continuing(base_url: str, api_key: str, row: dict) -> float:
         async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {api_key}"}) as http:
+
             async def post(name: str, messages: list[dict]) -> dict:
                 body = {"model": "m", "messages": messages, "tools": SCHEMAS}
                 reply = await http.post(f"{base_url}/chat/completions", json=body)
@@ -316,9 +373,12 @@ def test_a_call_in_flight_when_the_program_returns_leaves_nothing_and_the_reward
         time.sleep(0.05)
 
 
-def test_through_the_manager_each_failure_stays_its_own_and_the_ranks_rescore_every_segment_as_recorded(local_ray, scripted):
+def test_through_the_manager_each_failure_stays_its_own_and_the_ranks_rescore_every_segment_as_recorded(
+    local_ray, scripted
+):
     config = tool_config(
-        scripted, f"actor_rollout_ref.rollout.agent.agent_loop_config_path={AGENTS_YAML}",
+        scripted,
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={AGENTS_YAML}",
         "actor_rollout_ref.rollout.max_failed_sample_ratio=0.5",
     )
     rows = [

@@ -27,7 +27,8 @@ SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True, "
 @pytest.fixture(scope="module")
 def config(model_path):
     return small_config(
-        f"actor_rollout_ref.model.path={model_path}", "data.max_response_length=64",
+        f"actor_rollout_ref.model.path={model_path}",
+        "data.max_response_length=64",
         "actor_rollout_ref.rollout.resources_per_server.CPU=1",
     )
 
@@ -88,7 +89,9 @@ def test_64_concurrent_sessions_on_two_servers_record_exactly_their_own_calls(se
             if call:
                 delta = ([] if ids[-1] == eos else [eos]) + observation_delta(tokenizer, [question(index, call)])
                 ids, mask = ids + delta, mask + [0] * len(delta)
-            assert completion.prompt_token_ids == ids, f"session {index}, call {call}: the context of another conversation"
+            assert completion.prompt_token_ids == ids, (
+                f"session {index}, call {call}: the context of another conversation"
+            )
             choice = completion.choices[0]
             assert len(choice.token_ids) == NEW_TOKENS
             ids, mask = ids + choice.token_ids, mask + [1] * NEW_TOKENS
@@ -98,4 +101,6 @@ def test_64_concurrent_sessions_on_two_servers_record_exactly_their_own_calls(se
         # each reply was sampled under this session's own context: the engine's logprobs are the model's there
         sampled = torch.tensor(mask, dtype=torch.bool)
         reference = teacher_forced_logprobs(model, trajectory.prompt_ids, trajectory.response_ids)[sampled]
-        assert torch.allclose(torch.tensor(trajectory.response_logprobs)[sampled], reference, atol=LOGPROB_TOLERANCE), index
+        assert torch.allclose(torch.tensor(trajectory.response_logprobs)[sampled], reference, atol=LOGPROB_TOLERANCE), (
+            index
+        )

@@ -155,13 +155,17 @@ def test_an_engine_whose_manager_cannot_start_again_is_broken_not_asleep(model_p
     engine = HFEngine(model_path, device="cpu", num_blocks=64, seed=0)
     try:
         run(engine.sleep())
-        engine._cb_config["page_size"] = 0  # a KV cache transformers refuses to build: the wake-up cannot start a manager
+        engine._cb_config["page_size"] = (
+            0  # a KV cache transformers refuses to build: the wake-up cannot start a manager
+        )
         with pytest.raises(ValueError, match="page_size must be at least"):
             run(engine.wake_up())
         assert not engine.is_sleeping
         # asleep would say "call wake_up()"; broken names the failure and that only a new server serves again
         for call in (lambda: engine.generate(PROMPT, {"max_new_tokens": 2}, "after"), engine.wake_up):
-            with pytest.raises(RuntimeError, match=r"broken.*ValueError: page_size must be at least.*replace") as raised:
+            with pytest.raises(
+                RuntimeError, match=r"broken.*ValueError: page_size must be at least.*replace"
+            ) as raised:
                 run(call())
             assert not isinstance(raised.value, EngineAsleep) and "call wake_up()" not in str(raised.value)
         assert engine.num_in_flight == 0
@@ -182,8 +186,13 @@ def test_update_weights_rejects_wrong_names_and_shapes(engine):
 def test_bad_prompts_fail_alone_and_a_dead_generation_thread_is_replaced(engine):
     greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     expected = run(engine.generate(PROMPT, greedy, "before")).token_ids
-    bad = (([engine.vocab_size], "outside the vocabulary"), ([-1], "outside the vocabulary"), ([], "empty"),
-           (["7"], "integer token ids"), ([1] * 5000, "exceeds this engine's limit of 4096 tokens"))
+    bad = (
+        ([engine.vocab_size], "outside the vocabulary"),
+        ([-1], "outside the vocabulary"),
+        ([], "empty"),
+        (["7"], "integer token ids"),
+        ([1] * 5000, "exceeds this engine's limit of 4096 tokens"),
+    )
     for prompt, message in bad:
         with pytest.raises(ValueError, match=message):
             run(engine.generate(prompt, {"max_new_tokens": 4}, "bad"))
@@ -226,7 +235,10 @@ def test_per_request_attention_matches_one_sdpa_call_per_request():
 
     torch.manual_seed(0)
     heads, kv_heads, dim = 4, 2, 16
-    lengths_q, lengths_k = [1, 7, 1, 3, 12, 1], [9, 7, 30, 10, 12, 1]  # decodes, a fresh prefill, prefill chunks after a cache hit
+    lengths_q, lengths_k = (
+        [1, 7, 1, 3, 12, 1],
+        [9, 7, 30, 10, 12, 1],
+    )  # decodes, a fresh prefill, prefill chunks after a cache hit
     query = torch.randn(heads, sum(lengths_q), dim)
     key, value = torch.randn(2, kv_heads, sum(lengths_k), dim)
     cumulative = lambda lengths: torch.tensor([0, *lengths]).cumsum(0).int()  # noqa: E731
@@ -268,11 +280,17 @@ def test_a_busy_batch_keeps_exact_logprobs_and_each_request_its_own_top_k(engine
 
     async def mixed():
         top1 = engine.generate(follow_ups[0], {**sampled, "top_k": 1}, "top1")
-        return await asyncio.gather(top1, *(engine.generate(p, sampled, f"lp2-{i}") for i, p in enumerate(follow_ups[1:])))
+        return await asyncio.gather(
+            top1, *(engine.generate(p, sampled, f"lp2-{i}") for i, p in enumerate(follow_ups[1:]))
+        )
 
     second = run(mixed())
     for prompt, output in [*zip(prompts, first), *zip(follow_ups[1:], second[1:])]:
-        assert torch.allclose(torch.tensor(output.log_probs), teacher_forced_logprobs(model, prompt, output.token_ids), atol=LOGPROB_TOLERANCE)
+        assert torch.allclose(
+            torch.tensor(output.log_probs),
+            teacher_forced_logprobs(model, prompt, output.token_ids),
+            atol=LOGPROB_TOLERANCE,
+        )
     assert all(lp == pytest.approx(0.0, abs=1e-6) for lp in second[0].log_probs)  # top-1: the warped distribution's
     assert all(lp < -1e-3 for output in second[1:] for lp in output.log_probs)  # the rest sample the whole vocabulary
 
@@ -294,7 +312,9 @@ def test_a_request_the_cache_soft_reset_keeps_all_its_tokens_when_new_weights_in
         deadline = asyncio.get_running_loop().time() + 60
         while not soft_reset_and_generating():
             assert asyncio.get_running_loop().time() < deadline, "no request was soft reset: shrink num_blocks"
-            assert not all(task.done() for task in tasks), "the requests ended before a soft reset: raise max_new_tokens"
+            assert not all(task.done() for task in tasks), (
+                "the requests ended before a soft reset: raise max_new_tokens"
+            )
             await asyncio.sleep(0.002)
         await engine.update_weights({name: tensor + 0.05 for name, tensor in model.state_dict().items()})
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)

@@ -23,7 +23,9 @@ def prompt(vlm_path):
     images = process_images(processor, [picture("red", 84, 84)], "test")
     pad = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     content = [{"type": "image"}, {"type": "text", "text": "what is it?"}]
-    ids = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, return_dict=False)
+    ids = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, return_dict=False
+    )
     return expand_image_pads(list(ids), images, pad, "test"), images, processor
 
 
@@ -70,12 +72,20 @@ def test_abort_weights_sleep_and_disk(vlm_path, prompt):
             await engine.update_weights(dict(after.named_parameters()))
             cut = await task
             assert cut.finish_reason == "interrupted" and 0 < len(cut.token_ids) < LONG["max_new_tokens"]
-            assert torch.allclose(torch.tensor(cut.log_probs), teacher_forced(before, prompt_ids, images, cut.token_ids), atol=1e-4)
+            assert torch.allclose(
+                torch.tensor(cut.log_probs), teacher_forced(before, prompt_ids, images, cut.token_ids), atol=1e-4
+            )
             # continued under the new weights; no KV of the old weights is reused
-            rest = await engine.generate(prompt_ids + cut.token_ids, {**LONG, "max_new_tokens": 8}, "pushed", images=images)
+            rest = await engine.generate(
+                prompt_ids + cut.token_ids, {**LONG, "max_new_tokens": 8}, "pushed", images=images
+            )
             assert rest.cached_tokens == 0
             full = cut.token_ids + rest.token_ids
-            assert torch.allclose(torch.tensor(rest.log_probs), teacher_forced(after, prompt_ids, images, full)[len(cut.token_ids):], atol=1e-4)
+            assert torch.allclose(
+                torch.tensor(rest.log_probs),
+                teacher_forced(after, prompt_ids, images, full)[len(cut.token_ids) :],
+                atol=1e-4,
+            )
 
             task = await started(engine, engine.generate(prompt_ids, LONG, "slept", images=images))
             await engine.sleep()
@@ -87,7 +97,9 @@ def test_abort_weights_sleep_and_disk(vlm_path, prompt):
             # the checkpoint on disk names its layers as saved (model.layers.*, visual.*): loaded through transformers
             await engine.update_weights_from_disk(vlm_path)
             again = await engine.generate(prompt_ids, {**LONG, "max_new_tokens": 8}, "disk", images=images)
-            assert torch.allclose(torch.tensor(again.log_probs), teacher_forced(before, prompt_ids, images, again.token_ids), atol=1e-4)
+            assert torch.allclose(
+                torch.tensor(again.log_probs), teacher_forced(before, prompt_ids, images, again.token_ids), atol=1e-4
+            )
         finally:
             await engine.shutdown()
 
@@ -115,4 +127,6 @@ def test_a_session_reuses_its_cache_only_for_the_same_pixels(vlm_path, prompt):
     assert same.cached_tokens == len(prompt_ids) + len(first.token_ids) - 1  # all but the last sampled token
     assert swapped.cached_tokens == prompt_ids.index(model.config.image_token_id) - 1  # up to the vision block
     follow_up = prompt_ids + first.token_ids
-    assert torch.allclose(torch.tensor(swapped.log_probs), teacher_forced(model, follow_up, [other], swapped.token_ids), atol=1e-4)
+    assert torch.allclose(
+        torch.tensor(swapped.log_probs), teacher_forced(model, follow_up, [other], swapped.token_ids), atol=1e-4
+    )

@@ -24,9 +24,12 @@ ROUTES = ("/generate", "/v1/chat/completions", "/abort_request", "/update_weight
 
 @pytest.fixture(scope="module")
 def url(local_ray):
-    manager = AgentLoopManager(small_config(
-        f"actor_rollout_ref.rollout.http.api_key={API_KEY}", f"actor_rollout_ref.rollout.http.max_body_bytes={MAX_BODY}"
-    ))
+    manager = AgentLoopManager(
+        small_config(
+            f"actor_rollout_ref.rollout.http.api_key={API_KEY}",
+            f"actor_rollout_ref.rollout.http.max_body_bytes={MAX_BODY}",
+        )
+    )
     yield manager.server_addresses[0]
     manager.shutdown()
 
@@ -34,8 +37,11 @@ def url(local_ray):
 def junk(rng: random.Random, depth: int = 0) -> Any:
     """A random JSON value of any type, small or large, nested or not."""
     makers = [
-        lambda: None, lambda: rng.choice([True, False]), lambda: rng.randint(-(2**63), 2**63),
-        lambda: rng.choice([-1, 0, 1, 1 << 30, 10**12]), lambda: rng.uniform(-1e300, 1e300),
+        lambda: None,
+        lambda: rng.choice([True, False]),
+        lambda: rng.randint(-(2**63), 2**63),
+        lambda: rng.choice([-1, 0, 1, 1 << 30, 10**12]),
+        lambda: rng.uniform(-1e300, 1e300),
         lambda: "".join(chr(rng.randrange(1, 0x2FFF)) for _ in range(rng.randrange(12))),
         lambda: rng.choice(["", "user", "input_ids", "</tool_call>", "\x00", "ü" * 50]),
         lambda: [rng.randrange(-5, 5000) for _ in range(rng.randrange(1, 20))],
@@ -64,17 +70,33 @@ def hostile_requests(count: int, seed: int = 0) -> Iterator[tuple[str, bytes, di
         elif kind == 1:  # a field nobody knows
             body[rng.choice(["bogus", "text_input", "max_tokens", "inputs"])] = junk(rng)
         elif kind == 2 and route == "/generate":  # sampling values out of range or of the wrong type
-            body["sampling_params"] = {rng.choice(["max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
-                                                   "ignore_eos", "n"]): junk(rng)}
+            body["sampling_params"] = {
+                rng.choice(
+                    ["max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "n"]
+                ): junk(rng)
+            }
         elif kind == 2:
             body = junk(rng)
         elif kind == 3 and route == "/generate":  # token ids outside the vocabulary, or far too many
             body["input_ids"] = rng.choice([[rng.randrange(1024, 2**31)], [-rng.randrange(1, 99)], [7] * 20000, []])
         elif kind == 3 and route == "/v1/chat/completions":
-            body["messages"] = rng.choice([[], [{"role": "robot", "content": "x"}], [{"role": "user", "content": [{"type": "image"}]}],
-                                           [{"content": "no role"}], [{"role": "user", "content": "x" * 30000}]])
+            body["messages"] = rng.choice(
+                [
+                    [],
+                    [{"role": "robot", "content": "x"}],
+                    [{"role": "user", "content": [{"type": "image"}]}],
+                    [{"content": "no role"}],
+                    [{"role": "user", "content": "x" * 30000}],
+                ]
+            )
         elif kind == 4:  # not JSON at all
-            yield route, rng.choice([b"{", b"[1,", b"\xff\xfe", b"null", b"{\"a\": NaN}", bytes(rng.randrange(256) for _ in range(40))]), headers
+            yield (
+                route,
+                rng.choice(
+                    [b"{", b"[1,", b"\xff\xfe", b"null", b'{"a": NaN}', bytes(rng.randrange(256) for _ in range(40))]
+                ),
+                headers,
+            )
             continue
         elif kind == 5:  # missing or wrong API key
             headers["Authorization"] = rng.choice(["", "Bearer wrong", f"Basic {API_KEY}"])
@@ -106,7 +128,7 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_generating(url):
 
 def test_chunked_bodies_are_held_to_the_limit_and_the_docs_are_off_with_a_key(url):
     def chunked(body: bytes, size: int = 4096) -> Iterator[bytes]:  # requests sends a generator chunked
-        yield from (body[start:start + size] for start in range(0, len(body), size))
+        yield from (body[start : start + size] for start in range(0, len(body), size))
 
     small = requests.post(url + "/generate", data=chunked(json.dumps(GREEDY).encode(), 16), headers=AUTH, timeout=60)
     assert small.status_code == 200 and len(small.json()["output_ids"]) == 6

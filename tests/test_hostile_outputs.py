@@ -219,7 +219,9 @@ def check_trajectory(case: HostileOutput, output: AgentLoopOutput, tokenizer, to
         if any(record.error != "too_many_calls" for record in records[len(executed) :]):
             problems.append("dropped calls not counted as too_many_calls")
         if stopped and case.faults is not None:
-            meant = Counter(f for f in case.faults[:MAX_CALLS] if f) + Counter(too_many_calls=max(0, len(case.faults) - MAX_CALLS))
+            meant = Counter(f for f in case.faults[:MAX_CALLS] if f) + Counter(
+                too_many_calls=max(0, len(case.faults) - MAX_CALLS)
+            )
             if Counter(errors) != meant:
                 problems.append(f"tool_errors {errors}, the generator meant {dict(meant)}")
     counted = Counter(record.error for turn in turns for record in turn.calls if record.error)
@@ -231,7 +233,9 @@ def check_trajectory(case: HostileOutput, output: AgentLoopOutput, tokenizer, to
 def test_tool_loop_survives_every_hostile_output(replay_server, tokenizer, model_path):
     tool_set = load_tool_set(TOOLS_PATH)
     marker = len(tokenizer.encode(MARKER, add_special_tokens=False))
-    wrapping = {m: len(observation_delta(tokenizer, [{"role": "tool", "content": ""}] * m)) for m in range(1, MAX_CALLS + 2)}
+    wrapping = {
+        m: len(observation_delta(tokenizer, [{"role": "tool", "content": ""}] * m)) for m in range(1, MAX_CALLS + 2)
+    }
 
     def bounds(messages: int) -> int:
         return wrapping[messages] + messages * (LIMIT + marker)
@@ -247,7 +251,10 @@ def test_tool_loop_survives_every_hostile_output(replay_server, tokenizer, model
         elif isinstance(output, BaseException):
             crashes.append((index, case.category, f"{type(output).__name__}: {str(output)[:300]}"))
         else:
-            problems += [(index, case.category, problem) for problem in check_trajectory(case, output, tokenizer, tool_set, bounds)]
+            problems += [
+                (index, case.category, problem)
+                for problem in check_trajectory(case, output, tokenizer, tool_set, bounds)
+            ]
     outputs = [output for output, _ in results if isinstance(output, AgentLoopOutput)]
     faults = sum((Counter(tool_errors_by_kind(output.turns)) for output in outputs), Counter())
     reasons = Counter(output.end_reason for output in outputs)
@@ -269,8 +276,14 @@ def test_an_abort_before_the_model_answers_an_observation_takes_it_back(replay_s
     indices = [i for i, case in enumerate(CASES) if case.faults and len(case.faults) <= MAX_CALLS][:20]
 
     async def one(index: int) -> AgentLoopOutput:
-        loop = ToolAgentLoop(server_manager=Router([replay_server], request_timeout_s=30), tokenizer=tokenizer, config=config)
-        row = {"prompt": fuzz_prompt(index, then_abort=True), "agent_name": "tool_agent", "request_id": f"abort-{index}"}
+        loop = ToolAgentLoop(
+            server_manager=Router([replay_server], request_timeout_s=30), tokenizer=tokenizer, config=config
+        )
+        row = {
+            "prompt": fuzz_prompt(index, then_abort=True),
+            "agent_name": "tool_agent",
+            "request_id": f"abort-{index}",
+        }
         return await asyncio.wait_for(loop.run(dict(GREEDY), **row), HANG_BOUND_S)
 
     async def run_cases() -> list[AgentLoopOutput]:
@@ -302,5 +315,7 @@ def test_hostile_batch_crosses_ray_pads_and_dumps(manager, tokenizer, tmp_path):
     assert {kind: batch.meta_info[f"multi_turn/tool_errors/{kind}"] for kind in faults} == dict(faults)
     table = pq.read_table(write_rollout_dump(tmp_path, 0, batch, tokenizer))
     assert table.num_rows == len(picked) and sum(table.column("tool_errors").to_pylist()) == sum(faults.values())
-    dumped = sum((Counter(json.loads(extra).get("tool_errors", {})) for extra in table.column("extra").to_pylist()), Counter())
+    dumped = sum(
+        (Counter(json.loads(extra).get("tool_errors", {})) for extra in table.column("extra").to_pylist()), Counter()
+    )
     assert dumped == faults

@@ -58,8 +58,15 @@ def post(url, path, body, headers=AUTH):
 def generate_request(**overrides):
     body = {
         "input_ids": [1, 294, 207, 664, 2, 207, 1, 299, 207],
-        "sampling_params": {"max_new_tokens": 5, "temperature": 1.0, "top_p": 1.0, "top_k": 1073741824, "ignore_eos": True,
-                            "skip_special_tokens": False, "no_stop_trim": True},
+        "sampling_params": {
+            "max_new_tokens": 5,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 1073741824,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        },
         "return_logprob": True,
         "rid": "contract-1",
     }
@@ -88,7 +95,11 @@ def test_generate_request_and_response_follow_sglangs_contract(url, manager):
     assert [entry[1] for entry in logprobs] == body["output_ids"] and all(entry[0] < 0 for entry in logprobs)
     assert body["meta_info"]["prompt_tokens"] == 9 and body["meta_info"]["completion_tokens"] == 5
     # SGLang's weight-version report: one span of the weights loaded, over every output token
-    version = str(ray.get(manager.servers[0].generate.remote([5], {"max_new_tokens": 1}, "version-probe"), timeout=60).policy_version)
+    version = str(
+        ray.get(
+            manager.servers[0].generate.remote([5], {"max_new_tokens": 1}, "version-probe"), timeout=60
+        ).policy_version
+    )
     assert body["meta_info"]["weight_version"] == version
     assert body["meta_info"]["weight_versions"] == [{"version": version, "start": 0, "end": 5}]
 
@@ -97,8 +108,11 @@ def test_generate_stops_on_eos_and_rejects_unknown_keys(url, scripted):
     # a prompt the scripted model was trained on: its greedy answer ends in <|im_end|> by a wide margin
     tokenizer = AutoTokenizer.from_pretrained(scripted[1])
     prompt_ids = tokenizer.apply_chat_template(
-        script_row("think")["prompt"], tools=load_tool_set(scripted[0]).schemas, add_generation_prompt=True,
-        tokenize=True, return_dict=False,
+        script_row("think")["prompt"],
+        tools=load_tool_set(scripted[0]).schemas,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
     )
     params = {"max_new_tokens": 64, "temperature": 0.0}
     body = post(url, "/generate", generate_request(input_ids=prompt_ids, sampling_params=params)).json()
@@ -106,7 +120,9 @@ def test_generate_stops_on_eos_and_rejects_unknown_keys(url, scripted):
     assert tokenizer.decode(body["output_ids"]) == SCRIPTS["think"][0] + "<|im_end|>"
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
     bad = post(url, "/generate", generate_request(sampling_params={"max_new_tokens": 4, "frequency_penalty": 0.5}))
-    assert bad.status_code == 400 and "unsupported sampling_params ['frequency_penalty']" in bad.json()["error"]["message"]
+    assert (
+        bad.status_code == 400 and "unsupported sampling_params ['frequency_penalty']" in bad.json()["error"]["message"]
+    )
 
 
 def test_abort_request(url):
@@ -134,10 +150,19 @@ def test_logprob_bytes_spell_characters_split_across_tokens(model_path):
     assert b"".join(bytes(spell(token)) for token in ids) == (text + "<|im_end|>").encode()
     # SentencePiece with byte fallback (as Llama 2's): "\u2581" pieces for spaces, <0xHH> pieces for the rest
     vocab = {"<unk>": 0, **{f"<0x{byte:02X}>": 1 + byte for byte in range(256)}}
-    vocab.update({piece: len(vocab) + i for i, piece in enumerate(["\u2581", "n", "a", "\u00ef", "v", "e", "\u2581n", "\u2581na"])})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "n"), ("\u2581n", "a")], unk_token="<unk>", byte_fallback=True))
+    vocab.update(
+        {
+            piece: len(vocab) + i
+            for i, piece in enumerate(["\u2581", "n", "a", "\u00ef", "v", "e", "\u2581n", "\u2581na"])
+        }
+    )
+    backend = Tokenizer(
+        models.BPE(vocab=vocab, merges=[("\u2581", "n"), ("\u2581n", "a")], unk_token="<unk>", byte_fallback=True)
+    )
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     sentencepiece = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
     ids = sentencepiece.encode(text, add_special_tokens=False)
     assert "<0xE2>" in sentencepiece.convert_ids_to_tokens(ids)
@@ -148,7 +173,9 @@ def test_logprob_bytes_spell_characters_split_across_tokens(model_path):
     byte_vocab["\u4e2d"] = len(byte_vocab)
     backend = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
     backend.decoder = decoders.ByteLevel()
-    assert token_bytes(PreTrainedTokenizerFast(tokenizer_object=backend))(byte_vocab["\u4e2d"]) == list("\u4e2d".encode())
+    assert token_bytes(PreTrainedTokenizerFast(tokenizer_object=backend))(byte_vocab["\u4e2d"]) == list(
+        "\u4e2d".encode()
+    )
 
 
 def test_openai_client_with_tool_calls(url, scripted):
@@ -169,8 +196,13 @@ def test_openai_client_with_tool_calls(url, scripted):
     spelled = b"".join(bytes(entry.bytes) for entry in choice.logprobs.content).decode()  # a byte-level tokenizer
     assert spelled == tokenizer.decode(choice.model_extra["token_ids"], skip_special_tokens=False)
 
-    messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "5"}]
-    second = client.chat.completions.create(model="tiny", messages=messages, tools=tools, temperature=0.0, max_tokens=64)
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "5"},
+    ]
+    second = client.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, temperature=0.0, max_tokens=64
+    )
     [answer] = second.choices[0].message.tool_calls
     assert answer.function.name == "submit_answer" and json.loads(answer.function.arguments) == {"answer": 5}
     plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
@@ -185,11 +217,20 @@ def test_chat_messages_are_given_to_the_template_as_it_takes_them(url):
 
     call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 + 3"}'}}
     parsed = {**call, "function": {**call["function"], "arguments": {"expression": "2 + 3"}}}
-    turns = [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "5"}]
-    as_openai_sends = [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "text", "text": "2 + 3?"}]}, *turns]
+    turns = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+    ]
+    as_openai_sends = [
+        {"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "text", "text": "2 + 3?"}]},
+        *turns,
+    ]
     as_templates_take = [{"role": "user", "content": "what is 2 + 3?"}, {**turns[0], "tool_calls": [parsed]}, turns[1]]
     assert prompt_ids(as_openai_sends) == prompt_ids(as_templates_take)
-    broken = [as_openai_sends[0], {**turns[0], "tool_calls": [{**call, "function": {"name": "calculator", "arguments": "{2 +"}}]}]
+    broken = [
+        as_openai_sends[0],
+        {**turns[0], "tool_calls": [{**call, "function": {"name": "calculator", "arguments": "{2 +"}}]},
+    ]
     answer = post(url, "/v1/chat/completions", {"messages": broken})
     assert answer.status_code == 400 and "messages[1].tool_calls: arguments are not valid JSON" in answer.text
     assert post(url, "/v1/chat/completions", {"messages": as_openai_sends, "max_tokens": 0}).status_code == 422
@@ -206,7 +247,9 @@ def test_pause_holds_chat_requests_too_and_an_asleep_engine_answers_503(url):
     assert post(url, "/continue_generation", {}).status_code == 200
     chat.join(timeout=30)
     assert held and result["answer"].status_code == 200
-    assert post(url, "/abort_request", {"abort_all": True}).json() == {"aborted": 0}  # SGLang's abort-all; nothing in flight
+    assert post(url, "/abort_request", {"abort_all": True}).json() == {
+        "aborted": 0
+    }  # SGLang's abort-all; nothing in flight
     assert post(url, "/release_memory_occupation", {}).status_code == 200
     try:
         asleep = post(url, "/v1/chat/completions", body)

@@ -29,16 +29,18 @@ JUDGED_SOURCES = ("ask_the_judge", "impatient", "wants_a_number", "verl_genrm", 
 
 @pytest.fixture(scope="module")
 def manager(local_ray, ok_model, coin_model):
-    manager = AgentLoopManager(small_config(
-        f"actor_rollout_ref.model.path={ok_model}",
-        "actor_rollout_ref.rollout.max_failed_sample_ratio=1.0",
-        "reward_model.enable=true",
-        f"reward_model.model.path={coin_model}",
-        f"reward_model.rollout.response_length={RESPONSE_LENGTH}",
-        "data.max_response_length=64",  # two turns with the judge's feedback between them
-        *(f"+custom_reward_function.by_data_source.{name}=tests.support.judges.{name}" for name in JUDGED_SOURCES),
-        "actor_rollout_ref.rollout.env.class_name=tests.support.judges.JudgedEnv",
-    ))
+    manager = AgentLoopManager(
+        small_config(
+            f"actor_rollout_ref.model.path={ok_model}",
+            "actor_rollout_ref.rollout.max_failed_sample_ratio=1.0",
+            "reward_model.enable=true",
+            f"reward_model.model.path={coin_model}",
+            f"reward_model.rollout.response_length={RESPONSE_LENGTH}",
+            "data.max_response_length=64",  # two turns with the judge's feedback between them
+            *(f"+custom_reward_function.by_data_source.{name}=tests.support.judges.{name}" for name in JUDGED_SOURCES),
+            "actor_rollout_ref.rollout.env.class_name=tests.support.judges.JudgedEnv",
+        )
+    )
     yield manager
     manager.shutdown()
 
@@ -52,8 +54,12 @@ def judge_answers(coin_model):
         engine = HFEngine(coin_model, device="cpu", num_blocks=64, seed=0)
         answers = {}
         for index in range(4):
-            ids = tokenizer.apply_chat_template(question(index), add_generation_prompt=True, tokenize=True, return_dict=False)
-            output = await engine.generate(list(ids), {"max_new_tokens": RESPONSE_LENGTH, "temperature": 0.0}, f"direct-{index}")
+            ids = tokenizer.apply_chat_template(
+                question(index), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            output = await engine.generate(
+                list(ids), {"max_new_tokens": RESPONSE_LENGTH, "temperature": 0.0}, f"direct-{index}"
+            )
             answers[index] = tokenizer.decode(output.token_ids, skip_special_tokens=True)
         await engine.shutdown()
         return answers
@@ -63,7 +69,12 @@ def judge_answers(coin_model):
 
 def rows(data_source: str, count: int = 2, **fields) -> list[dict]:
     return [
-        {"prompt": [{"role": "user", "content": f"say something {i}"}], "data_source": data_source, "extra_info": {"index": i}, **fields}
+        {
+            "prompt": [{"role": "user", "content": f"say something {i}"}],
+            "data_source": data_source,
+            "extra_info": {"index": i},
+            **fields,
+        }
         for i in range(count)
     ]
 
@@ -81,7 +92,9 @@ def test_a_reward_function_awaits_the_judge(manager, judge_answers):
         assert call.prompt.endswith(f"question {i}<|im_end|>\n<|im_start|>assistant\n")
     assert {answer.split()[0] for answer in judge_answers.values()} <= {"yes", "no"}
     assert batch.meta_info["judge/calls"] == 4 and batch.meta_info["judge/failures"] == 0
-    assert batch.meta_info["judge/response_tokens"] == sum(call.response_tokens for calls in fields["judge_calls"] for call in calls)
+    assert batch.meta_info["judge/response_tokens"] == sum(
+        call.response_tokens for calls in fields["judge_calls"] for call in calls
+    )
 
 
 @pytest.mark.parametrize("source", ["verl_genrm", "verl_genrm_sync"])
@@ -120,7 +133,9 @@ def test_an_environment_grades_each_turn_with_the_judge(manager, judge_answers):
     assert [turn.env_reward for turn in turns] == [float(judge_answers[t].startswith("yes")) for t in (1, 2)]
     assert [call.text for call in fields["judge_calls"][0]] == [judge_answers[1], judge_answers[2]]
     # the judge's feedback is the observation the policy saw next
-    response = AutoTokenizer.from_pretrained(manager.config.actor_rollout_ref.model.path).decode(batch.batch["responses"][0])
+    response = AutoTokenizer.from_pretrained(manager.config.actor_rollout_ref.model.path).decode(
+        batch.batch["responses"][0]
+    )
     assert f"the judge says {judge_answers[1]}" in response
 
 
@@ -166,4 +181,7 @@ def test_a_dead_judge_server_is_replaced_like_a_rollout_server(manager, judge_an
     assert "rollout server" not in caplog.text
     batch = manager.generate_sequences(rows("ask_the_judge", 2))
     assert batch.meta_info["supervision/judge_restarts"] == 1
-    assert [extra["judge_text"] for extra in batch.non_tensor_batch["reward_extra_info"]] == [judge_answers[0], judge_answers[1]]
+    assert [extra["judge_text"] for extra in batch.non_tensor_batch["reward_extra_info"]] == [
+        judge_answers[0],
+        judge_answers[1],
+    ]

@@ -22,12 +22,16 @@ from tests.support.config import small_config
 
 @pytest.fixture(scope="module")
 def manager(local_ray, ok_model, reward_model_path):
-    manager = AgentLoopManager(small_config(
-        f"actor_rollout_ref.model.path={ok_model}", "reward_model.enable=true", "reward_model.kind=discriminative",
-        f"reward_model.model.path={reward_model_path}",
-        "actor_rollout_ref.rollout.env.class_name=tests.support.probe_envs.DoneAtTurn2Env",
-        "data.max_response_length=64",
-    ))
+    manager = AgentLoopManager(
+        small_config(
+            f"actor_rollout_ref.model.path={ok_model}",
+            "reward_model.enable=true",
+            "reward_model.kind=discriminative",
+            f"reward_model.model.path={reward_model_path}",
+            "actor_rollout_ref.rollout.env.class_name=tests.support.probe_envs.DoneAtTurn2Env",
+            "data.max_response_length=64",
+        )
+    )
     yield manager
     manager.shutdown()
 
@@ -115,10 +119,14 @@ def test_a_verl_job_with_a_reward_model_trains_on_its_scores(reward_model_path, 
 
     train = verl_data.write_split(str(tmp_path / "gsm8k"), "tool", "train", 4)
     result = run_verl_job(
-        tmp_path, "gsm8k_multiturn_grpo", f"actor_rollout_ref.model.path={model_path}",
-        f"data.train_files={train}", f"data.val_files={train}",
+        tmp_path,
+        "gsm8k_multiturn_grpo",
+        f"actor_rollout_ref.model.path={model_path}",
+        f"data.train_files={train}",
+        f"data.val_files={train}",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={JOB / 'config/tool_config/gsm8k_tool_config.yaml'}",
-        "reward_model.enable=True", f"reward_model.model.path={reward_model_path}",
+        "reward_model.enable=True",
+        f"reward_model.model.path={reward_model_path}",
     )
     assert "reward_model.enable" not in result.stdout + result.stderr
     samples = dumped_samples(tmp_path)

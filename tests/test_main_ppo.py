@@ -63,9 +63,17 @@ def test_grpo_steps_in_bypass_mode_with_validation_loggers_and_rollout_dumps(loc
     history = run(config)
     assert [line["step"] for line in history] == [0, 1, 2]
     assert read_jsonl(out / "metrics.jsonl") == history
-    assert set(history[0]) == {"step", "val/score/mean", "val/score/arithmetic", "timing_s/validation", "timing_s/startup"}
+    assert set(history[0]) == {
+        "step",
+        "val/score/mean",
+        "val/score/arithmetic",
+        "timing_s/validation",
+        "timing_s/startup",
+    }
     assert history[0]["timing_s/validation"] > 0 and history[0]["timing_s/startup"] > 0
-    assert "val/score/mean" in history[2] and "val/score/mean" not in history[1] and "timing_s/startup" not in history[1]
+    assert (
+        "val/score/mean" in history[2] and "val/score/mean" not in history[1] and "timing_s/startup" not in history[1]
+    )
     for metrics in history[1:]:
         assert {"timing_s/weight_push", "actor/pg_loss", "actor/lr", "critic/score/mean"} <= set(metrics)
         assert metrics["num_turns/mean"] >= 2
@@ -74,8 +82,15 @@ def test_grpo_steps_in_bypass_mode_with_validation_loggers_and_rollout_dumps(loc
     assert history[1]["rollout_corr/rollout_is_mean"] == pytest.approx(1, abs=1e-3)
     assert history[1]["rollout_corr/rollout_rs_masked_fraction"] == 0
     # the rollout's own metrics reach every logger: console, JSONL (above) and tensorboard
-    rollout_keys = {"num_turns/mean", "tool_call_counts/mean", "rollout/cached_token_share", "multi_turn/tool_error_rate",
-                    "timing_s/agent_loop/generate_sequences/max", "rollout/requests_per_server/0", "prompt_length/mean"}
+    rollout_keys = {
+        "num_turns/mean",
+        "tool_call_counts/mean",
+        "rollout/cached_token_share",
+        "multi_turn/tool_error_rate",
+        "timing_s/agent_loop/generate_sequences/max",
+        "rollout/requests_per_server/0",
+        "prompt_length/mean",
+    }
     assert rollout_keys <= set(history[1])
     console = capsys.readouterr().out
     assert all(f"{key}=" in console for key in rollout_keys)
@@ -132,7 +147,10 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
     train = write_rows(make_rows(16), str(tmp_path / "train.jsonl"))
     out, dumps = tmp_path / "run", tmp_path / "rollouts"
     command = [
-        sys.executable, "-m", "trainer.main_ppo", *TOOL_RUN,
+        sys.executable,
+        "-m",
+        "trainer.main_ppo",
+        *TOOL_RUN,
         f"data.train_files=[{train}]",
         "trainer.n_gpus_per_node=2",
         "actor_rollout_ref.rollout.agent.num_workers=0",
@@ -154,7 +172,10 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
         f"trainer.rollout_data_dir={dumps}",
         f"trainer.default_local_dir={out}",
         "hydra.run.dir=" + str(tmp_path / "hydra"),
-        *[f"actor_rollout_ref.rollout.hf.{key}={value}" for key, value in (("num_blocks", 256), ("max_batch_tokens", 1024))],
+        *[
+            f"actor_rollout_ref.rollout.hf.{key}={value}"
+            for key, value in (("num_blocks", 256), ("max_batch_tokens", 1024))
+        ],
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     signal_at_checkpoint(command, env, out / "latest_checkpointed_iteration.txt", 2, signal.SIGKILL)
@@ -169,7 +190,10 @@ def test_killed_run_resumes_at_the_next_step_with_the_same_data_order(local_ray,
     # the LR schedule went on where it stopped (linear warmup over 4 steps: 0, 1/4, 2/4, 3/4 of lr)
     lr = 1e-3
     assert [line["actor/lr"] for line in history] == pytest.approx([0, lr / 4, lr / 2, 3 * lr / 4])
-    coefs, kls = [line["actor/reward_kl_penalty_coeff"] for line in history], [line["actor/reward_kl_penalty"] for line in history]
+    coefs, kls = (
+        [line["actor/reward_kl_penalty_coeff"] for line in history],
+        [line["actor/reward_kl_penalty"] for line in history],
+    )
     assert coefs[0] == 0.1
     for step in (2, 3, 4):  # step 3 is the first after the resume; 4 samples per step
         assert coefs[step - 1] == pytest.approx(adaptive_kl_coef(coefs[step - 2], kls[step - 2], 0.01, 8, 4), rel=1e-9)
@@ -189,7 +213,10 @@ def test_a_job_starts_a_ray_of_its_own_unless_told_which_to_join(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # as `ray job submit` sets it for its driver
     assert ray_address(compose_config()) == "10.0.0.1:6379"
     assert ray_init_kwargs(compose_config()) == {"include_dashboard": False}
-    assert ray_init_kwargs(compose_config(["ray_kwargs.ray_init.num_cpus=4"])) == {"include_dashboard": False, "num_cpus": 4}
+    assert ray_init_kwargs(compose_config(["ray_kwargs.ray_init.num_cpus=4"])) == {
+        "include_dashboard": False,
+        "num_cpus": 4,
+    }
 
 
 def test_the_command_composes_the_quick_start_without_importing_torch(model_path):
@@ -201,7 +228,13 @@ def test_the_command_composes_the_quick_start_without_importing_torch(model_path
         "compose_config(config_name='arithmetic_grpo'); "
         "print(sorted({'torch', 'transformers', 'tensordict'} & set(sys.modules)))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
 
@@ -210,7 +243,9 @@ def test_config_and_data_errors_are_named(local_ray, tmp_path):
     with pytest.raises(ValueError, match="data.train_files is empty"):
         run(small_config())
     train = write_rows(make_rows(4), str(tmp_path / "t.jsonl"))
-    with pytest.raises(ValueError, match=r"adv_estimator='reinforce'; choose one of \('grpo', 'gae', 'turn_grpo', 'gigpo'\)"):
+    with pytest.raises(
+        ValueError, match=r"adv_estimator='reinforce'; choose one of \('grpo', 'gae', 'turn_grpo', 'gigpo'\)"
+    ):
         run(small_config(f"data.train_files=[{train}]", "algorithm.adv_estimator=reinforce"))
     with pytest.raises(ValueError, match=r"turn_grpo.normalize='per_step'; choose one of \('per_turn', 'pooled'\)"):
         run(small_config(f"data.train_files=[{train}]", "algorithm.turn_grpo.normalize=per_step"))
@@ -231,7 +266,13 @@ def test_config_and_data_errors_are_named(local_ray, tmp_path):
     with pytest.raises(ValueError, match="kl_ctrl.type='pid'; choose fixed or adaptive"):
         run(small_config(f"data.train_files=[{train}]", "algorithm.kl_ctrl.type=pid"))
     with pytest.raises(ValueError, match="ppo_mini_batch_size=3 must divide data.train_batch_size=4"):
-        run(small_config(f"data.train_files=[{train}]", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3"))
+        run(
+            small_config(
+                f"data.train_files=[{train}]",
+                "data.train_batch_size=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+            )
+        )
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": [{"role": "user", "content": "hi"}]}\nnot json\n')
     with pytest.raises(ValueError, match="broken.jsonl.*2"):

@@ -41,22 +41,32 @@ def manager(local_ray, tmp_path_factory):
 
 def test_in_driver_agent_loops_edit_copies_of_the_rows(manager):
     assert [thread for thread in threading.enumerate() if thread.name == "agent-loop-worker"]
-    given = [{"prompt": [{"role": "user", "content": "hi"}], "agent_name": "probe_edits_row", "extra_info": {"index": 0}}]
+    given = [
+        {"prompt": [{"role": "user", "content": "hi"}], "agent_name": "probe_edits_row", "extra_info": {"index": 0}}
+    ]
     batch = manager.generate_sequences(given)
     # each sample's loop edited its own copy (the batch shows it), not the caller's row, as in a worker process
     assert all(extra["edited"] for extra in batch.non_tensor_batch["extra_info"])
-    assert given == [{"prompt": [{"role": "user", "content": "hi"}], "agent_name": "probe_edits_row", "extra_info": {"index": 0}}]
+    assert given == [
+        {"prompt": [{"role": "user", "content": "hi"}], "agent_name": "probe_edits_row", "extra_info": {"index": 0}}
+    ]
 
 
 def test_a_negative_worker_count_is_named_before_any_server_starts(local_ray):
-    with pytest.raises(ValueError, match=r"agent.num_workers=-1: it counts agent-loop worker processes; set it >= 1, or 0"):
+    with pytest.raises(
+        ValueError, match=r"agent.num_workers=-1: it counts agent-loop worker processes; set it >= 1, or 0"
+    ):
         AgentLoopManager(small_config("actor_rollout_ref.rollout.agent.num_workers=-1"))
 
 
 def test_batch_shapes_groups_and_fields(manager):
     batch = manager.generate_sequences(
         [
-            {"prompt": [{"role": "user", "content": text}], "data_source": "unit", "extra_info": {"k": 1, "index": 10 + i}}
+            {
+                "prompt": [{"role": "user", "content": text}],
+                "data_source": "unit",
+                "extra_info": {"k": 1, "index": 10 + i},
+            }
             for i, text in enumerate(["What is 1 + 1?", "Hello there, how are you today?", "x"])
         ]
     )
@@ -88,15 +98,26 @@ def test_turns_ready_together_share_a_call_and_fail_alone(manager):
     prompts = [[5, 6, 7 + i] for i in range(6)] + [[10**6]]
 
     async def burst():
-        return await asyncio.gather(*(router.generate(f"burst-{i}", p, greedy) for i, p in enumerate(prompts)), return_exceptions=True)
+        return await asyncio.gather(
+            *(router.generate(f"burst-{i}", p, greedy) for i, p in enumerate(prompts)), return_exceptions=True
+        )
 
     *outputs, bad = asyncio.run(burst())
     # the same error a lone call raises: the request's own type, with the server's traceback
-    assert isinstance(bad, ValueError) and isinstance(bad, ray.exceptions.RayTaskError) and "outside the vocabulary" in str(bad)
+    assert (
+        isinstance(bad, ValueError)
+        and isinstance(bad, ray.exceptions.RayTaskError)
+        and "outside the vocabulary" in str(bad)
+    )
     assert "validate_prompt" in str(bad)
-    alone = [ray.get(manager.servers[0].generate.remote(p, greedy, f"alone-{i}"), timeout=60) for i, p in enumerate(prompts[:6])]
+    alone = [
+        ray.get(manager.servers[0].generate.remote(p, greedy, f"alone-{i}"), timeout=60)
+        for i, p in enumerate(prompts[:6])
+    ]
     assert [output.token_ids for output in outputs] == [output.token_ids for output in alone]
-    assert all(len(output.token_ids) == len(output.log_probs) == 4 and output.finish_reason == "length" for output in outputs)
+    assert all(
+        len(output.token_ids) == len(output.log_probs) == 4 and output.finish_reason == "length" for output in outputs
+    )
     stats = router.take_stats()
     assert stats.requests_per_server == [4, 3] and stats.server_calls == 2 and stats.requests_per_call == 3.5
 
@@ -168,7 +189,9 @@ def test_a_hung_server_times_out_each_request_aborts_it_and_leaves_no_task_behin
     async def run():
         before = asyncio.all_tasks()
         lone = await asyncio.gather(router.generate("lone", [5, 6], params), return_exceptions=True)
-        burst = await asyncio.gather(*(router.generate(f"burst-{i}", [5, 6], params) for i in range(3)), return_exceptions=True)
+        burst = await asyncio.gather(
+            *(router.generate(f"burst-{i}", [5, 6], params) for i in range(3)), return_exceptions=True
+        )
         await asyncio.sleep(0.2)  # the answering tasks' cancellation runs
         return lone + burst, asyncio.all_tasks() - before
 
@@ -197,7 +220,11 @@ def test_a_replacement_server_stays_live_with_a_true_count_when_its_predecessors
         router.replace(0, manager.servers[0])
         ray.kill(doomed)
         outputs = await asyncio.gather(*turns)
-        return outputs, [slot.in_flight for slot in router.placement.slots], [slot.alive for slot in router.placement.slots]
+        return (
+            outputs,
+            [slot.in_flight for slot in router.placement.slots],
+            [slot.alive for slot in router.placement.slots],
+        )
 
     outputs, in_flight, alive = asyncio.run(asyncio.wait_for(run(), timeout=120))
     assert [len(output.token_ids) for output in outputs] == [4, 4, 4]
@@ -220,14 +247,18 @@ def test_registry_by_decorator_and_yaml_and_unknown_name(manager):
         rows(["a"], agent_name="yaml_single_turn") + rows(["b"], agent_name="probe_multi_turn")
     )
     assert list(batch.non_tensor_batch["agent_name"]) == ["yaml_single_turn"] * 2 + ["probe_multi_turn"] * 2
-    with pytest.raises(KeyError, match=r"unknown agent_name \['nope'\]; registered agent loops: .*'fixed_length'") as error:
+    with pytest.raises(
+        KeyError, match=r"unknown agent_name \['nope'\]; registered agent loops: .*'fixed_length'"
+    ) as error:
         manager.generate_sequences(rows(["a"]) + rows(["b"], agent_name="nope"))
     # rejected here before any generation, not by a worker (a worker's error would come back as a RayTaskError)
     assert type(error.value) is KeyError
 
 
 def test_multi_turn_mask_and_sticky_sessions(manager):
-    batch = manager.generate_sequences(rows([f"question {i}: " + "tell me more " * 6 for i in range(4)], agent_name="probe_multi_turn"))
+    batch = manager.generate_sequences(
+        rows([f"question {i}: " + "tell me more " * 6 for i in range(4)], agent_name="probe_multi_turn")
+    )
     for i in range(len(batch)):
         extra = batch.non_tensor_batch["extra_fields"][i]
         assert len(set(extra["servers"])) == 1, "a session must stay on its server"
@@ -274,7 +305,9 @@ def test_a_grpo_group_shares_a_server_and_groups_spread(manager, own_request_id)
     # prompt, so they go where its first one went while the balance allows; different groups still spread.
     # Also for loops that generate under request ids of their own, as verl's do.
     prompts = [f"shared prompt {i} " * 8 for i in range(8)]
-    batch = manager.generate_sequences(rows(prompts, agent_name="fixed_length", extra_info={"length": 2, "own_request_id": own_request_id}))
+    batch = manager.generate_sequences(
+        rows(prompts, agent_name="fixed_length", extra_info={"length": 2, "own_request_id": own_request_id})
+    )
     fields = batch.non_tensor_batch
     servers: dict[str, set[int]] = {}
     for uid, extra in zip(fields["uid"], fields["extra_fields"]):
@@ -312,8 +345,16 @@ def test_router_balances_mixed_lengths(one_router_manager):
     lengths = [64 if i % 2 == 0 else 2 for i in range(24)]
     batch = uuid.uuid4().hex
     batch_rows = [
-        {"prompt": [{"role": "user", "content": "go"}], "agent_name": "probe_ordered_turn",
-         "extra_info": {"length": length, "batch": batch, "index": i, "after": "finished" if length == 64 else "placed"}}
+        {
+            "prompt": [{"role": "user", "content": "go"}],
+            "agent_name": "probe_ordered_turn",
+            "extra_info": {
+                "length": length,
+                "batch": batch,
+                "index": i,
+                "after": "finished" if length == 64 else "placed",
+            },
+        }
         for i, length in enumerate(lengths)
     ]
     batch = one_router_manager.generate_sequences(batch_rows)
@@ -330,6 +371,7 @@ def test_dead_server_loses_no_sample(one_router_manager):
         {"prompt": [{"role": "user", "content": f"q{i}"}], "agent_name": "fixed_length", "extra_info": {"length": 300}}
         for i in range(16)
     ]
+
     def kill_once_busy(server):
         # killed mid-generation (a 300-token trajectory takes seconds), whatever the machine's speed
         deadline = time.monotonic() + 60
@@ -349,4 +391,3 @@ def test_dead_server_loses_no_sample(one_router_manager):
     # and once the batch is done, the dead server is replaced on its rank
     assert [(event.rank, event.kind) for event in one_router_manager.pool.events] == [(0, "restarted")]
     assert batch.meta_info["supervision/server_restarts"] == 1
-

@@ -21,7 +21,12 @@ def tools_yaml_writer(directory: Path):
     (directory / "servers.json").write_text(json.dumps(servers))
 
     def write(selected: list[str] | None, name: str, **options) -> str:
-        config = {"type": "mcp", "mcp_servers_config_path": str(directory / "servers.json"), "timeout_s": 30, "rate_limit": 20}
+        config = {
+            "type": "mcp",
+            "mcp_servers_config_path": str(directory / "servers.json"),
+            "timeout_s": 30,
+            "rate_limit": 20,
+        }
         config.update(options)
         if selected:
             config["tool_selected_list"] = selected

@@ -21,13 +21,21 @@ from agentloop.batch import RolloutBatch
 from tests.support.config import small_config
 
 LENGTH = 600
-ROWS = [{"prompt": [{"role": "user", "content": f"count {i}"}], "agent_name": "fixed_length", "extra_info": {"length": LENGTH}}
-        for i in range(2)]
+ROWS = [
+    {
+        "prompt": [{"role": "user", "content": f"count {i}"}],
+        "agent_name": "fixed_length",
+        "extra_info": {"length": LENGTH},
+    }
+    for i in range(2)
+]
 
 
 @pytest.fixture(scope="module")
 def manager(local_ray):
-    manager = AgentLoopManager(small_config(f"data.max_response_length={LENGTH}", "actor_rollout_ref.rollout.hf.num_blocks=512"))
+    manager = AgentLoopManager(
+        small_config(f"data.max_response_length={LENGTH}", "actor_rollout_ref.rollout.hf.num_blocks=512")
+    )
     yield manager
     manager.shutdown()
 
@@ -81,7 +89,9 @@ def pushed_mid_flight(
     return result["value"], pushed
 
 
-def check_tokens_of_two_policies(batch: RolloutBatch, old: torch.nn.Module, new: torch.nn.Module, versions: tuple[int, int]) -> None:
+def check_tokens_of_two_policies(
+    batch: RolloutBatch, old: torch.nn.Module, new: torch.nn.Module, versions: tuple[int, int]
+) -> None:
     """Each trajectory: the old policy's tokens, then the new one's, each stamped with its version and carrying
     its own policy's log-prob; at least one trajectory was cut between the two."""
     assert batch.meta_info["rollout/interrupted_requests"] >= 1
@@ -97,7 +107,9 @@ def check_tokens_of_two_policies(batch: RolloutBatch, old: torch.nn.Module, new:
         prompt = tensors["prompts"][i][tensors["attention_mask"][i, :width].bool()].tolist()
         response = tensors["responses"][i].tolist()
         expected = torch.where(
-            stamped == versions[0], teacher_forced_log_probs(old, prompt, response), teacher_forced_log_probs(new, prompt, response)
+            stamped == versions[0],
+            teacher_forced_log_probs(old, prompt, response),
+            teacher_forced_log_probs(new, prompt, response),
         )
         assert tensors["rollout_log_probs"][i] == pytest.approx(expected, abs=2e-4)
     assert mixed >= 1, "no trajectory was interrupted mid-way"
@@ -109,7 +121,12 @@ def test_a_push_mid_rollout_continues_each_trajectory_under_the_new_weights(mana
     rows = [{**row, "extra_info": {**row["extra_info"], "own_request_id": own_request_id}} for row in ROWS]
     old, new = perturbed(model_path, seed=0), perturbed(model_path, seed=1)
     manager.update_weights(old.state_dict(), version=1)
-    batch, pushed = pushed_mid_flight(manager, len(ROWS), lambda: manager.generate_sequences(rows), lambda: manager.update_weights(new.state_dict(), version=2))
+    batch, pushed = pushed_mid_flight(
+        manager,
+        len(ROWS),
+        lambda: manager.generate_sequences(rows),
+        lambda: manager.update_weights(new.state_dict(), version=2),
+    )
     assert pushed, "the rollout ended before the push: raise LENGTH"
     check_tokens_of_two_policies(batch, old, new, versions=(1, 2))
 
@@ -138,7 +155,10 @@ def test_a_chat_completion_cut_by_new_weights_is_continued_not_returned_cut_off(
     new = perturbed(model_path, seed=4)
     for _ in range(5):  # the model may end a reply on its own before the push: ask again
         result, pushed = pushed_mid_flight(
-            manager, 1, lambda: requests.post(url, json=body, timeout=120).json(), lambda: manager.update_weights(new.state_dict(), version=4)
+            manager,
+            1,
+            lambda: requests.post(url, json=body, timeout=120).json(),
+            lambda: manager.update_weights(new.state_dict(), version=4),
         )
         if pushed:
             break
@@ -148,7 +168,9 @@ def test_a_chat_completion_cut_by_new_weights_is_continued_not_returned_cut_off(
     # SGLang's report of the weights per token span: the push's version ends the reply, contiguous spans cover it
     spans, last = result["metadata"]["weight_versions"], result["metadata"]["weight_version"]
     assert last == spans[-1]["version"] == "4" and len(spans) <= 2
-    assert [span["start"] for span in spans] == [0] + [span["end"] for span in spans[:-1]] and spans[-1]["end"] == len(tokens)
+    assert [span["start"] for span in spans] == [0] + [span["end"] for span in spans[:-1]] and spans[-1]["end"] == len(
+        tokens
+    )
     # it ran on under the new weights to its budget or its end-of-sequence token, not to where the push cut it
     assert len(tokens) == result["usage"]["completion_tokens"]
     if choice["finish_reason"] == "length":

@@ -12,7 +12,9 @@ PAD = 0
 def test_padding_layout_cell_by_cell():
     outputs = [
         # multi-turn: model tokens 11 12, observation 13 14, model token 15
-        AgentLoopOutput([1, 2, 3], [11, 12, 13, 14, 15], [1, 1, 0, 0, 1], [-0.1, -0.2, 0.0, 0.0, -0.5], reward_score=1.0),
+        AgentLoopOutput(
+            [1, 2, 3], [11, 12, 13, 14, 15], [1, 1, 0, 0, 1], [-0.1, -0.2, 0.0, 0.0, -0.5], reward_score=1.0
+        ),
         AgentLoopOutput([4], [21], [1], [-0.7]),
         AgentLoopOutput([5, 6, 7, 8], [31, 32, 33], [1, 1, 1], [-1.0, -2.0, -3.0], reward_score=0.5),
     ]
@@ -50,14 +52,21 @@ def two_segment_trajectory() -> AgentLoopOutput:
     turn 3 (1); then turn 4, aborted before its first token. Each turn reports what its tools, interaction or env said."""
     first = Segment([1, 2], [11, 12, 13, 14, 15], [1, 1, 0, 0, 1], [0.0] * 5)
     turns = [
-        TurnRecord(2, 2, step_reward=0.5), TurnRecord(1, interaction_score=0.25), TurnRecord(2, 1, env_reward=1.0),
-        TurnRecord(1, step_reward=0.375, interaction_score=0.0), TurnRecord(0, step_reward=0.125),
+        TurnRecord(2, 2, step_reward=0.5),
+        TurnRecord(1, interaction_score=0.25),
+        TurnRecord(2, 1, env_reward=1.0),
+        TurnRecord(1, step_reward=0.375, interaction_score=0.0),
+        TurnRecord(0, step_reward=0.125),
     ]
-    return AgentLoopOutput([3], [21, 22, 23, 24], [1, 1, 0, 1], [0.0] * 4, reward_score=2.0, segments=[first], turns=turns)
+    return AgentLoopOutput(
+        [3], [21, 22, 23, 24], [1, 1, 0, 1], [0.0] * 4, reward_score=2.0, segments=[first], turns=turns
+    )
 
 
 def test_turn_rewards_sit_on_each_turns_last_model_token():
-    batch = pad_outputs([two_segment_trajectory(), AgentLoopOutput([1], [5, 6], [1, 1], [0.0, 0.0], reward_score=1.0)], 4, 6, PAD)
+    batch = pad_outputs(
+        [two_segment_trajectory(), AgentLoopOutput([1], [5, 6], [1, 1], [0.0, 0.0], reward_score=1.0)], 4, 6, PAD
+    )
     assert batch["segment_index"].tolist() == [0, 1, 0]
     # an observation belongs to the turn it answers; a turn's index runs on through the segments
     assert batch["turn_index"].tolist() == [[0, 0, 0, 0, 1, -1], [2, 2, 2, 3, -1, -1], [0, 0, -1, -1, -1, -1]]
@@ -72,7 +81,13 @@ def test_turn_rewards_of_cut_turns_and_of_turns_that_do_not_describe_the_tokens(
     assert batch["turn_index"].tolist() == [[0, 0, 0], [2, 2, 2]]
     assert batch["turn_rewards"].tolist() == [[0, 0.75, 0], [0, 1.5, 0]]
     # turns whose tokens do not add up to the response's: one turn, every reward on the last model token
-    wrong = AgentLoopOutput([1], [5, 6, 7, 8], [1, 0, 1, 1], [0.0] * 4, turns=[TurnRecord(1, step_reward=0.5), TurnRecord(1, env_reward=0.25)])
+    wrong = AgentLoopOutput(
+        [1],
+        [5, 6, 7, 8],
+        [1, 0, 1, 1],
+        [0.0] * 4,
+        turns=[TurnRecord(1, step_reward=0.5), TurnRecord(1, env_reward=0.25)],
+    )
     batch = pad_outputs([wrong], 2, 5, PAD)
     assert batch["turn_index"].tolist() == [[0, 0, 0, 0, -1]] and batch["turn_rewards"].tolist() == [[0, 0, 0, 0.75, 0]]
 

@@ -23,10 +23,22 @@ from agentloop.tools.toolset import load_tool_set
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = OpenAIFunctionToolSchema.model_validate(
-    {"type": "function", "function": {"name": "python_exec", "parameters": {
-        "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+    {
+        "type": "function",
+        "function": {
+            "name": "python_exec",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        },
+    }
 )
-SMALL = {"timeout_s": 10, "wall_time_s": 3, "cpu_time_s": 1, "memory_mb": 256, "max_processes": 8, "max_output_bytes": 1000}
+SMALL = {
+    "timeout_s": 10,
+    "wall_time_s": 3,
+    "cpu_time_s": 1,
+    "memory_mb": 256,
+    "max_processes": 8,
+    "max_output_bytes": 1000,
+}
 
 
 def sandbox_processes(work_root: Path) -> list[psutil.Process]:
@@ -71,12 +83,14 @@ def test_ordinary_code_prints_its_result_and_layers_are_logged_once(work_root, c
         assert text == "45" and metrics["exit_code"] == 0 and "sandbox_error" not in metrics
         text, metrics = run(tool, "import sys\nprint('to stderr', file=sys.stderr)\nraise SystemExit(3)")
     assert text == "[stderr]\nto stderr\n[exit code 3]" and "sandbox_error" not in metrics
-    assert [record.message.startswith("python_exec sandbox layers: namespaces: ") for record in caplog.records] == [True]
+    assert [record.message.startswith("python_exec sandbox layers: namespaces: ") for record in caplog.records] == [
+        True
+    ]
 
 
 def test_an_exception_is_a_traceback_not_an_error(work_root):
     text, metrics = run(make_tool(work_root), "def f():\n    return 1 / 0\nf()")
-    assert text.startswith("[stderr]\nTraceback (most recent call last):\n  File \"main.py\", line 3")
+    assert text.startswith('[stderr]\nTraceback (most recent call last):\n  File "main.py", line 3')
     assert "ZeroDivisionError: division by zero" in text and "sandbox_error" not in metrics
 
 
@@ -90,7 +104,9 @@ def test_a_sleeping_program_is_killed_at_the_wall_time(work_root):
     tool = make_tool(work_root, wall_time_s=5)  # far above the sandbox's start, however busy the machine
 
     async def watched_run():
-        call = asyncio.ensure_future(tool.execute("trajectory", {"code": "import time\nprint('started')\ntime.sleep(60)"}))
+        call = asyncio.ensure_future(
+            tool.execute("trajectory", {"code": "import time\nprint('started')\ntime.sleep(60)"})
+        )
         seen = 0
         while seen < 2 and not call.done():
             seen = len(sandbox_processes(work_root))
@@ -106,7 +122,10 @@ def test_a_sleeping_program_is_killed_at_the_wall_time(work_root):
 def test_a_fork_bomb_hits_the_process_limit_and_nothing_survives(work_root, layers):
     text, metrics = run(make_tool(work_root), "import os\nwhile True:\n    os.fork()")
     if layers["processes"].startswith("RLIMIT_NPROC"):
-        assert text.startswith("Error: process limit 8 reached (fork or thread refused)") and metrics["sandbox_error"] == "processes"
+        assert (
+            text.startswith("Error: process limit 8 reached (fork or thread refused)")
+            and metrics["sandbox_error"] == "processes"
+        )
     else:  # root without namespaces: the audit hook refuses fork
         assert text.startswith("Error: creating processes is not allowed") and metrics["sandbox_error"] == "fork"
     # the fixture then checks that no process of the bomb is left
@@ -136,7 +155,9 @@ def test_a_write_outside_its_directory_is_refused(work_root, where):
 
 def test_files_inside_its_directory_work_and_are_size_limited(work_root):
     tool = make_tool(work_root, max_file_mb=1)
-    code = "open('a.txt', 'w').write('hi')\nimport os\nos.mkdir('d')\nprint(open('a.txt').read(), sorted(os.listdir('.')))"
+    code = (
+        "open('a.txt', 'w').write('hi')\nimport os\nos.mkdir('d')\nprint(open('a.txt').read(), sorted(os.listdir('.')))"
+    )
     assert run(tool, code)[0] == "hi ['a.txt', 'd', 'main.py']"
     text, metrics = run(tool, "open('big', 'wb').write(b'x' * 2 * 2**20)")
     assert text.startswith("Error: file size limit 1 MB exceeded") and metrics["sandbox_error"] == "file_size"
@@ -147,8 +168,13 @@ def test_a_network_connection_is_refused_and_never_arrives(work_root):
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        text, metrics = run(make_tool(work_root), f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)")
-        assert text.startswith("Error: network access is disabled in python_exec") and metrics["sandbox_error"] == "network"
+        text, metrics = run(
+            make_tool(work_root), f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)"
+        )
+        assert (
+            text.startswith("Error: network access is disabled in python_exec")
+            and metrics["sandbox_error"] == "network"
+        )
         assert select.select([listener], [], [], 0.2)[0] == [], "the listener saw a connection"
 
 
@@ -191,7 +217,10 @@ def test_a_cancelled_call_leaves_nothing_behind(work_root):
 
 def test_running_another_program_is_refused(work_root):
     text, metrics = run(make_tool(work_root), "import subprocess\nsubprocess.run(['touch', '/tmp/x'])")
-    assert text.startswith("Error: running other programs is not allowed in python_exec") and metrics["sandbox_error"] == "exec"
+    assert (
+        text.startswith("Error: running other programs is not allowed in python_exec")
+        and metrics["sandbox_error"] == "exec"
+    )
 
 
 def test_huge_output_is_cut_at_the_limit_with_a_note(work_root):
@@ -209,7 +238,9 @@ def test_parallel_calls_are_bounded_by_max_sandboxes(work_root):
         return await asyncio.gather(*(tool.execute("trajectory", {"code": code}) for _ in range(6)))
 
     spans = [tuple(map(float, response.text.split())) for response, _, _ in asyncio.run(six_calls())]
-    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans], key=lambda edge: (edge[0], edge[1]))
+    edges = sorted(
+        [(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans], key=lambda edge: (edge[0], edge[1])
+    )
     running, most = 0, 0
     for _, step in edges:
         running += step
@@ -238,7 +269,9 @@ def test_configuration_errors_name_the_key(work_root):
 
 
 def test_the_example_yaml_runs_through_the_toolset(work_root):
-    tool_set = load_tool_set.__wrapped__(str(REPO / "config/tools/python_exec.yaml"))  # uncached: its tool is changed below
+    tool_set = load_tool_set.__wrapped__(
+        str(REPO / "config/tools/python_exec.yaml")
+    )  # uncached: its tool is changed below
     assert [schema["function"]["name"] for schema in tool_set.schemas] == ["python_exec"]
     tool_set.tools["python_exec"].limits = SandboxLimits.from_config(
         {**tool_set.tools["python_exec"].config, "work_root": str(work_root)}
@@ -267,8 +300,14 @@ def test_arithmetic_python_task_runs_its_warm_start_programs_in_the_sandbox(mode
     tool_set = load_tool_set(config.actor_rollout_ref.rollout.multi_turn.tool_config_path)
     assert [schema["function"]["name"] for schema in tool_set.schemas] == ["python_exec", "submit_answer"]
     tokenizer = AutoTokenizer.from_pretrained(model_path)  # the warm start's base: same tokenizer
-    lengths = [len(tokenizer.apply_chat_template(row["prompt"], tools=tool_set.schemas, add_generation_prompt=True, return_dict=False))
-               for row in rows]
+    lengths = [
+        len(
+            tokenizer.apply_chat_template(
+                row["prompt"], tools=tool_set.schemas, add_generation_prompt=True, return_dict=False
+            )
+        )
+        for row in rows
+    ]
     assert max(lengths) <= config.data.max_prompt_length, max(lengths)
 
     async def solve(row: dict) -> None:

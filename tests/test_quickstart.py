@@ -10,7 +10,9 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "rollout_quickst
 
 
 def test_rollout_quickstart_runs(local_ray):
-    result = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=300, env=joining_the_suite_ray())
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=300, env=joining_the_suite_ray()
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "batch of 8 trajectories" in out

@@ -25,7 +25,12 @@ from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
 from tests.support.config import small_config
 from tests.support.thinking_model import (
-    NON_ASCII_ARGUMENTS, QWEN3_CONFIG, TOOLS_PATH, TURNS, turn_prompt, with_qwen3_template,
+    NON_ASCII_ARGUMENTS,
+    QWEN3_CONFIG,
+    TOOLS_PATH,
+    TURNS,
+    turn_prompt,
+    with_qwen3_template,
 )
 
 pytestmark = pytest.mark.skipif(not QWEN3_CONFIG.exists(), reason="../shared/fixtures/qwen3 is not present")
@@ -54,9 +59,9 @@ def config(model_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tokenizer(config):
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "q"}], tokenize=False, add_generation_prompt=True).endswith(
-        "<|im_start|>assistant\n<think>\n"
-    ), "the model directory must carry Qwen3's thinking template"
+    assert tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q"}], tokenize=False, add_generation_prompt=True
+    ).endswith("<|im_start|>assistant\n<think>\n"), "the model directory must carry Qwen3's thinking template"
     return tokenizer
 
 
@@ -112,7 +117,9 @@ def test_chat_api_returns_the_reasoning_apart_and_calls_only_from_the_content(ur
     choice = chat(url, turn_prompt(name))["choices"][0]
     message = choice["message"]
     assert (message["reasoning_content"], message["content"]) == (reasoning, content)
-    returned = [(call["function"]["name"], json.loads(call["function"]["arguments"])) for call in message["tool_calls"] or []]
+    returned = [
+        (call["function"]["name"], json.loads(call["function"]["arguments"])) for call in message["tool_calls"] or []
+    ]
     assert returned == calls
     assert choice["finish_reason"] == ("tool_calls" if calls else "stop")
 

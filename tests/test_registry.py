@@ -39,7 +39,9 @@ def test_yaml_file_with_extra_kwargs(tmp_path):
 
 def test_unknown_name_lists_registered_names():
     specs = resolve_agent_loops()
-    with pytest.raises(KeyError, match=r"unknown agent_name \['nope'\]; registered agent loops: \[.*'single_turn_agent'"):
+    with pytest.raises(
+        KeyError, match=r"unknown agent_name \['nope'\]; registered agent loops: \[.*'single_turn_agent'"
+    ):
         check_agent_names({"nope", "single_turn_agent"}, specs)
 
 
@@ -48,7 +50,10 @@ def test_unknown_name_lists_registered_names():
     [
         ("- _target_: x.Y\n", r"entry 0: missing field 'name'"),
         ("- name: a\n", r"entry 0: missing field '_target_'"),
-        ("- name: a\n  _target_: no_such_module.Loop\n", r"entry 0: field '_target_' = 'no_such_module.Loop' cannot be imported"),
+        (
+            "- name: a\n  _target_: no_such_module.Loop\n",
+            r"entry 0: field '_target_' = 'no_such_module.Loop' cannot be imported",
+        ),
         ("name: a\n", r"expected a YAML list"),
     ],
 )
@@ -98,7 +103,9 @@ def test_a_prompt_rendered_once_per_worker_follows_its_tokenizer_template_and_kw
     messages = [{"role": "user", "content": "What is 3 + 4?"}]
 
     def render(**kwargs):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+        )
 
     first = loop.encode_prompt(messages)
     first.append(-1)  # a caller's list is its own: the kept render is not changed through it

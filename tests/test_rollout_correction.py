@@ -26,7 +26,9 @@ MASK = [[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
 
 
 def settings(**section):
-    return rc.RolloutCorrection.from_config(small_config(*(f"algorithm.rollout_correction.{k}={v}" for k, v in section.items())))
+    return rc.RolloutCorrection.from_config(
+        small_config(*(f"algorithm.rollout_correction.{k}={v}" for k, v in section.items()))
+    )
 
 
 def per_token(function):
@@ -81,14 +83,20 @@ def test_sequence_rejection_modes_drop_whole_rows():
     log_ratio = T([[0.1, 0.1, 0.1, 0.1], [0.0, 0.9, 0.0, 0.0], [0.0] * 4])
     mask = T(MASK)
     # seq_sum_k1 = -(row sum): 0.4 and 0.9 in ratio terms e^-0.4 = 0.67 and e^-0.9 = 0.41; bound 2.0 means [0.5, 2]
-    kept, _ = rc.rejection_mask(log_ratio, mask, settings(rollout_rs="seq_sum_k1", rollout_rs_threshold=2.0).rejection_bounds)
+    kept, _ = rc.rejection_mask(
+        log_ratio, mask, settings(rollout_rs="seq_sum_k1", rollout_rs_threshold=2.0).rejection_bounds
+    )
     assert torch.equal(kept, T([MASK[0], [0, 0, 0, 0], MASK[2]]))
     # seq_mean_k3, the row mean of r - 1 - log r: row 0 e^0.1 - 1.1 = 0.0052, row 1 (0 + e^0.9 - 1.9) / 2 = 0.28
     for bound, expected in ((0.1, [MASK[0], [0, 0, 0, 0], MASK[2]]), (0.3, MASK), (0.005, [[0] * 4, [0] * 4, MASK[2]])):
-        kept, _ = rc.rejection_mask(log_ratio, mask, settings(rollout_rs="seq_mean_k3", rollout_rs_threshold=bound).rejection_bounds)
+        kept, _ = rc.rejection_mask(
+            log_ratio, mask, settings(rollout_rs="seq_mean_k3", rollout_rs_threshold=bound).rejection_bounds
+        )
         assert torch.equal(kept, T(expected)), bound
     # seq_max_k2: the row's largest (log r)^2 / 2 is 0.005 and 0.405
-    kept, _ = rc.rejection_mask(log_ratio, mask, settings(rollout_rs="seq_max_k2", rollout_rs_threshold=0.1).rejection_bounds)
+    kept, _ = rc.rejection_mask(
+        log_ratio, mask, settings(rollout_rs="seq_max_k2", rollout_rs_threshold=0.1).rejection_bounds
+    )
     assert torch.equal(kept, T([MASK[0], [0, 0, 0, 0], MASK[2]]))
 
 
@@ -105,7 +113,10 @@ def test_rejection_options_combine_and_thresholds_pair_up():
 @pytest.mark.parametrize(
     ("section", "message"),
     [
-        ({"rollout_rs": "seq_geo", "rollout_rs_threshold": 2.0}, "rollout_rs='seq_geo'; comma-separated options from .*token_k1"),
+        (
+            {"rollout_rs": "seq_geo", "rollout_rs_threshold": 2.0},
+            "rollout_rs='seq_geo'; comma-separated options from .*token_k1",
+        ),
         ({"rollout_rs": "token_k3"}, "rollout_rs needs algorithm.rollout_correction.rollout_rs_threshold"),
         ({"rollout_rs": "token_k3", "rollout_rs_threshold": "0.5_2.0"}, "k1 options take"),
         ({"rollout_rs": "'token_k1,token_k3'", "rollout_rs_threshold": "'1,2,3'"}, "one per option"),
@@ -125,17 +136,31 @@ def test_the_older_token_tis_keys_map_onto_rollout_is_token():
     for key in ("rollout_is_threshold=3.0", "tis_imp_ratio_cap=3.0"):
         mapped = rc.RolloutCorrection.from_config(small_config(f"actor_rollout_ref.actor.{key}"))
         assert (mapped.rollout_is, mapped.rollout_is_threshold) == ("token", 3.0)
-    assert rc.RolloutCorrection.from_config(small_config("actor_rollout_ref.actor.tis_imp_ratio_cap=-1")).rollout_is is None
+    assert (
+        rc.RolloutCorrection.from_config(small_config("actor_rollout_ref.actor.tis_imp_ratio_cap=-1")).rollout_is
+        is None
+    )
     with pytest.raises(ValueError, match="drop actor_rollout_ref.actor.tis_imp_ratio_cap"):
-        rc.RolloutCorrection.from_config(small_config("actor_rollout_ref.actor.tis_imp_ratio_cap=3", "algorithm.rollout_correction.rollout_is=sequence"))
+        rc.RolloutCorrection.from_config(
+            small_config(
+                "actor_rollout_ref.actor.tis_imp_ratio_cap=3", "algorithm.rollout_correction.rollout_is=sequence"
+            )
+        )
     with pytest.raises(ValueError, match="to different values"):
-        rc.RolloutCorrection.from_config(small_config("actor_rollout_ref.actor.tis_imp_ratio_cap=3", "actor_rollout_ref.actor.rollout_is_threshold=2"))
+        rc.RolloutCorrection.from_config(
+            small_config(
+                "actor_rollout_ref.actor.tis_imp_ratio_cap=3", "actor_rollout_ref.actor.rollout_is_threshold=2"
+            )
+        )
 
 
 def test_config_defaults_follow_verl_and_bad_loss_settings_fail_the_check():
     config = small_config("data.train_files=[x.jsonl]")
     assert config.actor_rollout_ref.actor.clip_ratio_c == 3.0
-    assert small_config("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean").critic.loss_agg_mode == "seq-mean-token-mean"
+    assert (
+        small_config("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean").critic.loss_agg_mode
+        == "seq-mean-token-mean"
+    )
     check_config(config)
     for override, message in [
         ("actor_rollout_ref.actor.clip_ratio_c=1.0", "clip_ratio_c=1.0 must be > 1"),
@@ -149,7 +174,11 @@ def test_config_defaults_follow_verl_and_bad_loss_settings_fail_the_check():
 
 
 def test_offpolicy_metrics():
-    train, rollout, mask = T([[-1.0, -2.0, -9.0], [-0.5, -3.0, -3.0]]), T([[-1.5, -1.0, 0.0], [-0.5, -3.0, -3.0]]), T([[1, 1, 0], [0, 0, 0]])
+    train, rollout, mask = (
+        T([[-1.0, -2.0, -9.0], [-0.5, -3.0, -3.0]]),
+        T([[-1.5, -1.0, 0.0], [-0.5, -3.0, -3.0]]),
+        T([[1, 1, 0], [0, 0, 0]]),
+    )
     metrics = rc.offpolicy_metrics(train, rollout, mask)
     log_ratios = [0.5, -1.0]
     assert metrics["kl"].item() == pytest.approx(0.25)
@@ -163,28 +192,55 @@ def test_offpolicy_metrics():
 
 def test_correct_batch_adds_weights_and_narrows_the_mask_before_the_advantages():
     rollout = -torch.ones(3, 4)
-    batch = TensorDict({"old_log_probs": rollout + T(LOG_RATIO).float(), "rollout_log_probs": rollout,
-                        "response_mask": torch.tensor(MASK)}, batch_size=[3])
-    metrics = rc.correct_batch(batch, settings(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"))
+    batch = TensorDict(
+        {
+            "old_log_probs": rollout + T(LOG_RATIO).float(),
+            "rollout_log_probs": rollout,
+            "response_mask": torch.tensor(MASK),
+        },
+        batch_size=[3],
+    )
+    metrics = rc.correct_batch(
+        batch, settings(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
+    )
     assert batch["response_mask"].dtype == torch.long
     assert batch["response_mask"].tolist() == [[1, 0, 0, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
     assert torch.allclose(batch["rollout_is_weights"], T(per_token(lambda r, m: min(math.exp(r), 2.0) * m)).float())
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 6)
-    assert metrics["rollout_corr/kl"] == pytest.approx(-sum(r for row, mr in zip(LOG_RATIO, MASK) for r, m in zip(row, mr) if m) / 6)
+    assert metrics["rollout_corr/kl"] == pytest.approx(
+        -sum(r for row, mr in zip(LOG_RATIO, MASK) for r, m in zip(row, mr) if m) / 6
+    )
 
 
-ACTOR = OmegaConf.create({"loss_agg_mode": "token-mean", "loss_scale_factor": None, "clip_ratio_low": 0.2,
-                          "clip_ratio_high": 0.2, "clip_ratio_c": 3.0})
+ACTOR = OmegaConf.create(
+    {
+        "loss_agg_mode": "token-mean",
+        "loss_scale_factor": None,
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.2,
+        "clip_ratio_c": 3.0,
+    }
+)
 
 
 def micro_batch(**extra):
     old = T([[-1.0, -1.0, -1.0]])
-    return TensorDict({"old_log_probs": old, "advantages": T([[1.0, -1.0, 2.0]]), "response_mask": torch.tensor([[1, 1, 0]]), **extra}, [1])
+    return TensorDict(
+        {
+            "old_log_probs": old,
+            "advantages": T([[1.0, -1.0, 2.0]]),
+            "response_mask": torch.tensor([[1, 1, 0]]),
+            **extra,
+        },
+        [1],
+    )
 
 
 def test_decoupled_ppo_multiplies_by_the_batch_weights():
     log_probs = T([[-1.0, -1.0, -1.0]])  # ratio 1: the surrogate is -A per token
-    loss, mask, _ = policy_gradient_loss(micro_batch(rollout_is_weights=T([[0.5, 2.0, 7.0]])), log_probs, ACTOR, rc.RolloutCorrection())
+    loss, mask, _ = policy_gradient_loss(
+        micro_batch(rollout_is_weights=T([[0.5, 2.0, 7.0]])), log_probs, ACTOR, rc.RolloutCorrection()
+    )
     assert loss.item() == pytest.approx((-1.0 * 0.5 + 1.0 * 2.0) / 2)
     assert mask.tolist() == [[1, 1, 0]]
 
@@ -213,20 +269,33 @@ def test_the_update_scores_old_log_probs_only_when_one_step_and_row_by_row_weigh
         return rc.old_log_probs_in_update(config, rc.RolloutCorrection.from_config(config), batch_size)
 
     assert scores_in_update()  # one epoch over one mini-batch (null: the whole batch)
-    assert scores_in_update("algorithm.rollout_correction.rollout_is=sequence", "actor_rollout_ref.actor.ppo_mini_batch_size=4")
+    assert scores_in_update(
+        "algorithm.rollout_correction.rollout_is=sequence", "actor_rollout_ref.actor.ppo_mini_batch_size=4"
+    )
     assert not scores_in_update("actor_rollout_ref.actor.ppo_mini_batch_size=2")  # two optimizer steps
     assert not scores_in_update("actor_rollout_ref.actor.ppo_epochs=2")
     assert not scores_in_update("algorithm.use_kl_in_reward=true")  # the reward needs them before the update
-    assert not scores_in_update("algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_batch_normalize=true")
-    assert not scores_in_update("algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2")
+    assert not scores_in_update(
+        "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_batch_normalize=true"
+    )
+    assert not scores_in_update(
+        "algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2"
+    )
     assert not scores_in_update("algorithm.rollout_correction.bypass_mode=true")
 
 
 def test_dropout_in_a_module_or_a_config_is_seen():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    config = Qwen3Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
     assert not has_dropout(Qwen3ForCausalLM(config))
     config.attention_dropout = 0.1  # applied inside the attention function in training mode: no module to find
     assert has_dropout(Qwen3ForCausalLM(config))
@@ -240,7 +309,9 @@ def test_weight_extremes_over_micro_batches_and_ranks_are_extremes_not_means():
     from trainer.trainable import _accumulate
 
     # two micro-batches of one row each: weights e^0, e^1, e^-1, e^0.5 and e^0.2, e^0.3
-    per_micro_batch = [rc.importance_weights(T([row]), T([mask]), "token", 3.0)[1] for row, mask in zip(LOG_RATIO[:2], MASK[:2])]
+    per_micro_batch = [
+        rc.importance_weights(T([row]), T([mask]), "token", 3.0)[1] for row, mask in zip(LOG_RATIO[:2], MASK[:2])
+    ]
     rank = {}
     for stats in per_micro_batch:
         _accumulate(rank, stats, len(per_micro_batch))
@@ -254,7 +325,10 @@ def test_samples_without_rollout_log_probs_fail_a_correction_and_otherwise_log_n
     from agentloop.batch import RolloutBatch, object_array
     from trainer.ray_trainer import _has_rollout_log_probs
 
-    fields = {"agent_name": object_array(["mine", "from_verl"]), "rollout_log_probs_missing": object_array([False, True])}
+    fields = {
+        "agent_name": object_array(["mine", "from_verl"]),
+        "rollout_log_probs_missing": object_array([False, True]),
+    }
     rollout = RolloutBatch(TensorDict({}, batch_size=[2]), fields)
     assert not _has_rollout_log_probs(rollout, required=False)  # the step trains, without rollout_corr/* metrics
     with pytest.raises(ValueError, match=r"agent loops \['from_verl'\] returned no response_logprobs"):

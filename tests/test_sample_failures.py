@@ -17,14 +17,20 @@ from trainer.ray_trainer import grpo_groups
 def manager(local_ray):
     import tests.support.probe_loops  # noqa: F401  (registers probe_fails)
 
-    manager = AgentLoopManager(small_config("actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.max_failed_sample_ratio=0.5"))
+    manager = AgentLoopManager(
+        small_config("actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.max_failed_sample_ratio=0.5")
+    )
     yield manager
     manager.shutdown()
 
 
 def rows(*fail: bool | str) -> list[dict]:
     return [
-        {"prompt": [{"role": "user", "content": f"question {i}"}], "agent_name": "probe_fails", "extra_info": {"index": i, "fail": f}}
+        {
+            "prompt": [{"role": "user", "content": f"question {i}"}],
+            "agent_name": "probe_fails",
+            "extra_info": {"index": i, "fail": f},
+        }
         for i, f in enumerate(fail)
     ]
 
@@ -59,7 +65,10 @@ def test_a_reward_the_batch_would_drop_fails_its_sample_instead(manager):
 
 
 def test_past_the_ratio_the_call_fails_with_the_first_traceback(manager):
-    with pytest.raises(RuntimeError, match=r"(?s)4 of 4 samples failed, more than .*max_failed_sample_ratio=0.5.*probe bug on dataset index 0"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)4 of 4 samples failed, more than .*max_failed_sample_ratio=0.5.*probe bug on dataset index 0",
+    ):
         manager.generate_sequences(rows(True, True))
 
 

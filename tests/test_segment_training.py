@@ -33,7 +33,9 @@ PROMPT, RESPONSE, PAD = 8, 8, 0
 def segment(rng: random.Random, prompt: int, mask: list[int]) -> Segment:
     """A segment of random token ids: ``prompt`` context tokens, then a response with this mask."""
     return Segment(
-        [rng.randrange(1, 1000) for _ in range(prompt)], [rng.randrange(1, 1000) for _ in mask], mask,
+        [rng.randrange(1, 1000) for _ in range(prompt)],
+        [rng.randrange(1, 1000) for _ in mask],
+        mask,
         [-0.5 if m else 0.0 for m in mask],
     )
 
@@ -42,8 +44,13 @@ def trajectory(rng: random.Random, masks: list[list[int]], reward: float) -> Age
     """A trajectory of one segment per response mask (earlier ones in ``segments``), ``reward`` on its last."""
     *earlier, last = [segment(rng, rng.randrange(2, PROMPT + 1), mask) for mask in masks]
     return AgentLoopOutput(
-        last.prompt_ids, last.response_ids, last.response_mask, last.response_logprobs, reward_score=reward,
-        segments=earlier, rewritten_by="summary" if earlier else None,
+        last.prompt_ids,
+        last.response_ids,
+        last.response_mask,
+        last.response_logprobs,
+        reward_score=reward,
+        segments=earlier,
+        rewritten_by="summary" if earlier else None,
     )
 
 
@@ -61,7 +68,10 @@ def rollout(outputs: list[AgentLoopOutput], uids: list[str]) -> RolloutBatch:
 def test_grpo_scores_each_trajectory_once_and_puts_its_advantage_on_every_segment():
     rng = random.Random(0)
     masks = {  # model tokens per trajectory: A 2 + 2 + 3 = 7 over 3 segments, B 2, C 2, D 1 + 2 = 3
-        "A": [[1, 1, 0], [1, 0, 1], [1, 1, 1]], "B": [[1, 1]], "C": [[1, 0, 1]], "D": [[1], [0, 1, 1]],
+        "A": [[1, 1, 0], [1, 0, 1], [1, 1, 1]],
+        "B": [[1, 1]],
+        "C": [[1, 0, 1]],
+        "D": [[1], [0, 1, 1]],
     }
     rewards = {"A": 1.0, "B": 0.0, "C": 0.5, "D": 2.0}
     outputs = [trajectory(rng, masks[name], rewards[name]) for name in "ABCD"]
@@ -72,7 +82,9 @@ def test_grpo_scores_each_trajectory_once_and_puts_its_advantage_on_every_segmen
     mask = batch.batch["response_mask"].float()
     # the KL-in-reward penalty sits on every row's model tokens; the reward only on each trajectory's last row
     token_rewards = batch.batch["rm_scores"] - 0.1 * mask
-    advantages, _ = algorithms.grpo_outcome_advantage(token_rewards, mask, grpo_groups(batch), segment_index=segment_index)
+    advantages, _ = algorithms.grpo_outcome_advantage(
+        token_rewards, mask, grpo_groups(batch), segment_index=segment_index
+    )
 
     scores = {"A": 1.0 - 0.1 * 7, "B": 0.0 - 0.1 * 2, "C": 0.5 - 0.1 * 2, "D": 2.0 - 0.1 * 3}
     expected = {}
@@ -89,7 +101,10 @@ def test_grpo_scores_each_trajectory_once_and_puts_its_advantage_on_every_segmen
 
 def test_gae_over_segments_is_gae_over_the_concatenated_response():
     rng = random.Random(1)
-    outputs = [trajectory(rng, [[1, 1, 0, 1], [0, 1, 1], [1, 0, 0, 1, 1]], 1.0), trajectory(rng, [[1, 1, 1, 0, 1]], -0.5)]
+    outputs = [
+        trajectory(rng, [[1, 1, 0, 1], [0, 1, 1], [1, 0, 0, 1, 1]], 1.0),
+        trajectory(rng, [[1, 1, 1, 0, 1]], -0.5),
+    ]
     batch = pad_outputs(outputs, PROMPT, RESPONSE, PAD)
     generator = torch.Generator().manual_seed(0)
     mask = batch["response_mask"].double()
@@ -116,13 +131,17 @@ def test_gae_over_segments_is_gae_over_the_concatenated_response():
 def test_single_segment_batches_are_cut_and_scored_exactly_as_before():
     rng = random.Random(2)
     lengths = [[1] * rng.randrange(1, RESPONSE + 1) for _ in range(12)]
-    batch = pad_outputs([trajectory(rng, [mask], float(i % 3)) for i, mask in enumerate(lengths)], PROMPT, RESPONSE, PAD)
+    batch = pad_outputs(
+        [trajectory(rng, [mask], float(i % 3)) for i, mask in enumerate(lengths)], PROMPT, RESPONSE, PAD
+    )
     assert trajectory_sizes(batch) == [1] * 12
     for count in (1, 3, 4, 5, 12):  # ranks' slices and mini-batches: ``batch.split(count)`` before
         for part, before in zip(split_trajectories(batch, count), batch.split(count), strict=True):
             assert (part == before).all()
     for size in (1, 2, 5, 12, 20):  # fixed micro-batches: consecutive runs of ``size`` rows before
-        assert MicroBatching(size).groups(batch) == [list(range(start, min(start + size, 12))) for start in range(0, 12, size)]
+        assert MicroBatching(size).groups(batch) == [
+            list(range(start, min(start + size, 12))) for start in range(0, 12, size)
+        ]
     tokens = batch["attention_mask"].sum(-1).tolist()
     for budget in (16, 24, 40):  # token-packed micro-batches
         packed = MicroBatching(1, dynamic=True, max_tokens=budget)
@@ -166,18 +185,30 @@ def test_a_segmented_trajectory_trains_as_independent_rows_with_its_advantage(mo
 
     # by hand: each row on its own, -A x ratio summed over its model tokens, over all the batch's model tokens
     expected_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+
     def row_loss(row: int) -> torch.Tensor:
-        ratio = (response_log_probs(expected_model, batch[row : row + 1], 1.0)[0][0] - batch["old_log_probs"][row]).exp()
+        ratio = (
+            response_log_probs(expected_model, batch[row : row + 1], 1.0)[0][0] - batch["old_log_probs"][row]
+        ).exp()
         return (-batch["advantages"][row] * ratio * mask[row]).sum()
 
     total = sum(row_loss(row) for row in range(len(batch))) / mask.sum()
     total.backward()
     expected = [parameter.grad for parameter in expected_model.parameters()]
 
-    actor = OmegaConf.create({
-        "ppo_epochs": 1, "ppo_micro_batch_size_per_gpu": 1, "use_dynamic_bsz": False, "ppo_max_token_len_per_gpu": 0,
-        "grad_clip": 1e9, "loss_agg_mode": "token-mean", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
-    })
+    actor = OmegaConf.create(
+        {
+            "ppo_epochs": 1,
+            "ppo_micro_batch_size_per_gpu": 1,
+            "use_dynamic_bsz": False,
+            "ppo_max_token_len_per_gpu": 0,
+            "grad_clip": 1e9,
+            "loss_agg_mode": "token-mean",
+            "clip_ratio_low": 0.2,
+            "clip_ratio_high": 0.2,
+            "clip_ratio_c": 3.0,
+        }
+    )
     for size in (1, 2, 3):
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         trainable = Trainable(model, OmegaConf.create({"lr": 1e-4, "weight_decay": 0.0}), total_steps=1, role="actor")
@@ -189,13 +220,16 @@ def test_a_segmented_trajectory_trains_as_independent_rows_with_its_advantage(mo
 
         trainable.update(batch, OmegaConf.merge(actor, {"ppo_micro_batch_size_per_gpu": size}), 2, loss)
         for want, parameter in zip(expected, model.parameters()):  # Adam's first moment after one step: 0.1 x gradient
-            torch.testing.assert_close(trainable.optimizer.state[parameter]["exp_avg"] / 0.1, want, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(
+                trainable.optimizer.state[parameter]["exp_avg"] / 0.1, want, rtol=1e-4, atol=1e-6
+            )
 
 
 @pytest.fixture(scope="module")
 def ranks(local_ray):
     config = small_config(
-        "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
         "trainer.step_timeout_s=120",  # a rank left waiting in a collective fails, rather than hanging the test
     )
@@ -213,7 +247,9 @@ def test_ranks_with_different_row_counts_score_and_update_in_step(ranks):
     assert [len(shard) for shard in shards] == [6, 2]
 
     def on_ranks(method: str, parts: list[TensorDict], **kwargs) -> list:
-        return ray.get([getattr(worker, method).remote(part, **kwargs) for worker, part in zip(ranks, parts)], timeout=300)
+        return ray.get(
+            [getattr(worker, method).remote(part, **kwargs) for worker, part in zip(ranks, parts)], timeout=300
+        )
 
     old = torch.cat(on_ranks("compute_log_prob", shards))
     swapped = on_ranks("compute_log_prob", shards[::-1])  # the other rank, other micro-batches: the same scores

@@ -28,12 +28,21 @@ def hf_manager(local_ray):
 
 @pytest.fixture(scope="module")
 def client(hf_manager):
-    return SGLangEngine(hf_manager.config.actor_rollout_ref.model.path, url=hf_manager.server_addresses[0], api_key="k", startup_timeout_s=60)
+    return SGLangEngine(
+        hf_manager.config.actor_rollout_ref.model.path,
+        url=hf_manager.server_addresses[0],
+        api_key="k",
+        startup_timeout_s=60,
+    )
 
 
 @pytest.mark.skipif(api_types is None, reason="sglang (installed with --no-deps) and msgspec are needed")
 def test_requests_validate_against_sglangs_schema():
-    for params in ({}, {"temperature": 0.0, "stop_token_ids": [2]}, {"top_k": 5, "top_p": 0.9, "max_new_tokens": 3, "ignore_eos": True}):
+    for params in (
+        {},
+        {"temperature": 0.0, "stop_token_ids": [2]},
+        {"top_k": 5, "top_p": 0.9, "max_new_tokens": 3, "ignore_eos": True},
+    ):
         request = build_generate_request(PROMPT, params, "rid-1")
         api_types.GenerateRequest.from_json_value(request)
         api_types.SamplingParams.from_json_value(request["sampling_params"])  # unknown keys would raise here
@@ -45,7 +54,9 @@ def test_generate_logprobs_and_finish_reasons(client, hf_manager):
     async def scenario():
         sampled = await client.generate(PROMPT, {"max_new_tokens": 6, "ignore_eos": True}, "c1")
         greedy = await client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}, "c2")
-        stopped = await client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0.0, "stop_token_ids": [greedy.token_ids[1]]}, "c3")
+        stopped = await client.generate(
+            PROMPT, {"max_new_tokens": 6, "temperature": 0.0, "stop_token_ids": [greedy.token_ids[1]]}, "c3"
+        )
         return sampled, greedy, stopped
 
     sampled, greedy, stopped = asyncio.run(scenario())
@@ -53,9 +64,14 @@ def test_generate_logprobs_and_finish_reasons(client, hf_manager):
     model = AutoModelForCausalLM.from_pretrained(hf_manager.config.actor_rollout_ref.model.path)
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT + sampled.token_ids])).logits[0]
-    reference = torch.log_softmax(logits, -1)[len(PROMPT) - 1 : -1].gather(-1, torch.tensor(sampled.token_ids)[:, None])[:, 0]
+    reference = torch.log_softmax(logits, -1)[len(PROMPT) - 1 : -1].gather(
+        -1, torch.tensor(sampled.token_ids)[:, None]
+    )[:, 0]
     assert torch.allclose(torch.tensor(sampled.log_probs), reference, atol=1e-4)
-    assert stopped.finish_reason == "stop" and stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(greedy.token_ids[1]) + 1]
+    assert (
+        stopped.finish_reason == "stop"
+        and stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(greedy.token_ids[1]) + 1]
+    )
 
 
 async def long_request_in_flight(client, server, session: str) -> asyncio.Task:

@@ -28,7 +28,11 @@ def test_a_server_that_fails_to_start_fails_the_manager_and_leaves_nothing_runni
     (tmp_path / "config.json").write_text("{}")  # a model directory without a model in it
     free = ray.available_resources().get("CPU", 0)
     with pytest.raises(ray.exceptions.RayActorError, match="RolloutServer.__init__"):
-        AgentLoopManager(small_config(f"actor_rollout_ref.model.path={tmp_path}", "actor_rollout_ref.rollout.server_startup_timeout_s=60"))
+        AgentLoopManager(
+            small_config(
+                f"actor_rollout_ref.model.path={tmp_path}", "actor_rollout_ref.rollout.server_startup_timeout_s=60"
+            )
+        )
     wait_for_cpus(free)
 
 

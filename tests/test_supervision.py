@@ -30,9 +30,12 @@ def perturbed(model_path: str, seed: int) -> dict[str, torch.Tensor]:
 def test_dead_servers_are_replaced_with_the_latest_weights_until_the_budget_is_spent(local_ray, model_path):
     import tests.support.probe_loops  # noqa: F401
 
-    manager = AgentLoopManager(small_config(
-        "actor_rollout_ref.rollout.data_parallel_size=2", "actor_rollout_ref.rollout.supervision.max_restarts=2",
-    ))
+    manager = AgentLoopManager(
+        small_config(
+            "actor_rollout_ref.rollout.data_parallel_size=2",
+            "actor_rollout_ref.rollout.supervision.max_restarts=2",
+        )
+    )
     try:
         original = greedy(manager.servers[0])
         manager.update_weights(perturbed(model_path, 1))
@@ -76,8 +79,11 @@ def test_a_worker_that_dies_mid_batch_has_its_samples_rerun(local_ray, tmp_path)
     try:
         marker = tmp_path / "worker_exited"
         rows = [
-            {"prompt": [{"role": "user", "content": f"q{i}"}], "agent_name": "probe_exits_once",
-             "extra_info": {"index": i, "exit_marker": str(marker) if i == 3 else None}}
+            {
+                "prompt": [{"role": "user", "content": f"q{i}"}],
+                "agent_name": "probe_exits_once",
+                "extra_info": {"index": i, "exit_marker": str(marker) if i == 3 else None},
+            }
             for i in range(4)
         ]
         batch = manager.generate_sequences(rows)
@@ -95,14 +101,24 @@ def test_a_hung_server_costs_the_rollout_its_health_timeout_not_the_request_time
     import tests.support.probe_loops  # noqa: F401  (probe_chaos)
 
     health_timeout_s, request_timeout_s = 10, 600
-    manager = AgentLoopManager(small_config(
-        "actor_rollout_ref.rollout.data_parallel_size=2", f"actor_rollout_ref.rollout.request_timeout_s={request_timeout_s}",
-        f"actor_rollout_ref.rollout.supervision.health_timeout_s={health_timeout_s}",
-    ))
+    manager = AgentLoopManager(
+        small_config(
+            "actor_rollout_ref.rollout.data_parallel_size=2",
+            f"actor_rollout_ref.rollout.request_timeout_s={request_timeout_s}",
+            f"actor_rollout_ref.rollout.supervision.health_timeout_s={health_timeout_s}",
+        )
+    )
     try:
         rows = [
-            {"prompt": [{"role": "user", "content": f"question {i}"}], "agent_name": "probe_chaos",
-             "extra_info": {"index": i, "chaos": "stop" if i == 0 else None, "chaos_marker": str(tmp_path / "stopped")}}
+            {
+                "prompt": [{"role": "user", "content": f"question {i}"}],
+                "agent_name": "probe_chaos",
+                "extra_info": {
+                    "index": i,
+                    "chaos": "stop" if i == 0 else None,
+                    "chaos_marker": str(tmp_path / "stopped"),
+                },
+            }
             for i in range(6)
         ]
         start = time.monotonic()
@@ -115,8 +131,10 @@ def test_a_hung_server_costs_the_rollout_its_health_timeout_not_the_request_time
         assert event.kind == "restarted" and "found dead or hung by the routers" in event.cause
         # bounded by the probes, not by request_timeout_s (which the turns waiting on the stopped server would wait out)
         assert elapsed < request_timeout_s / 4
-        print(f"rollout with a stopped server: {elapsed:.1f} s (health_timeout_s={health_timeout_s}, "
-              f"replacement serving after {event.seconds:.1f} s)")
+        print(
+            f"rollout with a stopped server: {elapsed:.1f} s (health_timeout_s={health_timeout_s}, "
+            f"replacement serving after {event.seconds:.1f} s)"
+        )
         again = manager.generate_sequences(rows[1:])
         assert all(count > 0 for count in again.meta_info["rollout/requests_per_server"])
     finally:

@@ -15,7 +15,11 @@ TOOLS = [
         "function": {
             "name": "calculator",
             "description": "Evaluate an arithmetic expression.",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
         },
     }
 ]
@@ -52,7 +56,9 @@ def test_chat_template_hazards(model_path):
         {
             "role": "assistant",
             "content": "<think>\nadd them\n</think>\n\nLet me compute.",
-            "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}],
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}
+            ],
         },
         {"role": "tool", "content": "5"},
         {"role": "assistant", "content": "<think>\nit is 5\n</think>\n\nThe answer is 5."},

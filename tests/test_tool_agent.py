@@ -87,7 +87,9 @@ def test_multi_turn_tokens_mask_and_reward_through_the_manager(manager, scripted
     # each model span is what the engine itself produces from that span's context
     for value, start, end in runs:
         if value == 1:
-            again = ray.get(manager.servers[0].generate.remote(prompt + response[:start], GREEDY | {"max_new_tokens": 64}, "check"))
+            again = ray.get(
+                manager.servers[0].generate.remote(prompt + response[:start], GREEDY | {"max_new_tokens": 64}, "check")
+            )
             assert again.token_ids == response[start:end]
     # the tools' reward sits on the last response token
     assert batch.non_tensor_batch["reward_score"][0] == 1.0
@@ -132,7 +134,9 @@ def test_parallel_calls_and_their_limit(server, tokenizer, scripted):
     assert output.turns[0].tool_calls == 2 and output.turns[0].dropped_calls == 0
     observation = tokenizer.decode([t for t, m in zip(output.response_ids, output.response_mask) if m == 0])
     assert observation.count("<tool_response>") == 2 and "\n2\n" in observation and "\n9\n" in observation
-    limited = run_loop(server, tokenizer, scripted, "parallel", "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=1")
+    limited = run_loop(
+        server, tokenizer, scripted, "parallel", "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=1"
+    )
     assert limited.turns[0].tool_calls == 1 and limited.turns[0].dropped_calls == 1
     assert [call.error for call in limited.turns[0].calls] == [None, "too_many_calls"]
 
@@ -142,7 +146,11 @@ def test_parallel_calls_and_their_limit(server, tokenizer, scripted):
     [
         ("unknown", "unknown_tool", "Error: unknown tool 'weather'; available tools:"),
         ("malformed", "parse_error", "Error: could not parse the tool call: malformed JSON"),
-        ("badargs", "invalid_arguments", "Error: invalid arguments for calculator: 'expression' is a required property"),
+        (
+            "badargs",
+            "invalid_arguments",
+            "Error: invalid arguments for calculator: 'expression' is a required property",
+        ),
         ("raises", "exception", "Error: tool explode failed: RuntimeError: boom"),
         ("slow", "timeout", "Error: tool sleepy timed out after 0.3s"),
     ],
@@ -156,7 +164,9 @@ def test_faults_become_observations(server, tokenizer, scripted, script, kind, t
 
 
 def test_error_budget_ends_cleanly_on_a_model_token(server, tokenizer, scripted):
-    output = run_loop(server, tokenizer, scripted, "unknown", "actor_rollout_ref.rollout.multi_turn.tool_error_budget=0")
+    output = run_loop(
+        server, tokenizer, scripted, "unknown", "actor_rollout_ref.rollout.multi_turn.tool_error_budget=0"
+    )
     assert output.end_reason == "tool_error_budget"
     assert set(output.response_mask) == {1} and output.num_turns == 2
 
@@ -191,7 +201,10 @@ def test_turn_and_token_limits(server, tokenizer, scripted, override, reason, as
 )
 def test_tool_response_truncation_sides(server, tokenizer, scripted, side, check):
     output = run_loop(
-        server, tokenizer, scripted, "echo",
+        server,
+        tokenizer,
+        scripted,
+        "echo",
         "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=8",
         f"actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side={side}",
         "data.max_response_length=120",

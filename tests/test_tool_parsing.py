@@ -27,7 +27,11 @@ TOOLS = [
         "function": {
             "name": "calculator",
             "description": "Evaluate arithmetic.",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
         },
     }
 ]
@@ -39,8 +43,15 @@ def tokenizer(model_path):
 
 
 def test_hermes_round_trip_through_the_chat_template(tokenizer):
-    calls = [{"name": "calculator", "arguments": {"expression": "2 + 3"}}, {"name": "calculator", "arguments": {"expression": "7"}}]
-    message = {"role": "assistant", "content": "Let me compute.", "tool_calls": [{"type": "function", "function": c} for c in calls]}
+    calls = [
+        {"name": "calculator", "arguments": {"expression": "2 + 3"}},
+        {"name": "calculator", "arguments": {"expression": "7"}},
+    ]
+    message = {
+        "role": "assistant",
+        "content": "Let me compute.",
+        "tool_calls": [{"type": "function", "function": c} for c in calls],
+    }
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, message], tokenize=False)
     turn = rendered.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
     content, parsed = parse_hermes(turn)
@@ -64,7 +75,9 @@ def test_a_reply_without_a_call_is_its_content_exactly_whether_tools_were_offere
     # the gateway's choice (and the rollout server's): the client gets the same content with tools offered or not
     ids = [*tokenizer.encode(text), tokenizer.eos_token_id]
     output = TokenOutput(token_ids=ids, log_probs=[0.0] * len(ids), finish_reason="stop")
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "q"}], add_generation_prompt=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q"}], add_generation_prompt=True, return_dict=False
+    )
     spell = token_bytes(tokenizer)
     offered, not_offered = (completion_choice(output, prompt, tokenizer, p, spell)["message"] for p in (parse, None))
     assert offered == not_offered and offered["content"] == text
@@ -104,7 +117,9 @@ def test_qwen3_coder_round_trip():
         "<parameter=precision>\n4\n</parameter>\n</function>\n</tool_call>"
     )
     content, calls = parse_qwen3_coder(text)
-    assert content == "Sure." and calls == [ToolCall(name="calculator", arguments={"expression": "2 + 3", "precision": 4})]
+    assert content == "Sure." and calls == [
+        ToolCall(name="calculator", arguments={"expression": "2 + 3", "precision": 4})
+    ]
     assert get_parser("qwen3_coder") is parse_qwen3_coder
     with pytest.raises(KeyError, match=r"unknown multi_turn.format 'nope'; registered tool-call parsers: \['hermes'"):
         get_parser("nope")
@@ -124,7 +139,9 @@ def test_a_turn_stopped_by_another_stop_id_is_closed_with_the_end_of_turn_token(
             pytest.skip("../shared/fixtures/qwen3 is not present")
         tokenizer.chat_template = json.loads(QWEN3_CONFIG.read_text())["chat_template"]
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
-    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     other_stop = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert other_stop != tokenizer.eos_token_id
     for last, closing in ((tokenizer.eos_token_id, []), (other_stop, [tokenizer.eos_token_id])):
@@ -136,12 +153,16 @@ def test_a_turn_stopped_by_another_stop_id_is_closed_with_the_end_of_turn_token(
         observation = trajectory.observation(tool)
         assert observation.ids == closing + observation_delta(tokenizer, tool)
         trajectory.add_observation(observation)
-        assert trajectory.response_mask == [1] * len(ids) + [0] * len(observation.ids)  # the closing token is not the model's
+        assert trajectory.response_mask == [1] * len(ids) + [0] * len(
+            observation.ids
+        )  # the closing token is not the model's
 
 
 def test_delta_tokens_equal_the_full_render_and_sanity_check_modes(tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
-    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     trajectory = Trajectory(tokenizer, messages, prompt, TOOLS)
     call = '<think>\nadd\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
     trajectory.add_model_turn(_model_turn(tokenizer, call))
@@ -173,7 +194,10 @@ def test_delta_tokens_equal_the_full_render_and_sanity_check_modes(tokenizer):
     [
         ("tools:\n  - config: {}\n", r"tools\[0\]: missing field 'class_name'"),
         ("tools:\n  - class_name: no.such.Tool\n", r"tools\[0\].class_name = 'no.such.Tool' cannot be imported"),
-        ("tools:\n  - class_name: agentloop.protocol.TokenOutput\n", r"is not a subclass of agentloop.tools.base_tool.BaseTool"),
+        (
+            "tools:\n  - class_name: agentloop.protocol.TokenOutput\n",
+            r"is not a subclass of agentloop.tools.base_tool.BaseTool",
+        ),
         (
             "tools:\n  - class_name: agentloop.tasks.arithmetic.tools.CalculatorTool\n    tool_schema: {type: function, function: {description: x}}\n",
             r"tools\[0\].tool_schema.function.name: Field required",
@@ -199,7 +223,9 @@ def test_calculator_and_answer_tools(tmp_path):
     async def scenario():
         created: dict[str, asyncio.Future] = {}
         kwargs = {"submit_answer": {"ground_truth": 12}}
-        calc = await tool_set.call(ToolCall(name="calculator", arguments={"expression": "3 * 4"}), "t1", created, kwargs)
+        calc = await tool_set.call(
+            ToolCall(name="calculator", arguments={"expression": "3 * 4"}), "t1", created, kwargs
+        )
         answer = await tool_set.call(ToolCall(name="submit_answer", arguments={"answer": 12}), "t1", created, kwargs)
         return calc, answer, await tool_set.finish("t1", created)
 
@@ -214,7 +240,9 @@ def test_arithmetic_dataset_rows(tmp_path):
     assert row["agent_name"] == "tool_agent" and row["data_source"] == "arithmetic"
     a, op, b = row["extra_info"]["expression"].split()
     assert str(evaluate(f"{a} {op} {b}")) == row["reward_model"]["ground_truth"]
-    assert row["extra_info"]["tools_kwargs"]["submit_answer"]["create_kwargs"]["ground_truth"] == int(row["reward_model"]["ground_truth"])
+    assert row["extra_info"]["tools_kwargs"]["submit_answer"]["create_kwargs"]["ground_truth"] == int(
+        row["reward_model"]["ground_truth"]
+    )
     import pyarrow.parquet as pq
 
     assert pq.read_table(write_rows(rows, str(tmp_path / "train.parquet"))).to_pylist() == rows
@@ -230,7 +258,7 @@ def test_the_warm_start_solutions_are_answered_by_the_real_tools_as_taught(long_
     tool_set = load_tool_set("config/tools/arithmetic.yaml")
 
     async def solve(row: dict) -> int:
-        chat = conversation(row, True, random.Random(0), long_episodes=long_episodes)[len(row["prompt"]):]
+        chat = conversation(row, True, random.Random(0), long_episodes=long_episodes)[len(row["prompt"]) :]
         kwargs = {name: spec["create_kwargs"] for name, spec in row["extra_info"]["tools_kwargs"].items()}
         instance, created = f"row-{row['extra_info']['index']}", {}
         for message, reply in zip(chat[0::2], chat[1::2]):  # (assistant call, taught tool reply) pairs
@@ -257,7 +285,9 @@ def test_delta_tokens_with_qwen3s_own_template(model_path):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tokenizer.chat_template = json.loads(QWEN3_CONFIG.read_text())["chat_template"]
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
-    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     trajectory = Trajectory(tokenizer, messages, prompt, TOOLS)
     call = 'add\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
     trajectory.add_model_turn(_model_turn(tokenizer, call))
@@ -287,16 +317,27 @@ def test_template_kwargs_reach_every_render(model_path):
     thinking_only = json.loads(QWEN3_CONFIG.read_text())["chat_template"]
     opening = "{{- '<|im_start|>assistant\\n<think>\\n' }}"
     assert opening in thinking_only
-    tokenizer.chat_template = thinking_only.replace(opening, (
-        "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is false %}"
-        "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}"
-    ))
+    tokenizer.chat_template = thinking_only.replace(
+        opening,
+        (
+            "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is false %}"
+            "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}"
+        ),
+    )
     off = {"enable_thinking": False}
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
-    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False, **off)
-    assert tokenizer.decode(prompt).endswith("<think>\n\n</think>\n\n") and not prompt_opens_reasoning(tokenizer, prompt)
+    prompt = tokenizer.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False, **off
+    )
+    assert tokenizer.decode(prompt).endswith("<think>\n\n</think>\n\n") and not prompt_opens_reasoning(
+        tokenizer, prompt
+    )
     trajectory = Trajectory(tokenizer, messages, prompt, TOOLS, off)
-    trajectory.add_model_turn(_model_turn(tokenizer, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'))
+    trajectory.add_model_turn(
+        _model_turn(
+            tokenizer, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+        )
+    )
     tool = [{"role": "tool", "content": "5"}]
     delta = trajectory.observation(tool)
     assert tokenizer.decode(delta.ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -332,8 +373,12 @@ def test_parallel_calls_of_one_tool_share_one_creation(tmp_path):
 
     async def scenario():
         created: dict[str, asyncio.Future] = {}
-        results = await asyncio.gather(*(tool_set.call(ToolCall(name="slow", arguments={}), "i", created, {}) for _ in range(3)))
+        results = await asyncio.gather(
+            *(tool_set.call(ToolCall(name="slow", arguments={}), "i", created, {}) for _ in range(3))
+        )
         return results, await tool_set.finish("i", created)
 
     results, rewards = asyncio.run(scenario())
-    assert [r.text for r in results] == ["ok"] * 3 and probe_tools.SlowCreateTool.creates == 1 and rewards == {"slow": 0.0}
+    assert (
+        [r.text for r in results] == ["ok"] * 3 and probe_tools.SlowCreateTool.creates == 1 and rewards == {"slow": 0.0}
+    )

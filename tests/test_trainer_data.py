@@ -14,7 +14,9 @@ from trainer.data import BatchSampler, load_dataset, read_rows
 def test_parquet_and_jsonl_round_trip(tmp_path):
     rows = make_rows(10)
     assert read_rows(write_rows(rows, str(tmp_path / "a.parquet"))) == rows
-    assert load_dataset([write_rows(rows[:4], str(tmp_path / "b.jsonl")), str(tmp_path / "a.parquet")]) == rows[:4] + rows
+    assert (
+        load_dataset([write_rows(rows[:4], str(tmp_path / "b.jsonl")), str(tmp_path / "a.parquet")]) == rows[:4] + rows
+    )
 
 
 @pytest.mark.parametrize(
@@ -22,10 +24,16 @@ def test_parquet_and_jsonl_round_trip(tmp_path):
     [
         ("", r"no rows"),
         ('{"prompt": []}\n', r"row 0: 'prompt' must be a non-empty list"),
-        ('{"prompt": [{"role": "user", "content": "a"}]}\n{"prompt": [{"text": "b"}]}\n', r"row 1: prompt\[0\] must be a \{role, content\}"),
+        (
+            '{"prompt": [{"role": "user", "content": "a"}]}\n{"prompt": [{"text": "b"}]}\n',
+            r"row 1: prompt\[0\] must be a \{role, content\}",
+        ),
         ('{"prompt": [{"role": "user", "content": "a"}]}\n{oops\n', r"line 2 is not valid JSON"),
         ("[1, 2]\n", r"row 0: expected a mapping"),
-        ('{"prompt": [{"role": "user", "content": "a"}], "turns": 3}\n', r"row 0: field 'turns' is a column the rollout fills .* move it under extra_info"),
+        (
+            '{"prompt": [{"role": "user", "content": "a"}], "turns": 3}\n',
+            r"row 0: field 'turns' is a column the rollout fills .* move it under extra_info",
+        ),
     ],
 )
 def test_bad_data_names_file_and_row(tmp_path, content, message):
@@ -96,7 +104,9 @@ def test_batch_sampler_replays_a_short_batch_for_readers_that_take_rows_as_they_
         sampler.restore(state)
     sampler.restore(state, partial_replay=True)
     assert list(sampler.batches(3)) == [[5, 6, 7, 0], [1], [8, 9, 10, 11]]
-    assert list(itertools.islice(sampler.batches(None), 5))[3:] == [[0, 1, 2, 3], [4, 5, 6, 7]], "None: epoch after epoch"
+    assert list(itertools.islice(sampler.batches(None), 5))[3:] == [[0, 1, 2, 3], [4, 5, 6, 7]], (
+        "None: epoch after epoch"
+    )
     # saved after the short batch went out: nothing left to replay, the order goes on after batch 2
     assert sampler.state(handed_out=2, untrained=[1]) == {"sampler_position": 2, "untrained_rows": [1]}
     assert sampler.state(handed_out=3) == {"sampler_position": 3, "untrained_rows": []}

@@ -68,7 +68,11 @@ def test_turn_rewards_sit_on_each_turns_last_model_token_and_sum_with_the_remain
     assert [end - start for start, end in model_runs] == [turn.model_tokens for turn in turns]
 
     # each token's turn: a model turn's own, an observation's the turn it answers; -1 on padding
-    expected_index = [turn for turn, (start, _) in enumerate(model_runs) for _ in range(start, model_runs[turn + 1][0] if turn < 2 else length)]
+    expected_index = [
+        turn
+        for turn, (start, _) in enumerate(model_runs)
+        for _ in range(start, model_runs[turn + 1][0] if turn < 2 else length)
+    ]
     assert batch.batch["turn_index"][0].tolist() == expected_index + [-1] * (batch.batch["responses"].shape[1] - length)
     # the calculator's turn has its step reward on its last model token, and nothing else has one
     turn_rewards = batch.batch["turn_rewards"][0]
@@ -79,7 +83,9 @@ def test_turn_rewards_sit_on_each_turns_last_model_token_and_sum_with_the_remain
     score = batch.non_tensor_batch["reward_score"][0]
     assert score == 1.0 and batch.batch["rm_scores"][0, length - 1] == score
     mask_tensor = batch.batch["response_mask"].float()
-    rewards = algorithms.turn_token_rewards(batch.batch["rm_scores"], batch.batch["turn_rewards"], mask_tensor, batch.batch["segment_index"])
+    rewards = algorithms.turn_token_rewards(
+        batch.batch["rm_scores"], batch.batch["turn_rewards"], mask_tensor, batch.batch["segment_index"]
+    )
     expected = torch.zeros_like(rewards)
     expected[0, first_end], expected[0, length - 1] = STEP_REWARD, score - STEP_REWARD
     assert torch.equal(rewards, expected) and rewards.sum() == score
@@ -105,25 +111,28 @@ def test_a_gigpo_training_step_gives_each_turn_one_advantage(local_ray, scripted
     each model turn's tokens share one advantage, and the dump lists the turns' rewards."""
     rows = [{**script_row("multi"), "extra_info": {**script_row("multi")["extra_info"], "index": i}} for i in range(2)]
     train = write_rows(rows, str(tmp_path / "train.jsonl"))
-    history = run(stepped_config(
-        scripted_model, stepped_tools,
-        f"data.train_files=[{train}]",
-        "data.train_batch_size=2",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.temperature=0.3",  # sampled, but the scripted turns are far from their margins
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "algorithm.adv_estimator=gigpo",
-        "algorithm.gamma=0.9",
-        "trainer.total_training_steps=1",
-        "trainer.logger=[console]",
-        f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
-        f"trainer.default_local_dir={tmp_path}",
-    ))
+    history = run(
+        stepped_config(
+            scripted_model,
+            stepped_tools,
+            f"data.train_files=[{train}]",
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.rollout.temperature=0.3",  # sampled, but the scripted turns are far from their margins
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "algorithm.adv_estimator=gigpo",
+            "algorithm.gamma=0.9",
+            "trainer.total_training_steps=1",
+            "trainer.logger=[console]",
+            f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+            f"trainer.default_local_dir={tmp_path}",
+        )
+    )
     assert [line["step"] for line in history] == [1]
     _, records = read_rollout_dump(tmp_path / "rollouts" / "step_000001.parquet")
     assert len(records) == 4
     for record in records:
         assert record["turn_rewards"] == [STEP_REWARD, 0.0, 0.0]
         for turn in record["turns"]:
-            span = record["advantages"][turn["start"]:turn["end"]]
+            span = record["advantages"][turn["start"] : turn["end"]]
             assert len(set(span)) == 1 and (turn["role"] == "assistant" or span == [0.0] * len(span))

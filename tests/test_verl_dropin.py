@@ -68,16 +68,26 @@ VERL_RUN_SCRIPT = [
 ]
 
 
-def run_verl_job(tmp_path: Path, config_name: str, *overrides: str, ray_address: str = "local") -> subprocess.CompletedProcess:
+def run_verl_job(
+    tmp_path: Path, config_name: str, *overrides: str, ray_address: str = "local"
+) -> subprocess.CompletedProcess:
     """``python -m trainer.main_ppo --config-path ... --config-name ...`` as verl's run scripts call it, on a Ray of its
     own, or joining ``ray_address`` through ``RAY_ADDRESS`` as a job ``ray job submit`` started does (no Ray to start:
     about 10 CPU-seconds less)."""
     env = {
-        **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "RAY_ADDRESS": ray_address,
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "RAY_ADDRESS": ray_address,
     }
     command = [
-        sys.executable, "-m", "trainer.main_ppo", f"--config-path={JOB / 'config'}", f"--config-name={config_name}",
-        *VERL_RUN_SCRIPT, f"trainer.default_local_dir={tmp_path / 'run'}", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+        sys.executable,
+        "-m",
+        "trainer.main_ppo",
+        f"--config-path={JOB / 'config'}",
+        f"--config-name={config_name}",
+        *VERL_RUN_SCRIPT,
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
         *overrides,
     ]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -96,9 +106,11 @@ def decoded(tokenizer, record: dict) -> str:
 def test_verl_gsm8k_tool_job_runs_with_the_rename_only(local_ray, model_path, tmp_path):
     train = verl_data.write_split(str(tmp_path / "gsm8k"), "tool", "train", 4)
     result = run_verl_job(
-        tmp_path, "gsm8k_multiturn_grpo",
+        tmp_path,
+        "gsm8k_multiturn_grpo",
         f"actor_rollout_ref.model.path={model_path}",
-        f"data.train_files={train}", f"data.val_files={train}",
+        f"data.train_files={train}",
+        f"data.val_files={train}",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={JOB / 'config/tool_config/gsm8k_tool_config.yaml'}",
         ray_address=ray.get_runtime_context().gcs_address,
     )
@@ -119,13 +131,17 @@ def test_verl_gsm8k_tool_job_runs_with_the_rename_only(local_ray, model_path, tm
 def test_verl_gsm8k_interaction_job_with_a_custom_loop_and_reward_function(local_ray, ok_model, tmp_path):
     custom = [
         {**row, "agent_name": agent, "data_source": "mine", "extra_info": {"index": 100 + i}}
-        for i, (row, agent) in enumerate(zip(verl_data.interaction_rows("train", 2, seed=5), ["verl_style_agent", "single_turn_agent"]))
+        for i, (row, agent) in enumerate(
+            zip(verl_data.interaction_rows("train", 2, seed=5), ["verl_style_agent", "single_turn_agent"])
+        )
     ]
     train = verl_data.write_split(str(tmp_path / "gsm8k"), "interaction", "train", 2, extra_rows=custom)
     run_verl_job(
-        tmp_path, "gsm8k_multiturn_grpo_w_interaction",
+        tmp_path,
+        "gsm8k_multiturn_grpo_w_interaction",
         f"actor_rollout_ref.model.path={ok_model}",  # answers briefly, so the interaction gets to reply
-        f"data.train_files={train}", f"data.val_files={train}",
+        f"data.train_files={train}",
+        f"data.val_files={train}",
         f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={JOB / 'config/interaction_config/gsm8k_interaction_config.yaml'}",
         f"actor_rollout_ref.rollout.agent.agent_loop_config_path={JOB / 'config/agent_loops.yaml'}",
         f"custom_reward_function.path={JOB / 'reward.py'}",
@@ -135,7 +151,9 @@ def test_verl_gsm8k_interaction_job_with_a_custom_loop_and_reward_function(local
     )
     tokenizer = AutoTokenizer.from_pretrained(ok_model)
     samples = dumped_samples(tmp_path)
-    assert sorted(record["agent_name"] for record in samples) == sorted(["tool_agent"] * 4 + ["verl_style_agent"] * 2 + ["single_turn_agent"] * 2)
+    assert sorted(record["agent_name"] for record in samples) == sorted(
+        ["tool_agent"] * 4 + ["verl_style_agent"] * 2 + ["single_turn_agent"] * 2
+    )
     for record in samples:
         assert record["finish_reason"] != "failed", record["extra"]
         # the custom function scores every loop's response, decoded as verl decodes it

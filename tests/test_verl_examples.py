@@ -24,7 +24,11 @@ from agentloop.tools.schemas import ToolResponse
 from agentloop.tools.toolset import load_tool_set
 from agentloop.utils.rollout_trace import rollout_trace_op
 from tests.support.models import (
-    GSM8K_INTERACTIONS_PATH, GSM8K_TOOLS_PATH, VERL_JOB_CONFIG, gsm8k_example_rows, gsm8k_submissions,
+    GSM8K_INTERACTIONS_PATH,
+    GSM8K_TOOLS_PATH,
+    VERL_JOB_CONFIG,
+    gsm8k_example_rows,
+    gsm8k_submissions,
 )
 
 INCORRECT = "Your response is incorrect! You need to reflect on your answer and try again."  # verl's words
@@ -158,16 +162,20 @@ def example_manager(config_name: str, model: str, *overrides: str) -> AgentLoopM
     """A manager for one of verl's GSM8K example configs, renamed, as its run script starts it, sized for a CPU."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is not available")  # hydra, on verl's absent search path
-        config = compose_config([
-            f"actor_rollout_ref.model.path={model}",
-            "actor_rollout_ref.rollout.name=hf",
-            "data.max_response_length=256",
-            "actor_rollout_ref.rollout.agent.num_workers=0",
-            "actor_rollout_ref.rollout.request_timeout_s=120",
-            "actor_rollout_ref.rollout.server_startup_timeout_s=300",
-            "trainer.n_gpus_per_node=1",
-            *overrides,
-        ], config_name=config_name, config_dir=VERL_JOB_CONFIG)
+        config = compose_config(
+            [
+                f"actor_rollout_ref.model.path={model}",
+                "actor_rollout_ref.rollout.name=hf",
+                "data.max_response_length=256",
+                "actor_rollout_ref.rollout.agent.num_workers=0",
+                "actor_rollout_ref.rollout.request_timeout_s=120",
+                "actor_rollout_ref.rollout.server_startup_timeout_s=300",
+                "trainer.n_gpus_per_node=1",
+                *overrides,
+            ],
+            config_name=config_name,
+            config_dir=VERL_JOB_CONFIG,
+        )
     return AgentLoopManager(config)
 
 
@@ -203,7 +211,8 @@ def test_verls_gsm8k_tool_example_rolls_out_with_the_rename_only(local_ray, gsm8
 def test_verls_gsm8k_interaction_example_rolls_out_with_the_rename_only(local_ray, gsm8k_model):
     rows = gsm8k_example_rows()["interaction"]
     manager = example_manager(
-        "gsm8k_multiturn_grpo_w_interaction", gsm8k_model,
+        "gsm8k_multiturn_grpo_w_interaction",
+        gsm8k_model,
         f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={GSM8K_INTERACTIONS_PATH}",
     )
     try:

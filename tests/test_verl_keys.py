@@ -40,11 +40,19 @@ def make_batch(lengths: list[tuple[int, int]], seed: int = 0) -> TensorDict:
     for row, (prompt, response) in enumerate(lengths):
         attention[row, PROMPT - prompt : PROMPT + response] = 1
     zeros = torch.zeros(count, RESPONSE)
-    return TensorDict({
-        "input_ids": input_ids, "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
-        "responses": input_ids[:, PROMPT:], "response_mask": attention[:, PROMPT:],
-        "advantages": torch.randn(count, RESPONSE, generator=generator), "old_log_probs": zeros, "ref_log_probs": zeros,
-    }, batch_size=[count])
+    return TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+            "responses": input_ids[:, PROMPT:],
+            "response_mask": attention[:, PROMPT:],
+            "advantages": torch.randn(count, RESPONSE, generator=generator),
+            "old_log_probs": zeros,
+            "ref_log_probs": zeros,
+        },
+        batch_size=[count],
+    )
 
 
 def test_token_packing_covers_every_sample_once_within_the_budget():
@@ -64,10 +72,16 @@ def gradient_after_update(model_path: str, batch: TensorDict, batching: MicroBat
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     optim = OmegaConf.create({"lr": 1e-4, "weight_decay": 0.0, "lr_warmup_steps": 0})
     trainable = Trainable(model, optim, total_steps=1, role="actor")
-    section = OmegaConf.create({
-        "ppo_epochs": 1, "ppo_micro_batch_size_per_gpu": batching.size, "use_dynamic_bsz": batching.dynamic,
-        "ppo_max_token_len_per_gpu": batching.max_tokens, "grad_clip": 1e9, "loss_agg_mode": mode,
-    })
+    section = OmegaConf.create(
+        {
+            "ppo_epochs": 1,
+            "ppo_micro_batch_size_per_gpu": batching.size,
+            "use_dynamic_bsz": batching.dynamic,
+            "ppo_max_token_len_per_gpu": batching.max_tokens,
+            "grad_clip": 1e9,
+            "loss_agg_mode": mode,
+        }
+    )
 
     def loss(micro: TensorDict) -> tuple[torch.Tensor, dict]:
         log_probs, _ = response_log_probs(model, micro, 1.0)
@@ -121,9 +135,12 @@ def _rank_state(worker) -> dict:
 
         return {
             "checkpointing": self.policy.model.is_activation_checkpointing,
-            "policy": offload(self.policy.model), "ref": offload(self.ref),
+            "policy": offload(self.policy.model),
+            "ref": offload(self.ref),
             "parameters": str(next(self.policy.model.parameters()).device),
-            "optimizer": sorted({str(v.device) for s in self.policy.optimizer.state.values() for k, v in s.items() if k != "step"}),
+            "optimizer": sorted(
+                {str(v.device) for s in self.policy.optimizer.state.values() for k, v in s.items() if k != "step"}
+            ),
         }
 
     return ray.get(worker.__ray_call__.remote(probe), timeout=60)
@@ -136,7 +153,10 @@ def test_ranks_checkpoint_offload_and_pack_log_prob_micro_batches_by_tokens(rank
     plan = MicroBatching(1, dynamic=True, max_tokens=24)
     assert len(plan.groups(long)) != len(plan.groups(short))
     old = ray.get([worker.compute_log_prob.remote(half) for worker, half in zip(ranks, (long, short))], timeout=120)
-    ref = ray.get([worker.compute_log_prob.remote(half, reference=True) for worker, half in zip(ranks, (long, short))], timeout=120)
+    ref = ray.get(
+        [worker.compute_log_prob.remote(half, reference=True) for worker, half in zip(ranks, (long, short))],
+        timeout=120,
+    )
     for half, packed, one_by_one in zip((long, short), old, ref):  # the same policy, scored two ways
         mask = half["response_mask"].bool()
         torch.testing.assert_close(packed[mask], one_by_one[mask], rtol=1e-5, atol=1e-5)
@@ -152,14 +172,28 @@ def test_do_sample_false_decodes_greedily_and_multi_turn_enable_picks_tool_agent
     rollout = compose_config(["actor_rollout_ref.rollout.val_kwargs.temperature=0.7"]).actor_rollout_ref.rollout
     assert sampling_params(rollout, validate=True)["temperature"] == 0.0, "val_kwargs.do_sample defaults to false"
     assert sampling_params(rollout, validate=False)["temperature"] == 1.0
-    rollout = compose_config([
-        "actor_rollout_ref.rollout.val_kwargs.temperature=0.7", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-        "actor_rollout_ref.rollout.do_sample=false",
-    ]).actor_rollout_ref.rollout
-    assert (sampling_params(rollout, validate=True)["temperature"], sampling_params(rollout, validate=False)["temperature"]) == (0.7, 0.0)
+    rollout = compose_config(
+        [
+            "actor_rollout_ref.rollout.val_kwargs.temperature=0.7",
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+            "actor_rollout_ref.rollout.do_sample=false",
+        ]
+    ).actor_rollout_ref.rollout
+    assert (
+        sampling_params(rollout, validate=True)["temperature"],
+        sampling_params(rollout, validate=False)["temperature"],
+    ) == (0.7, 0.0)
     assert default_agent_loop(compose_config().actor_rollout_ref.rollout) == "single_turn_agent"
-    assert default_agent_loop(compose_config(["actor_rollout_ref.rollout.multi_turn.enable=true"]).actor_rollout_ref.rollout) == "tool_agent"
-    explicit = ["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.agent.default_agent_loop=env_agent"]
+    assert (
+        default_agent_loop(
+            compose_config(["actor_rollout_ref.rollout.multi_turn.enable=true"]).actor_rollout_ref.rollout
+        )
+        == "tool_agent"
+    )
+    explicit = [
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=env_agent",
+    ]
     assert default_agent_loop(compose_config(explicit).actor_rollout_ref.rollout) == "env_agent"
 
 
@@ -173,12 +207,15 @@ def test_prompt_key_names_the_column_of_chat_messages(tmp_path):
 
 
 def test_verls_rollout_keys_set_the_sglang_launch_flags():
-    config = compose_config([
-        "actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.85",
-        "+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=triton",
-        "+actor_rollout_ref.rollout.engine_kwargs.sglang.enable_torch_compile=true",
-    ])
+    config = compose_config(
+        [
+            "actor_rollout_ref.rollout.name=sglang",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.85",
+            "+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=triton",
+            "+actor_rollout_ref.rollout.engine_kwargs.sglang.enable_torch_compile=true",
+        ]
+    )
     flags = launch_args(config, rank=1)
     assert flags[flags.index("--tp-size") + 1] == "2" and flags[flags.index("--mem-fraction-static") + 1] == "0.85"
     assert flags[flags.index("--attention-backend") + 1] == "triton" and "--enable-torch-compile" in flags
@@ -189,17 +226,31 @@ def test_verls_rollout_keys_set_the_sglang_launch_flags():
 def test_padding_that_every_row_has_is_not_computed(model_path):
     from trainer.vision import model_inputs
 
-    batch = make_batch([(prompt - 3, response) for prompt, response in LENGTHS if prompt > 3])  # every prompt >= 3 pads short
+    batch = make_batch(
+        [(prompt - 3, response) for prompt, response in LENGTHS if prompt > 3]
+    )  # every prompt >= 3 pads short
     extra = 40
     widened = batch.clone()
     for key in ("input_ids", "attention_mask", "position_ids"):
-        pad = torch.randint(1, 1000, (len(batch), extra)) if key == "input_ids" else torch.zeros(len(batch), extra, dtype=torch.long)
+        pad = (
+            torch.randint(1, 1000, (len(batch), extra))
+            if key == "input_ids"
+            else torch.zeros(len(batch), extra, dtype=torch.long)
+        )
         widened[key] = torch.cat([pad, batch[key]], dim=1)
     assert model_inputs(widened)["input_ids"].shape[1] == PROMPT + RESPONSE - 3
     # and as many columns of right padding on every response (a longer data.max_response_length)
-    right = TensorDict({key: torch.cat([value, torch.zeros(len(batch), extra, dtype=value.dtype)], dim=1)
-                        for key, value in widened.items() if key != "position_ids"}, batch_size=[len(batch)])
-    right["position_ids"] = torch.cat([widened["position_ids"], widened["position_ids"][:, -1:] + torch.arange(1, extra + 1)], dim=1)
+    right = TensorDict(
+        {
+            key: torch.cat([value, torch.zeros(len(batch), extra, dtype=value.dtype)], dim=1)
+            for key, value in widened.items()
+            if key != "position_ids"
+        },
+        batch_size=[len(batch)],
+    )
+    right["position_ids"] = torch.cat(
+        [widened["position_ids"], widened["position_ids"][:, -1:] + torch.arange(1, extra + 1)], dim=1
+    )
     assert model_inputs(right)["input_ids"].shape[1] == PROMPT + RESPONSE - 3
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     with torch.no_grad():

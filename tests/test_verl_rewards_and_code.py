@@ -19,7 +19,11 @@ from agentloop.reward_score import default_compute_score, gsm8k, math_reward
 from agentloop.rewards import score_output
 from agentloop.rows import verl_row_fields, write_rows
 from agentloop.tools.base_tool import BaseTool
-from agentloop.tools.schemas import OpenAIFunctionParametersSchema, OpenAIFunctionPropertySchema, OpenAIFunctionToolSchema
+from agentloop.tools.schemas import (
+    OpenAIFunctionParametersSchema,
+    OpenAIFunctionPropertySchema,
+    OpenAIFunctionToolSchema,
+)
 from agentloop.tools.toolset import argument_validator, checked_arguments, load_tool_set
 from tests.support.config import small_config
 from tests.support.verl_job import data as verl_data
@@ -90,7 +94,11 @@ def test_reward_rule_for_every_loop(tokenizer, tmp_path):
 
     # a plain single-turn sample gets the built-in scorer for its data source, on the decoded response
     plain = scored(small_config(), tokenizer, gsm8k_row, output())
-    assert plain.reward_score == 1.0 and plain.reward_extra_info == {"acc": 1.0} and plain.reward_source == "reward_function"
+    assert (
+        plain.reward_score == 1.0
+        and plain.reward_extra_info == {"acc": 1.0}
+        and plain.reward_source == "reward_function"
+    )
     # verl's loops may keep no log-probs; the record says so, and the loop's own extra_fields stay its own
     assert plain.rollout_log_probs_missing and plain.extra_fields == {}
     # a loop's own parts (here a tool's calc_reward) do not change a data-source reward; they are reported
@@ -98,7 +106,9 @@ def test_reward_rule_for_every_loop(tokenizer, tmp_path):
     assert with_tool.reward_score == 1.0 and with_tool.reward_parts.by_source() == {"tool/calc": 0.25}
     # without a reward function the parts add up; a loop that set its reward keeps it
     unknown = {"data_source": "mine"}
-    parts = scored(small_config(), tokenizer, unknown, output(reward_parts=RewardParts(tools={"a": 0.5}, interaction=1.0)))
+    parts = scored(
+        small_config(), tokenizer, unknown, output(reward_parts=RewardParts(tools={"a": 0.5}, interaction=1.0))
+    )
     assert parts.reward_score == 1.5 and parts.reward_source == "reward_parts"
     # a loop's own key in extra_fields is carried, never read as a reward part
     own = scored(small_config(), tokenizer, unknown, output(extra_fields={"tool_rewards": {"a": 0.5}}))
@@ -107,7 +117,8 @@ def test_reward_rule_for_every_loop(tokenizer, tmp_path):
     assert scored(small_config(), tokenizer, unknown, output()).reward_score is None
 
     # verl's custom_reward_function.path / .name / .reward_kwargs, sync or async, for every data source
-    (tmp_path / "my_reward.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_reward.py").write_text(
+        textwrap.dedent("""
         import asyncio
 
         def judge(data_source, solution_str, ground_truth, extra_info, scale=1.0):
@@ -116,19 +127,30 @@ def test_reward_rule_for_every_loop(tokenizer, tmp_path):
 
         async def slow(data_source, solution_str, ground_truth, extra_info):
             await asyncio.sleep(30)
-    """))
-    custom = small_config(f"custom_reward_function.path={tmp_path / 'my_reward.py'}", "custom_reward_function.name=judge",
-                          "+custom_reward_function.reward_kwargs.scale=2.0")
+    """)
+    )
+    custom = small_config(
+        f"custom_reward_function.path={tmp_path / 'my_reward.py'}",
+        "custom_reward_function.name=judge",
+        "+custom_reward_function.reward_kwargs.scale=2.0",
+    )
     judged = scored(custom, tokenizer, gsm8k_row, output(num_turns=4, reward_parts=RewardParts(tools={"a": 0.5})))
     assert judged.reward_score == 2.0 * len("#### 7")  # special tokens are skipped, as verl decodes
     assert judged.reward_extra_info == {"score": 12.0, "turns": 4, "parts": {"tool/a": 0.5}, "index": 3}
     # by_data_source wins over path
-    routed = small_config(f"custom_reward_function.path={tmp_path / 'my_reward.py'}", "custom_reward_function.name=judge")
+    routed = small_config(
+        f"custom_reward_function.path={tmp_path / 'my_reward.py'}", "custom_reward_function.name=judge"
+    )
     with open_dict(routed):
-        routed.custom_reward_function.by_data_source["openai/gsm8k"] = "agentloop.tasks.arithmetic.reward.arithmetic_score"
+        routed.custom_reward_function.by_data_source["openai/gsm8k"] = (
+            "agentloop.tasks.arithmetic.reward.arithmetic_score"
+        )
     assert scored(routed, tokenizer, gsm8k_row, output()).reward_extra_info["answer_found"] == 1.0
-    bounded = small_config(f"custom_reward_function.path={tmp_path / 'my_reward.py'}", "custom_reward_function.name=slow",
-                           "custom_reward_function.timeout_s=0.2")
+    bounded = small_config(
+        f"custom_reward_function.path={tmp_path / 'my_reward.py'}",
+        "custom_reward_function.name=slow",
+        "custom_reward_function.timeout_s=0.2",
+    )
     with pytest.raises(TimeoutError, match="custom_reward_function.timeout_s=0.2"):
         scored(bounded, tokenizer, gsm8k_row, output())
     missing = small_config(f"custom_reward_function.path={tmp_path / 'nope.py'}")
@@ -140,8 +162,9 @@ def test_a_row_without_a_data_source_falls_to_the_next_rule(tokenizer, tmp_path,
     """With ``by_data_source`` set, a row that has no ``data_source`` is scored by ``custom_reward_function.path`` (the
     only rule verl has), or by the loop's parts without one; the checks before start warn about it, never crash."""
     reward_file = tmp_path / "length_reward.py"
-    reward_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
-                           "    return float(len(solution_str))\n")
+    reward_file.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return float(len(solution_str))\n"
+    )
     by_source = "+custom_reward_function.by_data_source.arith=agentloop.tasks.arithmetic.reward.arithmetic_score"
     response = tokenizer.encode("#### 7", add_special_tokens=False) + [tokenizer.eos_token_id]
     no_source = {"prompt": [{"role": "user", "content": "q"}], "extra_info": {}}
@@ -180,10 +203,18 @@ def test_tool_classes_written_for_verl():
             super().__init__(config, tool_schema)
             self.name = "renamed"
 
-    schema = OpenAIFunctionToolSchema.model_validate({"type": "function", "function": {
-        "name": "f", "description": "d",
-        "parameters": OpenAIFunctionParametersSchema(properties={"a": OpenAIFunctionPropertySchema(type="integer")}, required=["a"]),
-    }})
+    schema = OpenAIFunctionToolSchema.model_validate(
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "description": "d",
+                "parameters": OpenAIFunctionParametersSchema(
+                    properties={"a": OpenAIFunctionPropertySchema(type="integer")}, required=["a"]
+                ),
+            },
+        }
+    )
     assert Renamed({}, schema).name == "renamed"
     assert schema.function.parameters.properties == {"a": {"type": "integer"}}
     with pytest.raises(ValueError, match="has no schema"):
@@ -198,11 +229,15 @@ def test_tool_classes_written_for_verl():
 
 
 def test_apply_chat_template_as_in_verl(tokenizer):
-    loop = AgentLoopBase(DictConfigWrap(small_config()), None, tokenizer, None, None, DictConfigWrap(small_config().data))
+    loop = AgentLoopBase(
+        DictConfigWrap(small_config()), None, tokenizer, None, None, DictConfigWrap(small_config().data)
+    )
     messages = [{"role": "user", "content": "hi"}]
     ids = asyncio.run(loop.apply_chat_template(messages))
     assert ids == loop.encode_prompt(messages)
-    assert asyncio.run(loop.apply_chat_template(messages, remove_system_prompt=True)) == ids  # no default system prompt here
+    assert (
+        asyncio.run(loop.apply_chat_template(messages, remove_system_prompt=True)) == ids
+    )  # no default system prompt here
     with pytest.raises(ValueError, match="vision-language"):
         asyncio.run(loop.apply_chat_template(messages, images=["picture"]))
 
@@ -213,9 +248,13 @@ def test_job_problems_are_named_before_anything_starts(tmp_path):
     rows[1]["extra_info"]["interaction_kwargs"]["name"] = "tutor"
     train = write_rows(rows, str(tmp_path / "train.parquet"))
     bad_tools = tmp_path / "tools.yaml"
-    bad_tools.write_text("tools:\n  - class_name: no.such.Tool\n    tool_schema: {type: function, function: {name: x}}\n")
+    bad_tools.write_text(
+        "tools:\n  - class_name: no.such.Tool\n    tool_schema: {type: function, function: {name: x}}\n"
+    )
     config = small_config(
-        f"data.train_files=[{train}]", "data.train_batch_size=2", "data.max_prompt_length=512",
+        f"data.train_files=[{train}]",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=512",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={bad_tools}",
         f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={VERL_JOB}/interaction_config/gsm8k_interaction_config.yaml",
     )
@@ -231,9 +270,21 @@ def test_job_problems_are_named_before_anything_starts(tmp_path):
 def test_overlong_filter_measures_prompts_with_the_tool_schemas(tokenizer, tmp_path):
     rows = verl_data.tool_rows("train", 2, seed=0)
     train = write_rows(rows, str(tmp_path / "train.parquet"))
-    plain = max(len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)) for row in rows)
-    fits_without_tools = [f"data.train_files=[{train}]", "data.train_batch_size=2", "data.filter_overlong_prompts=true",
-                          f"data.max_prompt_length={plain}"]
+    plain = max(
+        len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False))
+        for row in rows
+    )
+    fits_without_tools = [
+        f"data.train_files=[{train}]",
+        "data.train_batch_size=2",
+        "data.filter_overlong_prompts=true",
+        f"data.max_prompt_length={plain}",
+    ]
     # every row fits as plain chat, and none once tool_agent's tool schemas are rendered with it
     with pytest.raises(ValueError, match=f"every row of .* is longer than data.max_prompt_length={plain}"):
-        run(small_config(*fits_without_tools, f"actor_rollout_ref.rollout.multi_turn.tool_config_path={VERL_JOB}/tool_config/gsm8k_tool_config.yaml"))
+        run(
+            small_config(
+                *fits_without_tools,
+                f"actor_rollout_ref.rollout.multi_turn.tool_config_path={VERL_JOB}/tool_config/gsm8k_tool_config.yaml",
+            )
+        )

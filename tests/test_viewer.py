@@ -43,25 +43,30 @@ def run_dir(local_ray, scripted_model, tmp_path_factory) -> Path:
     """Two GRPO steps of the scripted tool model (4 rows x 2 samples a step), dumps in ``<run>/rollouts``."""
     tmp = tmp_path_factory.mktemp("viewer_run")
     rows = [script_row(name, data_source=f"script_{name}") for name in SCRIPTS] * 2
-    train = write_rows([{**row, "extra_info": {**row["extra_info"], "index": i}} for i, row in enumerate(rows)], str(tmp / "train.jsonl"))
+    train = write_rows(
+        [{**row, "extra_info": {**row["extra_info"], "index": i}} for i, row in enumerate(rows)],
+        str(tmp / "train.jsonl"),
+    )
     out = tmp / "run"
-    run(small_config(
-        f"actor_rollout_ref.model.path={scripted_model.path}",
-        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={scripted_model.tools_path}",
-        f"data.train_files=[{train}]",
-        "data.train_batch_size=4",
-        "data.max_prompt_length=768",
-        "data.max_response_length=256",
-        "data.shuffle=false",
-        "actor_rollout_ref.rollout.n=2",
-        # sampled, but far from the scripted turns' margins: the turns (and their tool calls) are the scripts'
-        "actor_rollout_ref.rollout.temperature=0.3",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "trainer.total_training_steps=2",
-        "trainer.logger=[console]",
-        f"trainer.rollout_data_dir={out / 'rollouts'}",
-        f"trainer.default_local_dir={out}",
-    ))
+    run(
+        small_config(
+            f"actor_rollout_ref.model.path={scripted_model.path}",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={scripted_model.tools_path}",
+            f"data.train_files=[{train}]",
+            "data.train_batch_size=4",
+            "data.max_prompt_length=768",
+            "data.max_response_length=256",
+            "data.shuffle=false",
+            "actor_rollout_ref.rollout.n=2",
+            # sampled, but far from the scripted turns' margins: the turns (and their tool calls) are the scripts'
+            "actor_rollout_ref.rollout.temperature=0.3",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "trainer.total_training_steps=2",
+            "trainer.logger=[console]",
+            f"trainer.rollout_data_dir={out / 'rollouts'}",
+            f"trainer.default_local_dir={out}",
+        )
+    )
     return out
 
 
@@ -86,14 +91,22 @@ def test_dump_holds_exact_tokens_turns_and_tool_calls(run_dir):
         assert all(a["end"] == b["start"] for a, b in zip(turns, turns[1:]))
         for turn in turns:
             expected = 1 if turn["role"] == "assistant" else 0
-            assert set(record["response_mask"][turn["start"]:turn["end"]]) == {expected}
+            assert set(record["response_mask"][turn["start"] : turn["end"]]) == {expected}
         # same weights at step 1: the trainer scores the sampled tokens as the engine did
-        gaps = [abs(a - b) for a, b, m in zip(record["rollout_log_probs"], record["old_log_probs"], record["response_mask"]) if m]
+        gaps = [
+            abs(a - b)
+            for a, b, m in zip(record["rollout_log_probs"], record["old_log_probs"], record["response_mask"])
+            if m
+        ]
         assert max(gaps) < 1e-3
-        assert record["score"] == record["reward_parts"]["reward_score"] or record["reward_parts"]["reward_score"] is None
+        assert (
+            record["score"] == record["reward_parts"]["reward_score"] or record["reward_parts"]["reward_score"] is None
+        )
     calls = {record["data_source"]: [c for t in record["turns"] for c in t["tool_calls"]] for record in records}
     assert [c["name"] for c in calls["script_multi"]] == ["calculator", "submit_answer"]
-    assert calls["script_multi"][0]["arguments"] == {"expression": "2 + 3"} and calls["script_multi"][0]["result"] == "5"
+    assert (
+        calls["script_multi"][0]["arguments"] == {"expression": "2 + 3"} and calls["script_multi"][0]["result"] == "5"
+    )
     assert calls["script_badargs"][0]["error"] == "invalid_arguments"
     assert calls["script_unknown"][0]["error"] == "unknown_tool"
     assert {turn["role"] for record in records for turn in record["turns"]} == {"assistant", "tool"}
@@ -105,7 +118,9 @@ def test_rollout_metrics_reach_the_metrics_log(run_dir):
     for line in history:
         assert line["num_turns/mean"] > 2 and line["tool_call_counts/max"] >= 2
         assert 0 < line["multi_turn/tool_error_rate"] < 1
-        assert line["multi_turn/tool_errors/invalid_arguments"] == 2 and line["multi_turn/tool_errors/unknown_tool"] == 2
+        assert (
+            line["multi_turn/tool_errors/invalid_arguments"] == 2 and line["multi_turn/tool_errors/unknown_tool"] == 2
+        )
         assert line["rollout/requests_per_server/0"] >= 8 and 0 <= line["rollout/cached_token_share"] <= 1
         spread = [line[f"timing_s/agent_loop/generate_sequences/{key}"] for key in ("min", "mean", "max")]
         assert spread == sorted(spread)
@@ -121,7 +136,10 @@ def viewer(path: Path, *args: str) -> Iterator[str]:
     """``python -m agentloop.viewer PATH --port 0`` as a user starts it; yields its base URL."""
     process = subprocess.Popen(
         [sys.executable, "-m", "agentloop.viewer", str(path), "--port", "0", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
     )
     try:
         lines = []
@@ -156,7 +174,10 @@ def test_api_serves_steps_samples_groups_and_exports(run_dir, tmp_path):
 
     result = subprocess.run(
         [sys.executable, "-m", "agentloop.viewer", str(run_dir), "--export", "1", "-o", str(tmp_path / "step1.html")],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr
     page = (tmp_path / "step1.html").read_text()
@@ -177,14 +198,19 @@ def test_bad_input_is_reported_never_a_crash(run_dir, tmp_path):
     (broken / "rollouts" / "step_000002.parquet").write_bytes(good[: len(good) // 2])  # a running job's half file
     table = pa.Table.from_pylist([{"step": 3}]).replace_schema_metadata({"format": "agentloop-rollouts/0"})
     pq.write_table(table, broken / "rollouts" / "step_000003.parquet")  # an older format
-    (broken / "rollouts" / "4.jsonl").write_text(json.dumps({"input": "q", "output": "a", "score": 1.0, "step": 4}) + "\n")
+    (broken / "rollouts" / "4.jsonl").write_text(
+        json.dumps({"input": "q", "output": "a", "score": 1.0, "step": 4}) + "\n"
+    )
     (broken / "metrics.jsonl").write_text('{"step": 1, "critic/score/mean": 0.5}\n{"step": 2, "critic/sc')
 
     with viewer(broken) as url:
         summary = requests.get(url + "api/run", timeout=30).json()
         assert summary["steps"] == [1, 4]
         problems = "\n".join(summary["problems"])
-        assert "step 2: step_000002.parquet: could not read it as Parquet" in problems and "still being written?" in problems
+        assert (
+            "step 2: step_000002.parquet: could not read it as Parquet" in problems
+            and "still being written?" in problems
+        )
         assert "step 3: step_000003.parquet: written as 'agentloop-rollouts/0'" in problems
         assert "metrics.jsonl line 2: not JSON; still being written?" in problems
         assert summary["metrics"] == [{"step": 1, "critic/score/mean": 0.5}]
@@ -214,7 +240,13 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = found[0]
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1500,1100"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1500,1100",
+    ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(found[1]), options=options)
@@ -258,7 +290,9 @@ def test_page_shows_steps_samples_turns_and_groups(run_dir, page, tmp_path):
     records = read_rollout_dump(run_dir / "rollouts" / "step_000001.parquet")[1]
     with viewer(live) as url:
         browser.get(url + "#/step/1")
-        rows = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#sample-table tr.sample-row"), "the sample table")
+        rows = wait_until(
+            lambda: browser.find_elements(By.CSS_SELECTOR, "#sample-table tr.sample-row"), "the sample table"
+        )
         assert sorted(int(row.get_attribute("data-sample")) for row in rows) == list(range(len(records)))
         assert browser.find_elements(By.CSS_SELECTOR, "#curves svg"), "no curves drawn"
 
@@ -269,10 +303,15 @@ def test_page_shows_steps_samples_turns_and_groups(run_dir, page, tmp_path):
         assert [turn.get_attribute("data-role") for turn in view] == [turn["role"] for turn in records[multi]["turns"]]
         model = browser.find_elements(By.CSS_SELECTOR, '#sample-view .turn[data-role="assistant"] .tok')
         observed = browser.find_elements(By.CSS_SELECTOR, '#sample-view .turn[data-role="tool"] .tok')
-        assert len(model) == sum(records[multi]["response_mask"]) and all("tok-model" in t.get_attribute("class") for t in model)
+        assert len(model) == sum(records[multi]["response_mask"]) and all(
+            "tok-model" in t.get_attribute("class") for t in model
+        )
         assert len(observed) == records[multi]["response_length"] - len(model)
         assert all("tok-obs" in t.get_attribute("class") for t in observed)
-        colours = {browser.execute_script("return getComputedStyle(arguments[0]).backgroundColor", t) for t in (model[0], observed[0])}
+        colours = {
+            browser.execute_script("return getComputedStyle(arguments[0]).backgroundColor", t)
+            for t in (model[0], observed[0])
+        }
         assert len(colours) == 2, "model and observation tokens look the same"
         assert len(browser.find_elements(By.CSS_SELECTOR, "#sample-view details.tool-call")) == 2
         Select(browser.find_element(By.ID, "colour-mode")).select_by_value("gap")
@@ -281,7 +320,9 @@ def test_page_shows_steps_samples_turns_and_groups(run_dir, page, tmp_path):
 
         # the GRPO group side by side
         browser.get(url + f"#/step/1/group/{records[multi]['uid']}")
-        members = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#group-view .group-sample"), "the group view")
+        members = wait_until(
+            lambda: browser.find_elements(By.CSS_SELECTOR, "#group-view .group-sample"), "the group view"
+        )
         assert len(members) == 2 and all(m.find_element(By.CSS_SELECTOR, ".reward").text for m in members)
 
         # live: a step the job writes now shows up without a reload
@@ -299,11 +340,18 @@ def test_exported_step_opens_from_a_file(run_dir, page, tmp_path):
     exported = tmp_path / "step2.html"
     subprocess.run(
         [sys.executable, "-m", "agentloop.viewer", str(run_dir), "--export", "2", "-o", str(exported)],
-        check=True, capture_output=True, timeout=120, cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+        cwd=REPO,
     )
     browser.get(exported.as_uri() + "#/step/2/sample/0")
-    wait_until(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#sample-table tr.sample-row")) == 8, "the exported table")
-    wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#sample-view .turn .tok"), "the exported sample's tokens")
+    wait_until(
+        lambda: len(browser.find_elements(By.CSS_SELECTOR, "#sample-table tr.sample-row")) == 8, "the exported table"
+    )
+    wait_until(
+        lambda: browser.find_elements(By.CSS_SELECTOR, "#sample-view .turn .tok"), "the exported sample's tokens"
+    )
     assert console_problems(browser) == []
     if os.environ.get("AGENTLOOP_VIEWER_SCREENSHOT"):  # how the README's picture is made
         browser.save_screenshot(os.environ["AGENTLOOP_VIEWER_SCREENSHOT"])
@@ -319,7 +367,10 @@ def response(tokenizer, *parts: tuple[str, int]) -> dict[str, list]:
         part = tokenizer.encode(text, add_special_tokens=False)
         ids, mask, versions = ids + part, mask + [int(version >= 0)] * len(part), versions + [version] * len(part)
     return {
-        "response_ids": ids, "response_mask": mask, "response_logprobs": [-0.5 * m for m in mask], "policy_versions": versions,
+        "response_ids": ids,
+        "response_mask": mask,
+        "response_logprobs": [-0.5 * m for m in mask],
+        "policy_versions": versions,
     }
 
 
@@ -335,7 +386,9 @@ def pad_like_the_worker(rows: list[dict], outputs: list[AgentLoopOutput], pad_to
     non_tensor.update({name: column([getattr(output, name) for output in outputs]) for name in BATCH_FIELDS})
     non_tensor["generate_time_s"] = column([1.5] * len(outputs))
     non_tensor["policy_version"] = column([3] * len(outputs))
-    non_tensor["rewritten_by"] = object_array([segment.rewritten_by for output in outputs for segment in output.all_segments()])
+    non_tensor["rewritten_by"] = object_array(
+        [segment.rewritten_by for output in outputs for segment in output.all_segments()]
+    )
     return RolloutBatch(pad_outputs(outputs, 64, 64, pad_token_id), non_tensor, {"pad_token_id": pad_token_id})
 
 
@@ -346,28 +399,50 @@ def segments_run(model_path, tmp_path_factory) -> tuple[Path, list[AgentLoopOutp
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     question = "Question: what is 2 + 3?"
     first = Segment(
-        tokenizer.encode(question), **response(tokenizer, ("calculator(2 + 3)", 3), ("result: 5", -1), (" So it is", 4)),
+        tokenizer.encode(question),
+        **response(tokenizer, ("calculator(2 + 3)", 3), ("result: 5", -1), (" So it is", 4)),
     )
     rewritten = AgentLoopOutput(
         prompt_ids=tokenizer.encode("Summary: the calculator said 2 + 3 = 5."),
-        **response(tokenizer, ("The answer", 4), (" is 5.", 5)), rewritten_by="summarize", segments=[first],
-        num_turns=5, reward_score=1.0, end_reason="stop", observation_roles=["tool"],
-        turns=[TurnRecord(4, 5, calls=[ToolCallRecord("calculator", {"expression": "2 + 3"}, "5")], step_reward=0.25),
-               TurnRecord(3), TurnRecord(4, interaction_score=-0.5)],
+        **response(tokenizer, ("The answer", 4), (" is 5.", 5)),
+        rewritten_by="summarize",
+        segments=[first],
+        num_turns=5,
+        reward_score=1.0,
+        end_reason="stop",
+        observation_roles=["tool"],
+        turns=[
+            TurnRecord(4, 5, calls=[ToolCallRecord("calculator", {"expression": "2 + 3"}, "5")], step_reward=0.25),
+            TurnRecord(3),
+            TurnRecord(4, interaction_score=-0.5),
+        ],
     )
     single = AgentLoopOutput(
-        prompt_ids=tokenizer.encode(question), **response(tokenizer, ("It is 4.", 5)),
-        num_turns=2, reward_score=0.0, end_reason="stop", turns=[TurnRecord(4)],
+        prompt_ids=tokenizer.encode(question),
+        **response(tokenizer, ("It is 4.", 5)),
+        num_turns=2,
+        reward_score=0.0,
+        end_reason="stop",
+        turns=[TurnRecord(4)],
     )
     outputs = [rewritten, single]
     rows = [
-        {"uid": "g0", "index": 7, "data_source": "hand", "agent_name": "tool_agent", "request_id": f"r{i}",
-         "prompt": [{"role": "user", "content": question}], "reward_model": {"ground_truth": "5"}}
+        {
+            "uid": "g0",
+            "index": 7,
+            "data_source": "hand",
+            "agent_name": "tool_agent",
+            "request_id": f"r{i}",
+            "prompt": [{"role": "user", "content": question}],
+            "reward_model": {"ground_truth": "5"},
+        }
         for i in range(len(outputs))
     ]
     batch = pad_like_the_worker(rows, outputs, tokenizer.pad_token_id)
     assert len(batch) == 3 and batch.batch["segment_index"].tolist() == [0, 1, 0]
-    advantages = batch.batch["response_mask"].float() * torch.tensor([1.0, 1.0, -1.0])[:, None]  # GRPO: one per trajectory
+    advantages = (
+        batch.batch["response_mask"].float() * torch.tensor([1.0, 1.0, -1.0])[:, None]
+    )  # GRPO: one per trajectory
     run_dir = tmp_path_factory.mktemp("segments_run")
     write_rollout_dump(run_dir / "rollouts", 1, batch, tokenizer, advantages=advantages)
     return run_dir, outputs, tokenizer
@@ -380,9 +455,13 @@ def test_dump_has_one_record_per_trajectory_with_its_segments_and_policy_version
     assert format_name == FORMAT and [record["sample"] for record in records] == [0, 1]
     for record, output in zip(records, outputs):
         segments = output.all_segments()
-        assert [dumped["rewritten_by"] for dumped in record["segments"]] == [segment.rewritten_by for segment in segments]
+        assert [dumped["rewritten_by"] for dumped in record["segments"]] == [
+            segment.rewritten_by for segment in segments
+        ]
         for dumped, segment in zip(record["segments"], segments):
-            assert dumped["prompt_ids"] == segment.prompt_ids and dumped["input"] == tokenizer.decode(segment.prompt_ids)
+            assert dumped["prompt_ids"] == segment.prompt_ids and dumped["input"] == tokenizer.decode(
+                segment.prompt_ids
+            )
             assert dumped["response_ids"] == segment.response_ids and dumped["response_mask"] == segment.response_mask
             assert "".join(dumped["token_text"]) == dumped["output"] == tokenizer.decode(segment.response_ids)
             assert VersionRuns(dumped["policy_version_runs"]).per_token() == segment.policy_versions
@@ -394,10 +473,17 @@ def test_dump_has_one_record_per_trajectory_with_its_segments_and_policy_version
         assert record["rewritten_by"] == output.rewritten_by
         assert record["response_length"] == sum(len(segment.response_ids) for segment in segments)
         assert record["model_tokens"] == sum(sum(segment.response_mask) for segment in segments)
-        assert record["score"] == output.reward_score and record["finish_reason"] == "stop" and record["policy_version"] == 3
+        assert (
+            record["score"] == output.reward_score
+            and record["finish_reason"] == "stop"
+            and record["policy_version"] == 3
+        )
 
     rewritten = records[0]
-    assert [len(segment["policy_version_runs"]) for segment in rewritten["segments"]] == [3, 2]  # compact: one run per turn
+    assert [len(segment["policy_version_runs"]) for segment in rewritten["segments"]] == [
+        3,
+        2,
+    ]  # compact: one run per turn
     assert [version for version, _ in rewritten["segments"][0]["policy_version_runs"]] == [3, -1, 4]
     # the loop's turns and observation roles run on from one segment to the next
     roles = [[turn["role"] for turn in segment["turns"]] for segment in rewritten["segments"]]
@@ -411,14 +497,21 @@ def test_dump_has_one_record_per_trajectory_with_its_segments_and_policy_version
     assert rewritten["advantage"] == 1.0 and records[1]["advantage"] == -1.0
     # stored once: the earlier segments beside the last one's columns
     stored = pq.read_table(path)
-    assert stored.num_rows == 2 and [len(earlier) for earlier in stored.column("earlier_segments").to_pylist()] == [1, 0]
+    assert stored.num_rows == 2 and [len(earlier) for earlier in stored.column("earlier_segments").to_pylist()] == [
+        1,
+        0,
+    ]
 
     sample = RunStore(run_dir).sample(1, 0)
     assert [row["num_segments"] for row in RunStore(run_dir).step(1)["samples"]] == [2, 1]
     assert [segment["rewritten_by"] for segment in sample["segments"]] == [None, "summarize"]
-    assert sample["tokens"]["policy_versions"] == [v for segment in outputs[0].all_segments() for v in segment.policy_versions]
+    assert sample["tokens"]["policy_versions"] == [
+        v for segment in outputs[0].all_segments() for v in segment.policy_versions
+    ]
     second = sample["segments"][1]["turns"][0]  # its span is where the second segment's response starts in the tokens
-    assert second["start"] == len(outputs[0].segments[0].response_ids) and second["end"] == len(sample["tokens"]["text"])
+    assert second["start"] == len(outputs[0].segments[0].response_ids) and second["end"] == len(
+        sample["tokens"]["text"]
+    )
 
 
 def test_page_shows_segments_and_colours_tokens_by_policy_version(segments_run, page):
@@ -430,7 +523,9 @@ def test_page_shows_segments_and_colours_tokens_by_policy_version(segments_run, 
     first, last = outputs[0].all_segments()
     with viewer(run_dir) as url:
         browser.get(url + "#/step/1/sample/0")
-        segments = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#sample-view .segment"), "the sample's segments")
+        segments = wait_until(
+            lambda: browser.find_elements(By.CSS_SELECTOR, "#sample-view .segment"), "the sample's segments"
+        )
         assert [segment.get_attribute("data-segment") for segment in segments] == ["0", "1"]
         assert segments[1].get_attribute("data-rewritten-by") == "summarize"
         assert not segments[0].find_elements(By.CSS_SELECTOR, ".segment-rewrite")
@@ -439,14 +534,20 @@ def test_page_shows_segments_and_colours_tokens_by_policy_version(segments_run, 
             assert len(segment.find_elements(By.CSS_SELECTOR, ".tok")) == len(part.response_ids)
             assert len(segment.find_elements(By.CSS_SELECTOR, "details.prompt")) == 1
         # a model turn that reported a reward shows it in its label
-        labels = [label.text for label in browser.find_elements(By.CSS_SELECTOR, "#sample-view .turn-model .turn-label")]
-        assert [label.endswith(" · reward 0.25") for label in labels] == [True, False, False] and labels[2].endswith("· reward -0.5")
+        labels = [
+            label.text for label in browser.find_elements(By.CSS_SELECTOR, "#sample-view .turn-model .turn-label")
+        ]
+        assert [label.endswith(" · reward 0.25") for label in labels] == [True, False, False] and labels[2].endswith(
+            "· reward -0.5"
+        )
 
         Select(browser.find_element(By.ID, "colour-mode")).select_by_value("version")
         legend = browser.find_elements(By.CSS_SELECTOR, "#colour-legend .version-swatch")
         assert [swatch.get_attribute("data-version") for swatch in legend] == ["3", "4", "5"]
-        spans = ("return [...document.querySelectorAll('#sample-view .tok-model[data-i]')]"
-                 ".map(s => [Number(s.dataset.i), getComputedStyle(s).backgroundColor])")
+        spans = (
+            "return [...document.querySelectorAll('#sample-view .tok-model[data-i]')]"
+            ".map(s => [Number(s.dataset.i), getComputedStyle(s).backgroundColor])"
+        )
         versions = first.policy_versions + last.policy_versions
         colours: dict[int, set[str]] = {}
         for i, colour in browser.execute_script(spans):
@@ -457,6 +558,8 @@ def test_page_shows_segments_and_colours_tokens_by_policy_version(segments_run, 
 
         # the group side by side: the rewrite marked in the first trajectory's column only
         browser.get(url + "#/step/1/group/g0")
-        members = wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#group-view .group-sample"), "the group view")
+        members = wait_until(
+            lambda: browser.find_elements(By.CSS_SELECTOR, "#group-view .group-sample"), "the group view"
+        )
         assert [len(member.find_elements(By.CSS_SELECTOR, ".segment-rewrite")) for member in members] == [1, 0]
         assert console_problems(browser) == []

@@ -86,7 +86,9 @@ def assert_logprobs_of(model, prompt, images, tokens, log_probs) -> None:
 @pytest.fixture(scope="module")
 def server(local_ray, vlm_path):
     """One rollout server with its HTTP front (what the manager starts per rank; no workers needed here)."""
-    config = small_config(f"actor_rollout_ref.model.path={vlm_path}", f"actor_rollout_ref.rollout.http.api_key={API_KEY}")
+    config = small_config(
+        f"actor_rollout_ref.model.path={vlm_path}", f"actor_rollout_ref.rollout.http.api_key={API_KEY}"
+    )
     server = RolloutServer.remote(config, 0)
     yield server
     ray.get(server.shutdown.remote(), timeout=60)
@@ -105,6 +107,7 @@ def client(vlm_path, url):
 
 def call(client: SGLangEngine, request):
     """Run one client call on a fresh event loop, closing the loop's connection pool after it."""
+
     async def once():
         try:
             return await request
@@ -163,12 +166,16 @@ def test_sglang_client_with_images_matches_the_engine(server, client, model, pro
 def test_sglang_client_fails_when_the_server_counts_other_image_tokens(client, pad_id):
     # The trajectory's processor caps images at 56x56 pixels (4 tokens), the server's at 112x112 (16): the
     # server's prompt is 12 tokens longer than the trajectory's, and its tokens belong to other ids.
-    capped = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2)
+    capped = Qwen2VLImageProcessorPil(
+        min_pixels=56 * 56, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
 
     [image] = process_images(SimpleNamespace(image_processor=capped), [PICTURES[2]], "test")
     assert image.num_tokens == 4
     prompt = [1, 294, pad_id, pad_id, pad_id, pad_id, 207]
-    with pytest.raises(RuntimeError, match=r"SGLang counted 19 prompt tokens, but the trajectory's prompt has 7.*min_pixels/max_pixels"):
+    with pytest.raises(
+        RuntimeError, match=r"SGLang counted 19 prompt tokens, but the trajectory's prompt has 7.*min_pixels/max_pixels"
+    ):
         call(client, client.generate(prompt, GREEDY, "vlm-mismatch", images=[image]))
     assert client.num_in_flight == 0
 
@@ -180,14 +187,22 @@ def test_generate_route_takes_image_data_in_every_form(url, model, processor, pa
     expanded = expand_image_pads(one_pad, images, pad_id, "test")
     PICTURES[2].save(tmp_path / "green.png")
     image_data = [data_uri(PICTURES[0]), data_uri(PICTURES[1]).split(",", 1)[1], str(tmp_path / "green.png")]
-    request = {"input_ids": one_pad, "image_data": image_data, "sampling_params": SAMPLED, "return_logprob": True, "rid": "native"}
+    request = {
+        "input_ids": one_pad,
+        "image_data": image_data,
+        "sampling_params": SAMPLED,
+        "return_logprob": True,
+        "rid": "native",
+    }
     api_types.GenerateRequest.from_json_value(request)
     response = post(url, "/generate", request)
     assert response.status_code == 200, response.text
     body = response.json()
     api_types.GenerateResponse.from_json_value(body)
     assert body["meta_info"]["prompt_tokens"] == len(expanded) == len(one_pad) - 3 + 4 + 12 + 16
-    assert_logprobs_of(model, expanded, images, body["output_ids"], [entry[0] for entry in body["meta_info"]["output_token_logprobs"]])
+    assert_logprobs_of(
+        model, expanded, images, body["output_ids"], [entry[0] for entry in body["meta_info"]["output_token_logprobs"]]
+    )
 
 
 def test_generate_route_refuses_bad_images(url, processor):
@@ -207,30 +222,55 @@ def test_generate_route_refuses_bad_images(url, processor):
 
 
 def test_chat_route_with_an_image_url(url, model, processor, pad_id):
-    messages = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_uri(PICTURES[1])}},
-        {"type": "text", "text": "what colour? <image> is literal text here"},
-    ]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_uri(PICTURES[1])}},
+                {"type": "text", "text": "what colour? <image> is literal text here"},
+            ],
+        }
+    ]
     response = post(url, "/v1/chat/completions", {"messages": messages, "temperature": 1.0, "max_tokens": 6})
     assert response.status_code == 200, response.text
     body = response.json()
     [image] = process_images(processor, PICTURES[1:2], "test")
-    prompt = expand_image_pads(one_pad_prompt(processor, PICTURES[1:2], "what colour? <image> is literal text here"), [image], pad_id, "test")
-    assert body["prompt_token_ids"] == prompt and body["usage"]["prompt_tokens"] == len(prompt) and prompt.count(pad_id) == 12
+    prompt = expand_image_pads(
+        one_pad_prompt(processor, PICTURES[1:2], "what colour? <image> is literal text here"), [image], pad_id, "test"
+    )
+    assert (
+        body["prompt_token_ids"] == prompt
+        and body["usage"]["prompt_tokens"] == len(prompt)
+        and prompt.count(pad_id) == 12
+    )
     [choice] = body["choices"]
-    assert_logprobs_of(model, prompt, [image], choice["token_ids"], [entry["logprob"] for entry in choice["logprobs"]["content"]])
+    assert_logprobs_of(
+        model, prompt, [image], choice["token_ids"], [entry["logprob"] for entry in choice["logprobs"]["content"]]
+    )
 
     broken = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
     response = post(url, "/v1/chat/completions", {"messages": broken, "max_tokens": 2})
-    assert response.status_code == 400 and "messages[0], image 0: cannot read image" in response.json()["error"]["message"]
+    assert (
+        response.status_code == 400 and "messages[0], image 0: cannot read image" in response.json()["error"]["message"]
+    )
 
 
 def test_images_for_a_text_only_model_are_refused(model_path):
     # the app over a text-only checkpoint: images are refused before any engine is asked
-    app = build_app(None, AutoTokenizer.from_pretrained(model_path), model_name=model_path, tool_format="hermes", api_key=None)
+    app = build_app(
+        None, AutoTokenizer.from_pretrained(model_path), model_name=model_path, tool_format="hermes", api_key=None
+    )
     with TestClient(app) as http:
         native = http.post("/generate", json={"input_ids": [1, 2], "image_data": [data_uri(PICTURES[0])]})
-        chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_uri(PICTURES[0])}}]}]})
+        chat = http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(PICTURES[0])}}]}
+                ]
+            },
+        )
     for response in (native, chat):
-        assert response.status_code == 400 and "the model is text-only" in response.json()["error"]["message"], response.text
+        assert response.status_code == 400 and "the model is text-only" in response.json()["error"]["message"], (
+            response.text
+        )

@@ -36,18 +36,38 @@ def rows(tmp_path):
         # verl's form: <image> in the text, the image in the row's `images` column (here a file path)
         {"prompt": [{"role": "user", "content": "<image>What colour?"}], "images": [str(path)], **PICTURES},
         # content parts carrying the image itself (bytes), two images in one prompt
-        {"prompt": [{"role": "user", "content": [{"type": "image", "image": png.getvalue()}, {"type": "image", "image": picture("red")}, {"type": "text", "text": "Same?"}]}], **PICTURES},
+        {
+            "prompt": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": png.getvalue()},
+                        {"type": "image", "image": picture("red")},
+                        {"type": "text", "text": "Same?"},
+                    ],
+                }
+            ],
+            **PICTURES,
+        },
         {"prompt": [{"role": "user", "content": "no picture here"}], "agent_name": "single_turn_agent"},
-        {"prompt": [{"role": "user", "content": [{"type": "text", "text": "and"}, {"type": "image"}]}], "images": [picture("red", 56, 84)], **PICTURES},
+        {
+            "prompt": [{"role": "user", "content": [{"type": "text", "text": "and"}, {"type": "image"}]}],
+            "images": [picture("red", 56, 84)],
+            **PICTURES,
+        },
     ]
 
 
 @pytest.fixture(scope="module")
 def setup(local_ray, vlm_path):
     config = small_config(
-        f"actor_rollout_ref.model.path={vlm_path}", "data.max_prompt_length=64", "data.max_response_length=96",
-        "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-        "actor_rollout_ref.rollout.agent.num_workers=2", "actor_rollout_ref.actor.optim.lr=1e-2",
+        f"actor_rollout_ref.model.path={vlm_path}",
+        "data.max_prompt_length=64",
+        "data.max_response_length=96",
+        "actor_rollout_ref.rollout.n=1",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.rollout.agent.num_workers=2",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
         "actor_rollout_ref.rollout.max_failed_sample_ratio=1.0",  # the bad-input test fails five of six samples on purpose
     )
     yield from manager_and_two_ranks(config)
@@ -70,7 +90,11 @@ def test_image_trajectories_are_exact_and_train_on_two_ranks(setup, vlm_path, tm
         # observations (text and image pads) are masked out, model tokens are in
         response = batch["responses"][row]
         assert not batch["response_mask"][row][response == pad].any()
-    assert grids[0, :3].tolist() == [[1, 4, 8], [1, 8, 6], [1, 4, 4]]  # (t, h, w) in patches: 112x56 prompt, then 84x112, 56x56
+    assert grids[0, :3].tolist() == [
+        [1, 4, 8],
+        [1, 8, 6],
+        [1, 4, 4],
+    ]  # (t, h, w) in patches: 112x56 prompt, then 84x112, 56x56
 
     # the trainer's re-scoring on two ranks equals the engine's: rank 1 gets the text-only row in one of its
     # micro-batches while rank 0 scores images, so the ranks also stay in step through the vision tower
@@ -117,17 +141,24 @@ def test_observation_deltas_with_images_equal_the_full_render(vlm_path, model_pa
     tokenizer = processor.tokenizer
     calls = []
     image_processor = processor.image_processor
-    processor.image_processor = lambda *args, **kwargs: calls.append(len(kwargs["images"])) or image_processor(*args, **kwargs)
+    processor.image_processor = lambda *args, **kwargs: (
+        calls.append(len(kwargs["images"])) or image_processor(*args, **kwargs)
+    )
     processor.image_processor.merge_size = image_processor.merge_size
     messages, images = split_images([{"role": "user", "content": "<image>Which?"}], [picture("red")], "row 0")
     processed = process_images(processor, images, "row 0")
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    prompt = expand_image_pads(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False), processed, pad, "row 0")
+    prompt = expand_image_pads(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False), processed, pad, "row 0"
+    )
     trajectory = Trajectory(tokenizer, messages, prompt, None, processor=processor, images=processed)
     for turn in range(4):
         reply = tokenizer.encode(f"it is red {turn}") + [tokenizer.eos_token_id]
         trajectory.add_model_turn(TokenOutput(reply, [-0.5] * len(reply), "stop"))
-        two = [picture_message("blue", 84, 112), {"role": "user", "content": [{"type": "image", "image": picture("green", 112, 56)}]}]
+        two = [
+            picture_message("blue", 84, 112),
+            {"role": "user", "content": [{"type": "image", "image": picture("green", 112, 56)}]},
+        ]
         if turn < 3:
             trajectory.add_observation(trajectory.observation(two[: 1 + turn % 2]))
     assert trajectory.sanity_check("strict") == 0
@@ -148,4 +179,6 @@ def test_observation_deltas_with_images_equal_the_full_render(vlm_path, model_pa
     config = small_config(f"actor_rollout_ref.model.path={model_path}")
     loop = SingleTurnAgentLoop(DictConfigWrap(config), None, AutoTokenizer.from_pretrained(model_path), None)
     with pytest.raises(ValueError, match="row 7 .*the model is text-only"):
-        loop.start_trajectory({"prompt": [{"role": "user", "content": "<image>"}], "images": [picture("red")], "index": 7})
+        loop.start_trajectory(
+            {"prompt": [{"role": "user", "content": "<image>"}], "images": [picture("red")], "index": 7}
+        )

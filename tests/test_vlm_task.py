@@ -67,7 +67,9 @@ def test_rows_are_deterministic_and_the_answer_is_in_the_pixels(config):
         (image,) = row["images"]
         picture = Image.open(io.BytesIO(image["bytes"])).convert("RGB")
         assert dominant(picture) == truth[0]
-        assert row["prompt"][1]["content"].startswith("<image>") and not any(c in row["prompt"][1]["content"] for c in COLOURS)
+        assert row["prompt"][1]["content"].startswith("<image>") and not any(
+            c in row["prompt"][1]["content"] for c in COLOURS
+        )
         # the environment redraws the same episode: the row's picture is its first, and the text names no answer
         pictures = episode(row["extra_info"]["env_kwargs"]["episode"], len(truth))
         assert [colour for colour, _ in pictures] == truth
@@ -120,7 +122,10 @@ def test_the_environment_judges_each_turn_and_shows_the_next_picture():
     assert (done, info["reward"]) == (False, 0.0)
     message = env.format_observation(observation)
     messages, images = split_images([message], None, "observation")
-    assert message["role"] == "user" and messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": FOLLOW_UP}]
+    assert message["role"] == "user" and messages[0]["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": FOLLOW_UP},
+    ]
     assert len(images) == 1 and dominant(images[0]) == truth[1]
     _, done, info = env.step(truth[1])
     assert (done, info["reward"]) == (True, 0.5)
@@ -139,7 +144,14 @@ def test_the_warm_start_trains_only_the_answer_words(vlm_path):
     processor = load_processor(vlm_path)
     tokenizer = processor.tokenizer
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    ids, mask, images = _encode_chat(processor, chat, pad, tokenizer.encode("<|im_start|>assistant\n"), tokenizer.convert_tokens_to_ids("<|im_end|>"), "test")
+    ids, mask, images = _encode_chat(
+        processor,
+        chat,
+        pad,
+        tokenizer.encode("<|im_start|>assistant\n"),
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "test",
+    )
     assert len(images) == 2 and ids.count(pad) == sum(image.num_tokens for image in images)
     trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
     assert trained == "".join(f"{answer}<|im_end|>" for answer in answers)

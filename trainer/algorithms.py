@@ -142,7 +142,10 @@ def _last_model_tokens(response_mask: torch.Tensor, segment_index: torch.Tensor 
 
 
 def turn_returns(
-    token_level_rewards: torch.Tensor, turn_index: torch.Tensor, gamma: float = 1.0, segment_index: torch.Tensor | None = None
+    token_level_rewards: torch.Tensor,
+    turn_index: torch.Tensor,
+    gamma: float = 1.0,
+    segment_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each trajectory's turn rewards as returns-to-go: ``[trajectories, turns]`` G_t = r_t + gamma * G_next, r_t the
     sum of the token rewards on turn t's tokens (``turn_index``), G_next that of its next turn (0 after its last), and
@@ -150,9 +153,12 @@ def turn_returns(
     has a first turn (one without a response scores 0 there, as GRPO scores it)."""
     count = max(int(turn_index.max()) + 1, 1)
     rewards = torch.stack(
-        [trajectory_sums((token_level_rewards * (turn_index == t)).sum(dim=-1), segment_index) for t in range(count)], dim=1
+        [trajectory_sums((token_level_rewards * (turn_index == t)).sum(dim=-1), segment_index) for t in range(count)],
+        dim=1,
     )
-    present = torch.stack([trajectory_sums((turn_index == t).sum(dim=-1), segment_index) > 0 for t in range(count)], dim=1)
+    present = torch.stack(
+        [trajectory_sums((turn_index == t).sum(dim=-1), segment_index) > 0 for t in range(count)], dim=1
+    )
     present[:, 0] = True
     returns = torch.zeros_like(rewards)
     following = torch.zeros_like(rewards[:, 0])
@@ -238,14 +244,7 @@ def gigpo_advantage(
     by_std = norm_adv_by_std_in_grpo
     returns, present = turn_returns(token_level_rewards, turn_index, gamma, segment_index)
     scores = trajectory_sums(token_level_rewards.sum(dim=-1), segment_index)
-    if episode_normalize == "steps":
-        # each trajectory's score once per turn it took, as verl-agent's rows list them (compute_mean_std_cross_steps)
-        steps = present.sum(dim=1).to(scores.device)
-        group_of_each_step = [group_ids[i] for i, count in enumerate(steps.tolist()) for _ in range(count)]
-        per_step = _normalise_within(scores.repeat_interleave(steps), group_of_each_step, by_std, epsilon)
-        episode = per_step[steps.cumsum(0) - steps]  # each trajectory's first entry (all of its entries are equal)
-    else:
-        episode = _normalise_within(scores, group_ids, by_std, epsilon)
+    episode = _gigpo_episode_advantage(scores, present, group_ids, episode_normalize, by_std, epsilon)
     rows = trajectory_ids(segment_index) if segment_index is not None else torch.arange(len(episode))
     episode_on_tokens = episode[rows.to(episode.device)].unsqueeze(-1) * response_mask
 
@@ -254,11 +253,32 @@ def gigpo_advantage(
     if entries:
         trajectories, turns = torch.tensor(entries).T
         keys = [(group_ids[i], state_keys[i][t]) for i, t in entries]
-        step[trajectories, turns] = _normalise_within(returns[trajectories, turns], keys, by_std, epsilon, lone_to_zero=True)
+        step[trajectories, turns] = _normalise_within(
+            returns[trajectories, turns], keys, by_std, epsilon, lone_to_zero=True
+        )
     if not first_turn_step_advantage:
         step[:, 0] = 0.0
     advantages = episode_on_tokens + step_weight * _on_turn_tokens(step, turn_index, response_mask, segment_index)
     return advantages, advantages
+
+
+def _gigpo_episode_advantage(
+    scores: torch.Tensor,
+    present: torch.Tensor,
+    group_ids: Sequence[str],
+    episode_normalize: str,
+    by_std: bool,
+    epsilon: float,
+) -> torch.Tensor:
+    """A^E per trajectory: its score normalised within its group, each score counted once per turn (``steps``) or
+    once per trajectory (``trajectories``)."""
+    if episode_normalize != "steps":
+        return _normalise_within(scores, group_ids, by_std, epsilon)
+    # each trajectory's score once per turn it took, as verl-agent's rows list them (compute_mean_std_cross_steps)
+    steps = present.sum(dim=1).to(scores.device)
+    group_of_each_step = [group_ids[i] for i, count in enumerate(steps.tolist()) for _ in range(count)]
+    per_step = _normalise_within(scores.repeat_interleave(steps), group_of_each_step, by_std, epsilon)
+    return per_step[steps.cumsum(0) - steps]  # each trajectory's first entry (all of its entries are equal)
 
 
 def gae_advantage_return(

@@ -48,8 +48,11 @@ def async_settings(config: DictConfig, correction: RolloutCorrection) -> tuple[i
         )
         return 0, partial_rollout, correction
     if max_staleness and not correction.uses_rollout_log_probs:
-        logger.warning("async training: algorithm.rollout_correction.rollout_is=token (threshold %g) corrects for the "
-                       "older policies that generated the samples", correction.rollout_is_threshold)
+        logger.warning(
+            "async training: algorithm.rollout_correction.rollout_is=token (threshold %g) corrects for the "
+            "older policies that generated the samples",
+            correction.rollout_is_threshold,
+        )
         correction = replace(correction, rollout_is="token")
     return max_staleness, partial_rollout, correction
 
@@ -62,12 +65,16 @@ def staleness_metrics(batch: RolloutBatch, trained_version: int, max_staleness: 
     trajectory = trajectory_ids(batch.batch.get("segment_index", torch.zeros(len(batch), dtype=torch.long)))
 
     def per_trajectory(row_values: torch.Tensor, reduce: str) -> torch.Tensor:
-        return row_values.new_zeros(int(trajectory[-1]) + 1).scatter_reduce(0, trajectory, row_values, reduce, include_self=False)
+        return row_values.new_zeros(int(trajectory[-1]) + 1).scatter_reduce(
+            0, trajectory, row_values, reduce, include_self=False
+        )
 
     known = versions != UNKNOWN
     newest = per_trajectory(versions.max(-1).values, "amax")  # UNKNOWN where no token's version is known
     oldest_token = per_trajectory(versions.masked_fill(~known, torch.iinfo(versions.dtype).max).min(-1).values, "amin")
-    stamped = per_trajectory(torch.tensor([int(version) for version in batch.non_tensor_batch["policy_version"]]), "amin")
+    stamped = per_trajectory(
+        torch.tensor([int(version) for version in batch.non_tensor_batch["policy_version"]]), "amin"
+    )
     oldest = torch.where(newest != UNKNOWN, oldest_token, stamped)
     newest = torch.where(newest != UNKNOWN, newest, oldest)
     lags = trained_version - oldest

@@ -60,7 +60,9 @@ def checkpoint_to_resume(config: DictConfig, output_dir: Path) -> Path | None:
     if mode == "resume_path":
         directory = Path(config.trainer.resume_from_path or "")
         if not (directory / STATE).exists():
-            raise FileNotFoundError(f"trainer.resume_from_path={str(directory)!r} is not a global_step_N checkpoint directory")
+            raise FileNotFoundError(
+                f"trainer.resume_from_path={str(directory)!r} is not a global_step_N checkpoint directory"
+            )
         return directory
     if mode == "auto":
         latest = output_dir / LATEST

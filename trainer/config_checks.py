@@ -33,15 +33,7 @@ def check_config(config: DictConfig) -> None:
     if config.actor_rollout_ref.rollout.mode != "async":
         raise ValueError("actor_rollout_ref.rollout.mode must be 'async': rollouts run through AgentLoopManager")
     _check_estimator(config.algorithm)
-    if int(config.async_training.max_staleness) < 0:
-        raise ValueError(f"async_training.max_staleness={config.async_training.max_staleness}: a lag in policy versions, 0 (synchronous) or more")
-    buffer, batch = config.async_training.get("buffer_groups"), int(config.data.train_batch_size)
-    if buffer is not None and int(buffer) < batch:
-        raise ValueError(f"async_training.buffer_groups={buffer} cannot hold one batch of {batch} GRPO groups (data.train_batch_size); "
-                         f"set it to at least {batch}, or null for (1 + max_staleness) batches")
-    if config.async_training.group_order not in ORDERS:
-        raise ValueError(f"async_training.group_order={config.async_training.group_order!r}: choose one of {list(ORDERS)} "
-                         "(finished: the first groups to finish; submitted: each step's own rows, in order)")
+    _check_async_training(config.async_training, int(config.data.train_batch_size))
     _check_dynamic_sampling(config)
     if not config.data.train_files:
         raise ValueError("data.train_files is empty: name one or more .parquet / .jsonl files")
@@ -53,7 +45,10 @@ def check_config(config: DictConfig) -> None:
             "(trainer.n_gpus_per_node x trainer.nnodes)"
         )
     algorithm = config.algorithm
-    for key, estimator in (("algorithm.kl_penalty", algorithm.kl_penalty), ("actor_rollout_ref.actor.kl_loss_type", config.actor_rollout_ref.actor.kl_loss_type)):
+    for key, estimator in (
+        ("algorithm.kl_penalty", algorithm.kl_penalty),
+        ("actor_rollout_ref.actor.kl_loss_type", config.actor_rollout_ref.actor.kl_loss_type),
+    ):
         if estimator not in algorithms.KL_ESTIMATORS:
             raise ValueError(f"{key}={estimator!r}; choose one of {algorithms.KL_ESTIMATORS}")
     _check_losses(config)
@@ -61,34 +56,68 @@ def check_config(config: DictConfig) -> None:
     if control.type not in ("fixed", "adaptive"):
         raise ValueError(f"algorithm.kl_ctrl.type={control.type!r}; choose fixed or adaptive")
     if control.type == "adaptive" and not (float(control.target_kl) > 0 and float(control.horizon) > 0):
-        raise ValueError(f"algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0 (got {control.target_kl}, {control.horizon})")
+        raise ValueError(
+            f"algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0 (got {control.target_kl}, {control.horizon})"
+        )
     if int(config.trainer.critic_warmup) > 0 and algorithm.adv_estimator != "gae":
-        raise ValueError("trainer.critic_warmup needs a critic to warm up: set algorithm.adv_estimator=gae, or critic_warmup=0")
+        raise ValueError(
+            "trainer.critic_warmup needs a critic to warm up: set algorithm.adv_estimator=gae, or critic_warmup=0"
+        )
     for name, section in (("actor_rollout_ref.actor", config.actor_rollout_ref.actor), ("critic", config.critic)):
         mini = section.ppo_mini_batch_size
-        if mini and (int(config.data.train_batch_size) % int(mini) or int(mini) * int(config.actor_rollout_ref.rollout.n) % ranks):
+        if mini and (
+            int(config.data.train_batch_size) % int(mini) or int(mini) * int(config.actor_rollout_ref.rollout.n) % ranks
+        ):
             raise ValueError(
                 f"{name}.ppo_mini_batch_size={mini} must divide data.train_batch_size={config.data.train_batch_size}, "
                 f"and its {int(mini) * int(config.actor_rollout_ref.rollout.n)} samples (x rollout.n) must split over {ranks} ranks"
             )
 
 
+def _check_async_training(async_training: DictConfig, batch: int) -> None:
+    """``async_training.*`` against a batch of ``batch`` groups."""
+    if int(async_training.max_staleness) < 0:
+        raise ValueError(
+            f"async_training.max_staleness={async_training.max_staleness}: a lag in policy versions, 0 (synchronous) "
+            "or more"
+        )
+    buffer = async_training.get("buffer_groups")
+    if buffer is not None and int(buffer) < batch:
+        raise ValueError(
+            f"async_training.buffer_groups={buffer} cannot hold one batch of {batch} GRPO groups (data.train_batch_size); "
+            f"set it to at least {batch}, or null for (1 + max_staleness) batches"
+        )
+    if async_training.group_order not in ORDERS:
+        raise ValueError(
+            f"async_training.group_order={async_training.group_order!r}: choose one of {list(ORDERS)} "
+            "(finished: the first groups to finish; submitted: each step's own rows, in order)"
+        )
+
+
 def _check_estimator(algorithm: DictConfig) -> None:
     """``algorithm.adv_estimator`` and its settings."""
     if algorithm.adv_estimator not in algorithms.ADV_ESTIMATORS:
-        raise ValueError(f"algorithm.adv_estimator={algorithm.adv_estimator!r}; choose one of {algorithms.ADV_ESTIMATORS}")
+        raise ValueError(
+            f"algorithm.adv_estimator={algorithm.adv_estimator!r}; choose one of {algorithms.ADV_ESTIMATORS}"
+        )
     normalize, gamma, step_weight = algorithm.turn_grpo.normalize, algorithm.gamma, algorithm.gigpo.step_weight
     if normalize not in algorithms.TURN_NORMALIZATIONS:
         raise ValueError(f"algorithm.turn_grpo.normalize={normalize!r}; choose one of {algorithms.TURN_NORMALIZATIONS}")
     if not _is_number(gamma) or not 0 <= gamma <= 1:
-        raise ValueError(f"algorithm.gamma={gamma!r} must be a number in [0, 1] (the discount per token for gae, per turn for "
-                         "turn_grpo and gigpo)")
+        raise ValueError(
+            f"algorithm.gamma={gamma!r} must be a number in [0, 1] (the discount per token for gae, per turn for "
+            "turn_grpo and gigpo)"
+        )
     if not _is_number(step_weight) or not 0 <= step_weight < math.inf:
-        raise ValueError(f"algorithm.gigpo.step_weight={step_weight!r} must be a number >= 0 (the weight of GiGPO's step-level "
-                         "advantage)")
+        raise ValueError(
+            f"algorithm.gigpo.step_weight={step_weight!r} must be a number >= 0 (the weight of GiGPO's step-level "
+            "advantage)"
+        )
     if algorithm.gigpo.episode_normalize not in algorithms.GIGPO_EPISODE_NORMALIZATIONS:
-        raise ValueError(f"algorithm.gigpo.episode_normalize={algorithm.gigpo.episode_normalize!r}; choose one of "
-                         f"{algorithms.GIGPO_EPISODE_NORMALIZATIONS}")
+        raise ValueError(
+            f"algorithm.gigpo.episode_normalize={algorithm.gigpo.episode_normalize!r}; choose one of "
+            f"{algorithms.GIGPO_EPISODE_NORMALIZATIONS}"
+        )
     first_turns = algorithm.gigpo.first_turn_step_advantage
     if not isinstance(first_turns, bool):
         raise ValueError(f"algorithm.gigpo.first_turn_step_advantage={first_turns!r} must be true or false")
@@ -101,13 +130,20 @@ def _is_number(value: object) -> bool:
 def _check_losses(config: DictConfig) -> None:
     """Loss aggregation, dual clip and ``algorithm.rollout_correction``: checked here rather than mid-step."""
     actor = config.actor_rollout_ref.actor
-    for key, mode in (("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode), ("critic.loss_agg_mode", config.critic.loss_agg_mode)):
+    for key, mode in (
+        ("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode),
+        ("critic.loss_agg_mode", config.critic.loss_agg_mode),
+    ):
         if mode not in algorithms.LOSS_AGG_MODES:
             raise ValueError(f"{key}={mode!r}; choose one of {algorithms.LOSS_AGG_MODES}")
     if actor.clip_ratio_c is not None and not float(actor.clip_ratio_c) > 1:
-        raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 (dual-clip PPO), or null for no dual clip")
+        raise ValueError(
+            f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 (dual-clip PPO), or null for no dual clip"
+        )
     if actor.get("loss_scale_factor") is not None and not float(actor.loss_scale_factor) > 0:
-        raise ValueError(f"actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor} must be > 0, or null for the response length")
+        raise ValueError(
+            f"actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor} must be > 0, or null for the response length"
+        )
     RolloutCorrection.from_config(config)
 
 
@@ -138,14 +174,19 @@ def _check_verl_settings(config: DictConfig) -> None:
         ("actor_rollout_ref.ref", config.actor_rollout_ref.ref, "log_prob_max_token_len_per_gpu"),
     ):
         if int(section[key]) <= 0:
-            raise ValueError(f"{name}.{key}={section[key]} must be positive (tokens per micro-batch with use_dynamic_bsz)")
+            raise ValueError(
+                f"{name}.{key}={section[key]} must be positive (tokens per micro-batch with use_dynamic_bsz)"
+            )
 
 
 def warn_ignored_keys(config: DictConfig) -> dict[str, object]:
     """Warn once, naming every verl key this config sets that agentloop ignores; return them by key."""
     settings = config_keys().ignored_settings(config)
     if settings:
-        lines = [f"  {key}={value}" + (" (always on here)" if value is False and key in ALWAYS_ON else "") for key, value in settings.items()]
+        lines = [
+            f"  {key}={value}" + (" (always on here)" if value is False and key in ALWAYS_ON else "")
+            for key, value in settings.items()
+        ]
         warnings.warn(
             f"agentloop ignores {len(settings)} verl key(s) this run sets; they have no meaning here "
             "(why: config/verl_ignored.yaml):\n" + "\n".join(lines),

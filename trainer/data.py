@@ -86,11 +86,23 @@ class BatchSampler:
     """
 
     def __init__(
-        self, num_rows: int, batch_size: int, *, shuffle: bool = True, seed: int = 0, size_key: str = "data.train_batch_size"
+        self,
+        num_rows: int,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        size_key: str = "data.train_batch_size",
     ) -> None:
         if batch_size > num_rows:
             raise ValueError(f"{size_key}={batch_size} is larger than the dataset ({num_rows} rows)")
-        self.num_rows, self.batch_size, self.shuffle, self.seed, self.size_key = num_rows, batch_size, shuffle, seed, size_key
+        self.num_rows, self.batch_size, self.shuffle, self.seed, self.size_key = (
+            num_rows,
+            batch_size,
+            shuffle,
+            seed,
+            size_key,
+        )
         self.position = 0  # batches of the order handed out before
         self.replay: list[int] = []  # rows to hand out first, whole batches
         self.batches_per_epoch = num_rows // batch_size
@@ -109,7 +121,9 @@ class BatchSampler:
     def batches(self, count: int | None) -> Iterator[list[int]]:
         """The next ``count`` batches of row indices (None: without end, epoch after epoch): the replayed rows
         first, then the order."""
-        replayed = [self.replay[start : start + self.batch_size] for start in range(0, len(self.replay), self.batch_size)]
+        replayed = [
+            self.replay[start : start + self.batch_size] for start in range(0, len(self.replay), self.batch_size)
+        ]
         ordered = (self.batch(self.position + k) for k in itertools.count())
         return itertools.islice(itertools.chain(replayed, ordered), count)
 

@@ -61,7 +61,9 @@ class GroupFilter:
             values = scores.numpy().astype(float)
         else:
             infos = rollout.non_tensor_batch["reward_extra_info"][last]
-            values = np.asarray([np.nan if failed[index] else self._extra(info, index) for index, info in enumerate(infos)])
+            values = np.asarray(
+                [np.nan if failed[index] else self._extra(info, index) for index, info in enumerate(infos)]
+            )
         return np.where(failed, np.nan, values)
 
     def _extra(self, info: dict | None, trajectory: int) -> float:
@@ -76,7 +78,9 @@ class GroupFilter:
     def informative(self, rollout: RolloutBatch) -> dict[str, bool]:
         """Each group (``uid``, in batch order): whether it is kept (its metric varies, or it is a group of one)."""
         values: dict[str, list[float]] = defaultdict(list)
-        for uid, value in zip(rollout.non_tensor_batch["uid"][rollout.last_segments()], self.trajectory_metrics(rollout)):
+        for uid, value in zip(
+            rollout.non_tensor_batch["uid"][rollout.last_segments()], self.trajectory_metrics(rollout)
+        ):
             values[uid].append(value)
         return {uid: len(group) == 1 or _varies(group) for uid, group in values.items()}
 

@@ -40,7 +40,9 @@ if TYPE_CHECKING:
     from agentloop import AgentLoopManager
 
 
-def response_log_probs(model: torch.nn.Module, batch: TensorDict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def response_log_probs(
+    model: torch.nn.Module, batch: TensorDict, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of the response tokens under ``model`` (logits / temperature), ``[b, R]`` (0 on the
     columns of right padding in every row, which the forward pass skips)."""
     responses = batch["responses"]
@@ -60,9 +62,22 @@ def held_response_columns(batch: TensorDict) -> int:
 def has_dropout(model: torch.nn.Module) -> bool:
     """Whether training mode changes the model's forward pass: a dropout module, or a dropout rate in its config."""
     config = model.config
-    rates = [getattr(section, key, 0.0) or 0.0 for section in (config, config.get_text_config())
-             for key in ("attention_dropout", "hidden_dropout", "hidden_dropout_prob", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")]
-    return any(float(rate) > 0 for rate in rates) or any(isinstance(module, torch.nn.Dropout) and module.p > 0 for module in model.modules())
+    rates = [
+        getattr(section, key, 0.0) or 0.0
+        for section in (config, config.get_text_config())
+        for key in (
+            "attention_dropout",
+            "hidden_dropout",
+            "hidden_dropout_prob",
+            "dropout",
+            "resid_pdrop",
+            "embd_pdrop",
+            "attn_pdrop",
+        )
+    ]
+    return any(float(rate) > 0 for rate in rates) or any(
+        isinstance(module, torch.nn.Dropout) and module.p > 0 for module in model.modules()
+    )
 
 
 def response_values(critic: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
@@ -93,9 +108,15 @@ def policy_gradient_loss(
         )
     else:
         pg_loss, pg_stats = algorithms.ppo_policy_loss(
-            micro["old_log_probs"], log_probs, micro["advantages"], mask,
-            float(actor.clip_ratio_low), float(actor.clip_ratio_high), actor.clip_ratio_c,
-            importance_weights=None if correction.bypass_mode else weights, **common,
+            micro["old_log_probs"],
+            log_probs,
+            micro["advantages"],
+            mask,
+            float(actor.clip_ratio_low),
+            float(actor.clip_ratio_high),
+            actor.clip_ratio_c,
+            importance_weights=None if correction.bypass_mode else weights,
+            **common,
         )
     return pg_loss, mask, {**stats, **{f"actor/{key}": value for key, value in pg_stats.items()}}
 
@@ -124,16 +145,7 @@ class FSDPWorker:
     def init_group(self, rendezvous: tuple[str, int]) -> None:
         """Join the process group at rank 0's ``rendezvous_address()`` and load this rank's shards of the models."""
         config = self._config
-        master_addr, master_port = rendezvous
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        cuda = bool(ray.get_gpu_ids())  # start_workers gave this rank a GPU
-        # a collective waits at most as long as the trainer waits for a step
-        timeout = datetime.timedelta(seconds=float(config.trainer.step_timeout_s))
-        dist.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world_size, timeout=timeout)
-        self.device = "cuda" if cuda else "cpu"
-        if not cuda:  # Ray gives an actor without CPUs one thread: the ranks share the node's cores instead
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // min(self.world_size, int(config.trainer.n_gpus_per_node))))
-        self.mesh = init_device_mesh(self.device, (self.world_size,))
+        self._join_process_group(rendezvous)
         self.samples_per_prompt = int(config.actor_rollout_ref.rollout.n)
         self.actor = config.actor_rollout_ref.actor
         self.critic_config = config.critic
@@ -145,28 +157,62 @@ class FSDPWorker:
         torch.manual_seed(0)
         model = config.actor_rollout_ref.model
         self.policy = Trainable(
-            self._sharded(model_class(model.path), model.path, self.actor.fsdp_config, model.enable_gradient_checkpointing),
-            self.actor.optim, self.total_steps, "actor", self.device, bool(self.actor.fsdp_config.optimizer_offload),
+            self._sharded(
+                model_class(model.path), model.path, self.actor.fsdp_config, model.enable_gradient_checkpointing
+            ),
+            self.actor.optim,
+            self.total_steps,
+            "actor",
+            self.device,
+            bool(self.actor.fsdp_config.optimizer_offload),
         )
         self.policy_has_dropout = has_dropout(self.policy.model)  # its training forward pass is not its scoring one
         self.ref = None
         if needs_reference(config):
-            self.ref = self._sharded(model_class(ref_config.model.path), ref_config.model.path, ref_config.fsdp_config).eval().requires_grad_(False)
-        self.critic = None
-        if config.algorithm.adv_estimator == "gae":
-            if is_vision_language(config.critic.model.path):
-                raise ValueError("algorithm.adv_estimator=gae needs a critic, and a vision-language critic is not supported yet: use grpo")
-            # no dropout on the value head: the old values it is clipped against come from eval mode
-            critic_config = AutoConfig.from_pretrained(config.critic.model.path, num_labels=1)
-            critic_config.classifier_dropout = 0.0  # (not a Qwen3Config field: from_pretrained would drop it)
-            critic_model = config.critic.model
-            critic = self._sharded(
-                AutoModelForTokenClassification, critic_model.path, critic_model.fsdp_config,
-                critic_model.enable_gradient_checkpointing, config=critic_config,
+            self.ref = (
+                self._sharded(model_class(ref_config.model.path), ref_config.model.path, ref_config.fsdp_config)
+                .eval()
+                .requires_grad_(False)
             )
-            self.critic = Trainable(
-                critic, config.critic.optim, self.total_steps, "critic", self.device, bool(critic_model.fsdp_config.optimizer_offload)
+        self.critic = self._load_critic(config.critic) if config.algorithm.adv_estimator == "gae" else None
+
+    def _join_process_group(self, rendezvous: tuple[str, int]) -> None:
+        master_addr, master_port = rendezvous
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        cuda = bool(ray.get_gpu_ids())  # start_workers gave this rank a GPU
+        # a collective waits at most as long as the trainer waits for a step
+        timeout = datetime.timedelta(seconds=float(self._config.trainer.step_timeout_s))
+        dist.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world_size, timeout=timeout)
+        self.device = "cuda" if cuda else "cpu"
+        if not cuda:  # Ray gives an actor without CPUs one thread: the ranks share the node's cores instead
+            ranks_here = min(self.world_size, int(self._config.trainer.n_gpus_per_node))
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks_here))
+        self.mesh = init_device_mesh(self.device, (self.world_size,))
+
+    def _load_critic(self, critic_section: DictConfig) -> Trainable:
+        if is_vision_language(critic_section.model.path):
+            raise ValueError(
+                "algorithm.adv_estimator=gae needs a critic, and a vision-language critic is not supported yet: use grpo"
             )
+        # no dropout on the value head: the old values it is clipped against come from eval mode
+        critic_config = AutoConfig.from_pretrained(critic_section.model.path, num_labels=1)
+        critic_config.classifier_dropout = 0.0  # (not a Qwen3Config field: from_pretrained would drop it)
+        critic_model = critic_section.model
+        critic = self._sharded(
+            AutoModelForTokenClassification,
+            critic_model.path,
+            critic_model.fsdp_config,
+            critic_model.enable_gradient_checkpointing,
+            config=critic_config,
+        )
+        return Trainable(
+            critic,
+            critic_section.optim,
+            self.total_steps,
+            "critic",
+            self.device,
+            bool(critic_model.fsdp_config.optimizer_offload),
+        )
 
     def _sharded(
         self, auto_class: Any, path: str, fsdp_config: DictConfig, gradient_checkpointing: bool = False, **kwargs: Any
@@ -178,7 +224,9 @@ class FSDPWorker:
         """This rank's slice re-scored by the current policy (old log-probs), or by the reference policy."""
         model = self.ref if reference else self.policy.model
         if model is None:
-            raise RuntimeError("no reference policy on this worker: set actor.use_kl_loss or algorithm.use_kl_in_reward")
+            raise RuntimeError(
+                "no reference policy on this worker: set actor.use_kl_loss or algorithm.use_kl_in_reward"
+            )
         model.eval()
         batching = self.ref_log_prob_batching if reference else self.log_prob_batching
         return batching.score(batch, self.device, lambda micro: response_log_probs(model, micro, self.temperature)[0])
@@ -198,7 +246,9 @@ class FSDPWorker:
         """
         return self._update_policy(batch, correction)[0]
 
-    def update_policy_scoring_old(self, batch: TensorDict, correction: RolloutCorrection) -> tuple[dict[str, float], torch.Tensor]:
+    def update_policy_scoring_old(
+        self, batch: TensorDict, correction: RolloutCorrection
+    ) -> tuple[dict[str, float], torch.Tensor]:
         """``update_policy`` on a batch without ``old_log_probs``, for an update that is one optimizer step (one
         epoch, one mini-batch): the parameters do not move before that step, so each micro-batch's own forward
         pass gives its old log-probs (detached), and the re-scoring pass of ``compute_log_prob`` is saved.
@@ -325,11 +375,14 @@ def launch_workers(
     return workers, [worker.init_group.remote(rendezvous) for worker in workers]
 
 
-def join_workers(workers: list[ray.actor.ActorHandle], loading: list[ray.ObjectRef], timeout_s: float) -> list[ray.actor.ActorHandle]:
+def join_workers(
+    workers: list[ray.actor.ActorHandle], loading: list[ray.ObjectRef], timeout_s: float
+) -> list[ray.actor.ActorHandle]:
     """Wait for launched ranks to form their group and load their models; on any failure none is left running."""
     try:
         wait_for(
-            loading, timeout_s,
+            loading,
+            timeout_s,
             f"{len(workers)} FSDP ranks to start, form a group and load their models (cluster resources: {ray.cluster_resources()})",
         )
     except BaseException:
@@ -366,7 +419,9 @@ def needs_reference(config: DictConfig) -> bool:
     return bool(config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
 
 
-def push_weights(workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float, version: int | None = None) -> None:
+def push_weights(
+    workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float, version: int | None = None
+) -> None:
     """Gather the policy on rank 0 and load it into every rollout server as policy ``version``.
 
     The servers read rank 0's packed weights straight from Ray's object store: the bytes never pass

@@ -64,7 +64,11 @@ class MicroBatching:
     @classmethod
     def for_values(cls, critic: DictConfig) -> MicroBatching:
         """The critic's scoring micro-batches (``forward_micro_batch_size_per_gpu``, ...)."""
-        return cls(int(critic.forward_micro_batch_size_per_gpu), bool(critic.use_dynamic_bsz), int(critic.forward_max_token_len_per_gpu))
+        return cls(
+            int(critic.forward_micro_batch_size_per_gpu),
+            bool(critic.use_dynamic_bsz),
+            int(critic.forward_max_token_len_per_gpu),
+        )
 
     def groups(self, batch: TensorDict) -> list[list[int]]:
         """Row indices of each micro-batch; each group in the batch's order, every row in one group. As many groups
@@ -171,8 +175,10 @@ def micro_batch_weight(micro: TensorDict, mini: TensorDict, loss_agg_mode: str) 
     if loss_agg_mode == "token-mean":
         return float(micro["response_mask"].sum()) / max(float(mini["response_mask"].sum()), 1.0)
     if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+
         def rows(batch: TensorDict) -> float:
             return float((batch["response_mask"].sum(-1) > 0).sum())
+
         return rows(micro) / max(rows(mini), 1.0)
     if loss_agg_mode == "seq-mean-token-sum-norm":
         return len(micro) / len(mini)

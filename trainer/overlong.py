@@ -61,13 +61,20 @@ class OverlongBuffer:
         """Add each trajectory's penalty to its score in ``rm_scores`` (on its last response token, where the score
         is); return ``overlong/*`` metrics when ``log``."""
         last = last_segments(rollout.batch["segment_index"])
-        penalties, lengths, rows = self.penalties(rollout), response_lengths(rollout.batch)[last], last.nonzero().squeeze(-1)
+        penalties, lengths, rows = (
+            self.penalties(rollout),
+            response_lengths(rollout.batch)[last],
+            last.nonzero().squeeze(-1),
+        )
         has_tokens = lengths > 0  # an empty response (a failed sample's) has no last token, and no penalty
         scores = rollout.batch["rm_scores"]
         scores[rows[has_tokens], lengths[has_tokens] - 1] += penalties[has_tokens]
         if not self.log:
             return {}
-        return {**spread("overlong/reward", penalties.numpy()), "overlong/penalized_share": float((penalties < 0).float().mean())}
+        return {
+            **spread("overlong/reward", penalties.numpy()),
+            "overlong/penalized_share": float((penalties < 0).float().mean()),
+        }
 
 
 def response_lengths(batch: TensorDict) -> torch.Tensor:
@@ -78,6 +85,8 @@ def response_lengths(batch: TensorDict) -> torch.Tensor:
 def mask_length_ended(rollout: RolloutBatch, batch: TensorDict) -> dict[str, float]:
     """Overlong filtering: zero ``batch``'s ``response_mask`` on every row of each trajectory that ended by
     ``length``, so it adds nothing to the losses; returns ``overlong/filtered_trajectories``."""
-    length_ended = torch.from_numpy(np.asarray([reason == "length" for reason in rollout.non_tensor_batch["end_reason"]], dtype=bool))
+    length_ended = torch.from_numpy(
+        np.asarray([reason == "length" for reason in rollout.non_tensor_batch["end_reason"]], dtype=bool)
+    )
     batch["response_mask"] = batch["response_mask"] * (~length_ended).unsqueeze(-1).to(batch["response_mask"].dtype)
     return {"overlong/filtered_trajectories": float(length_ended[last_segments(batch["segment_index"])].sum())}

@@ -74,42 +74,55 @@ class RayPPOTrainer:
         # rows per generation batch: verl's data.gen_batch_size (dynamic sampling), else the training batch's
         generation = "gen_batch_size" if config.data.gen_batch_size is not None else "train_batch_size"
         self.sampler = BatchSampler(
-            len(self.rows), int(config.data[generation]), shuffle=config.data.shuffle, seed=config.data.seed,
+            len(self.rows),
+            int(config.data[generation]),
+            shuffle=config.data.shuffle,
+            seed=config.data.seed,
             size_key=f"data.{generation}",
         )
-        self.total_steps = int(config.trainer.total_training_steps or self.sampler.batches_per_epoch * int(config.trainer.total_epochs))
+        self.total_steps = int(
+            config.trainer.total_training_steps or self.sampler.batches_per_epoch * int(config.trainer.total_epochs)
+        )
         self.world_size = world_size(config)
         start_ray(config)  # unless a caller started it (``main_ppo.run`` does, beside the imports)
         rank_gpus(config, self.world_size)  # a trainer.device the cluster lacks fails here, before any server starts
         self.output_dir = Path(config.trainer.default_local_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
-        self.max_staleness, self.partial_rollout, self.correction = async_settings(config, RolloutCorrection.from_config(config))
+        self.max_staleness, self.partial_rollout, self.correction = async_settings(
+            config, RolloutCorrection.from_config(config)
+        )
         self.stream: GroupStream | None = None  # the rollouts running ahead of training, while an async run fits
         self.handed_out = 0  # batches the sampler handed out to synchronous steps since the fit (or resume) began
-        self.dumps = RolloutDumps(config.trainer.rollout_data_dir, self.tokenizer) if config.trainer.rollout_data_dir else None
+        self.dumps = (
+            RolloutDumps(config.trainer.rollout_data_dir, self.tokenizer) if config.trainer.rollout_data_dir else None
+        )
 
-        # the ranks load while the servers and workers start; each failure leaves nothing running
-        timeout_s = float(config.trainer.startup_timeout_s)
+        self.manager, self.workers = self._start_services()
+        self.config = self.manager.config  # with absolute paths, for every process
+        # from the command's start (imports and Ray included) to servers, workers and ranks ready
+        self.startup_s = time.time() - psutil.Process().create_time()
+
+    def _start_services(self) -> tuple[AgentLoopManager, list[Any]]:
+        """The ranks load while the servers and workers start; each failure leaves nothing running."""
+        config = self.config
         ranks, loading = launch_workers(config, self.world_size, self.total_steps)
         with tqdm(total=2, desc="starting rollout servers and agent-loop workers", bar_format=STARTUP_BAR) as startup:
             try:
-                self.manager = AgentLoopManager(config)
+                manager = AgentLoopManager(config)
             except BaseException:
                 for rank in ranks:
                     ray.kill(rank)
                 raise
-            self.config = config = self.manager.config  # with absolute paths, for every process
             startup.update()
             startup.set_description_str(f"starting {self.world_size} FSDP ranks")
             try:
-                self.workers = join_workers(ranks, loading, timeout_s)
+                workers = join_workers(ranks, loading, float(config.trainer.startup_timeout_s))
             except BaseException:
-                self.manager.shutdown()
+                manager.shutdown()
                 raise
             startup.update()
-        # from the command's start (imports and Ray included) to servers, workers and ranks ready
-        self.startup_s = time.time() - psutil.Process().create_time()
+        return manager, workers
 
     def _load(self, files: Any) -> list[dict[str, Any]]:
         data = self.config.data
@@ -131,9 +144,16 @@ class RayPPOTrainer:
             return (load_tool_set(tool_config).schemas or None) if tool_config else None
 
         def prompt_length(row: dict[str, Any]) -> int:
-            return len(self.tokenizer.apply_chat_template(
-                row["prompt"], tools=tools(), add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
-            ))
+            return len(
+                self.tokenizer.apply_chat_template(
+                    row["prompt"],
+                    tools=tools(),
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                    **template_kwargs,
+                )
+            )
 
         return prompt_length
 
@@ -143,7 +163,10 @@ class RayPPOTrainer:
     def _on_ranks(self, method: str, batch: TensorDict, **kwargs: Any) -> list[Any]:
         """``method`` on every rank, each with as many whole trajectories (all their rows) in batch order."""
         shards = split_trajectories(batch, len(trajectory_sizes(batch)) // self.world_size)
-        return self._wait([getattr(w, method).remote(s, **kwargs) for w, s in zip(self.workers, shards)], f"{method} on the FSDP ranks")
+        return self._wait(
+            [getattr(w, method).remote(s, **kwargs) for w, s in zip(self.workers, shards)],
+            f"{method} on the FSDP ranks",
+        )
 
     def _push_weights(self, version: int) -> float:
         start = time.perf_counter()
@@ -169,7 +192,9 @@ class RayPPOTrainer:
         self.handed_out += 1
         return [self.rows[index] for index in next(batches)]
 
-    def _sample_dynamically(self, step: int, batches: Iterator[list[int]]) -> tuple[RolloutBatch | None, dict[str, float]]:
+    def _sample_dynamically(
+        self, step: int, batches: Iterator[list[int]]
+    ) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Dynamic sampling, synchronously: generation batches, each without its groups whose metric does not vary,
         until they hold ``data.train_batch_size`` groups (the first that many are kept, as verl does) or
         ``max_num_gen_batches`` were made (then the groups there are: as many as split over the ranks); None when no
@@ -203,7 +228,8 @@ class RayPPOTrainer:
         ``step`` all the same (versions count steps); returns the step's timings."""
         warnings.warn(
             f"step {step}: dynamic sampling (algorithm.filter_groups) left no group to train; the policy is not updated "
-            "this step", stacklevel=2,
+            "this step",
+            stacklevel=2,
         )
         push_s, waited_s = self._push(step, waited_s)
         return {"timing_s/gen": waited_s, "timing_s/weight_push": push_s, "timing_s/step": time.perf_counter() - start}
@@ -228,29 +254,39 @@ class RayPPOTrainer:
         timing = {"gen": waited_s, "train": time.perf_counter() - start - waited_s}  # train: scoring passes and updates
         timing["weight_push"], waited_s = self._push(step, waited_s)
         if self.dumps is not None:
-            arrays = {key: batch[key] for key in ("old_log_probs", "ref_log_probs", "rollout_is_weights", "advantages") if key in batch.keys()}
+            arrays = {
+                key: batch[key]
+                for key in ("old_log_probs", "ref_log_probs", "rollout_is_weights", "advantages")
+                if key in batch.keys()
+            }
             previous_dump_s = self.dumps.submit(step, rollout, **arrays)
             if previous_dump_s is not None:  # the previous step's dump, written while this step ran
                 timing["rollout_dump"] = previous_dump_s
-        metrics.update({
-            **batch_metrics(batch, rewards),
-            **rollout.meta_info,
-            **staleness_metrics(rollout, step - 1, self.max_staleness),
-            **{f"timing_s/{key}": value for key, value in timing.items()},
-            "timing_s/step": time.perf_counter() - start,
-            "perf/idle_share/ranks": waited_s / (time.perf_counter() - start),
-        })
+        metrics.update(
+            {
+                **batch_metrics(batch, rewards),
+                **rollout.meta_info,
+                **staleness_metrics(rollout, step - 1, self.max_staleness),
+                **{f"timing_s/{key}": value for key, value in timing.items()},
+                "timing_s/step": time.perf_counter() - start,
+                "perf/idle_share/ranks": waited_s / (time.perf_counter() - start),
+            }
+        )
         return metrics
 
     def _plan(self, step: int, rollout: RolloutBatch) -> StepPlan:
-        trains_actor = step >= int(self.config.trainer.critic_warmup)  # verl's rule: the actor starts at step critic_warmup
+        trains_actor = step >= int(
+            self.config.trainer.critic_warmup
+        )  # verl's rule: the actor starts at step critic_warmup
         if self.correction.bypass_mode:
             old_log_probs = "rollout"
         elif trains_actor and old_log_probs_in_update(self.config, self.correction, rollout.num_trajectories):
             old_log_probs = "update"
         else:
             old_log_probs = "scored"
-        logged = _has_rollout_log_probs(rollout, required=self.correction.uses_rollout_log_probs)  # else no rollout_corr/*
+        logged = _has_rollout_log_probs(
+            rollout, required=self.correction.uses_rollout_log_probs
+        )  # else no rollout_corr/*
         return StepPlan(old_log_probs, logged, trains_actor)
 
     def _score(self, plan: StepPlan, batch: TensorDict, metrics: dict[str, float]) -> torch.Tensor:
@@ -282,16 +318,26 @@ class RayPPOTrainer:
         control = algorithm.kl_ctrl
         if control.type == "adaptive":
             self.kl_coef = algorithms.adaptive_kl_coef(
-                self.kl_coef, observed_kl, float(control.target_kl), float(control.horizon), len(trajectory_sizes(batch))
+                self.kl_coef,
+                observed_kl,
+                float(control.target_kl),
+                float(control.horizon),
+                len(trajectory_sizes(batch)),
             )
         return penalty
 
-    def _advantages(self, rollout: RolloutBatch, batch: TensorDict, rewards: torch.Tensor, metrics: dict[str, float]) -> None:
+    def _advantages(
+        self, rollout: RolloutBatch, batch: TensorDict, rewards: torch.Tensor, metrics: dict[str, float]
+    ) -> None:
         """``algorithm.adv_estimator``: GRPO's group-normalised outcome advantages (one per trajectory, on all its rows);
         or, on the token rewards with each turn's own reward on its last model token (``turn_token_rewards``), GAE on
         the critic's values (along each trajectory's segments), turn-level GRPO or GiGPO (one advantage per turn)."""
         algorithm, mask, segment_index = self.config.algorithm, batch["response_mask"].float(), batch["segment_index"]
-        estimator, gamma, by_std = algorithm.adv_estimator, float(algorithm.gamma), bool(algorithm.norm_adv_by_std_in_grpo)
+        estimator, gamma, by_std = (
+            algorithm.adv_estimator,
+            float(algorithm.gamma),
+            bool(algorithm.norm_adv_by_std_in_grpo),
+        )
         if estimator == "grpo":
             batch["advantages"], _ = algorithms.grpo_outcome_advantage(
                 rewards, mask, grpo_groups(rollout), by_std, segment_index=segment_index
@@ -307,14 +353,27 @@ class RayPPOTrainer:
             metrics["critic/returns/mean"] = float(algorithms.masked_mean(batch["returns"], mask))
         elif estimator == "turn_grpo":
             batch["advantages"], _ = algorithms.turn_grpo_advantage(
-                rewards, batch["turn_index"], mask, grpo_groups(rollout), gamma, str(algorithm.turn_grpo.normalize), by_std,
+                rewards,
+                batch["turn_index"],
+                mask,
+                grpo_groups(rollout),
+                gamma,
+                str(algorithm.turn_grpo.normalize),
+                by_std,
                 segment_index=segment_index,
             )
         else:
             gigpo = algorithm.gigpo
             batch["advantages"], _ = algorithms.gigpo_advantage(
-                rewards, batch["turn_index"], mask, grpo_groups(rollout), turn_states(rollout),
-                float(gigpo.step_weight), gamma, by_std, segment_index=segment_index,
+                rewards,
+                batch["turn_index"],
+                mask,
+                grpo_groups(rollout),
+                turn_states(rollout),
+                float(gigpo.step_weight),
+                gamma,
+                by_std,
+                segment_index=segment_index,
                 episode_normalize=str(gigpo.episode_normalize),
                 first_turn_step_advantage=bool(gigpo.first_turn_step_advantage),
             )
@@ -326,7 +385,9 @@ class RayPPOTrainer:
         if plan.old_log_probs == "update":
             updates = self._on_ranks("update_policy_scoring_old", batch, correction=self.correction)
             batch["old_log_probs"] = torch.cat([old_log_probs for _, old_log_probs in updates])
-            metrics.update(correct_batch(batch, self.correction) if plan.corrects else {})  # the weights the loss used, for metrics and dumps
+            metrics.update(
+                correct_batch(batch, self.correction) if plan.corrects else {}
+            )  # the weights the loss used, for metrics and dumps
             metrics.update(_mean_over_ranks([update for update, _ in updates]))
         elif plan.trains_actor:
             metrics.update(_mean_over_ranks(self._on_ranks("update_policy", batch, correction=self.correction)))
@@ -339,7 +400,11 @@ class RayPPOTrainer:
             push_s = self._push_weights(step)
         else:  # interrupting the requests in flight (partial rollouts), or once none is in flight
             push_start = time.perf_counter()
-            with contextlib.nullcontext() if self.partial_rollout else self.stream.drained(float(config.actor_rollout_ref.rollout.generate_timeout_s)):
+            with (
+                contextlib.nullcontext()
+                if self.partial_rollout
+                else self.stream.drained(float(config.actor_rollout_ref.rollout.generate_timeout_s))
+            ):
                 waited_s += time.perf_counter() - push_start
                 self._push_weights(step)
             self.stream.set_version(step)
@@ -354,7 +419,9 @@ class RayPPOTrainer:
         output = self.manager.generate_sequences(self.val_rows, validate=True)
         scores = algorithms.trajectory_sums(output.batch["rm_scores"].sum(-1), output.batch["segment_index"])
         last = output.last_segments()
-        sources = np.asarray([row or "unknown" for row in output.non_tensor_batch.get("data_source", [None] * len(output))])[last]
+        sources = np.asarray(
+            [row or "unknown" for row in output.non_tensor_batch.get("data_source", [None] * len(output))]
+        )[last]
         metrics = {"val/score/mean": float(scores.mean()), "timing_s/validation": time.perf_counter() - start}
         for source in sorted(set(sources)):
             metrics[f"val/score/{source}"] = float(scores[torch.from_numpy(sources == source)].mean())
@@ -365,7 +432,9 @@ class RayPPOTrainer:
         return checkpoint.save_checkpoint(
             self.output_dir,
             step,
-            lambda shards, hf: self._wait([w.save_checkpoint.remote(str(shards), str(hf)) for w in self.workers], "the checkpoint save"),
+            lambda shards, hf: self._wait(
+                [w.save_checkpoint.remote(str(shards), str(hf)) for w in self.workers], "the checkpoint save"
+            ),
             self.tokenizer,
             {**self._data_state(), "kl_coef": self.kl_coef},
             int(self.config.trainer.max_actor_ckpt_to_keep or 0),
@@ -387,7 +456,9 @@ class RayPPOTrainer:
         if directory is None:
             return 0
         state = checkpoint.read_trainer_state(directory)
-        self._wait([w.load_checkpoint.remote(str(directory / checkpoint.WORKERS)) for w in self.workers], "the checkpoint load")
+        self._wait(
+            [w.load_checkpoint.remote(str(directory / checkpoint.WORKERS)) for w in self.workers], "the checkpoint load"
+        )
         self.sampler.restore(state, partial_replay=self.group_filter is not None)
         self.kl_coef = float(state.get("kl_coef", self.kl_coef))
         # the servers start from the base model: give them the restored policy
@@ -416,14 +487,25 @@ class RayPPOTrainer:
                 groups = int(self.config.data.train_batch_size)  # one GRPO group per row
                 buffer = int(self.config.async_training.buffer_groups or (1 + self.max_staleness) * groups)
                 keep, max_dropped = None, 0
-                if self.group_filter is not None:  # groups dropped as they finish, up to max_num_gen_batches batches' worth a step
+                if (
+                    self.group_filter is not None
+                ):  # groups dropped as they finish, up to max_num_gen_batches batches' worth a step
                     keep, max_dropped = self.group_filter.keeps, max(0, self.group_filter.max_num_gen_batches) * groups
                 self.stream = self.manager.stream(
-                    steps, groups, self.max_staleness, buffer, version=done, keep=keep, max_dropped=max_dropped,
+                    steps,
+                    groups,
+                    self.max_staleness,
+                    buffer,
+                    version=done,
+                    keep=keep,
+                    max_dropped=max_dropped,
                     order=str(self.config.async_training.group_order),
                 )
             for step in range(done + 1, self.total_steps + 1):
-                metrics = {**startup, **(self.step(step, batches) if self.stream is None else self._learn_streamed(step))}
+                metrics = {
+                    **startup,
+                    **(self.step(step, batches) if self.stream is None else self._learn_streamed(step)),
+                }
                 startup = {}
                 last = step == self.total_steps
                 if self.val_rows and int(trainer.test_freq) > 0 and (step % int(trainer.test_freq) == 0 or last):
@@ -449,15 +531,21 @@ class RayPPOTrainer:
         """An async step: train on the first groups the stream finished (none older than the staleness bound; with
         dynamic sampling, none whose metric does not vary)."""
         start, busy = time.perf_counter(), self.manager.pool.busy_s()
-        rollout = self.stream.take(step - 1 - self.max_staleness, float(self.config.actor_rollout_ref.rollout.generate_timeout_s))
+        rollout = self.stream.take(
+            step - 1 - self.max_staleness, float(self.config.actor_rollout_ref.rollout.generate_timeout_s)
+        )
         waited_s, sampling = time.perf_counter() - start, {}
-        if self.group_filter is not None:  # a batch short of groups (the drop limit) trains as many as split over the ranks
+        if (
+            self.group_filter is not None
+        ):  # a batch short of groups (the drop limit) trains as many as split over the ranks
             rollout, surplus = trainable_groups(rollout, int(self.config.data.train_batch_size), self.world_size)
             sampling = {
                 "dynamic_sampling/surplus_groups": surplus,
                 "dynamic_sampling/kept_groups": len(group_uids(rollout)) if rollout is not None else 0,
             }
-        metrics = self.learn(step, rollout, start, waited_s) if rollout is not None else self._skip(step, start, waited_s)
+        metrics = (
+            self.learn(step, rollout, start, waited_s) if rollout is not None else self._skip(step, start, waited_s)
+        )
         return {**metrics, **sampling, "perf/idle_share/servers": self.manager.pool.idle_share_since(busy, start)}
 
     def _validate_showing(self, progress: tqdm) -> dict[str, float]:
@@ -470,7 +558,9 @@ class RayPPOTrainer:
         """Release ranks and servers, best effort (never hiding the error that ended the run); a rank still
         in a collective its peer left (an interrupted step) is killed after ``rank_timeout_s``."""
         try:
-            wait_for([worker.shutdown.remote() for worker in self.workers], rank_timeout_s, "the FSDP ranks to shut down")
+            wait_for(
+                [worker.shutdown.remote() for worker in self.workers], rank_timeout_s, "the FSDP ranks to shut down"
+            )
         except Exception as error:  # a rank stuck in a collective: killing it is all that is left
             print(f"FSDP ranks did not shut down cleanly ({error}); killing them")
         for worker in self.workers:
@@ -517,13 +607,17 @@ def grpo_groups(rollout: RolloutBatch) -> list[str]:
 
 def turn_states(rollout: RolloutBatch) -> list[list[str | None]]:
     """Each trajectory's turns' states (``TurnRecord.state_key``), for GiGPO's step groups."""
-    return [[turn.state_key for turn in turns or []] for turns in rollout.non_tensor_batch["turns"][rollout.last_segments()]]
+    return [
+        [turn.state_key for turn in turns or []] for turns in rollout.non_tensor_batch["turns"][rollout.last_segments()]
+    ]
 
 
 def _has_rollout_log_probs(rollout: RolloutBatch, required: bool) -> bool:
     """Whether every sample has its rollout log-probs (a loop may return none, as verl allows); an error if ``required``."""
     fields = rollout.non_tensor_batch
-    missing = sorted({str(name) for name, missing in zip(fields["agent_name"], fields["rollout_log_probs_missing"]) if missing})
+    missing = sorted(
+        {str(name) for name, missing in zip(fields["agent_name"], fields["rollout_log_probs_missing"]) if missing}
+    )
     if missing and required:
         raise ValueError(
             f"agent loops {missing} returned no response_logprobs, which algorithm.rollout_correction (or bypass_mode) "
@@ -536,4 +630,7 @@ def _mean_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
     # a statistic a rank could not take (e.g. importance-weight extremes on a slice without model tokens) is
     # missing from its dict: combine over the ranks that have it (extremes by max/min, the rest by mean)
     keys = dict.fromkeys(key for metrics in per_rank for key in metrics)
-    return {key: float(EXTREMES.get(key[-4:], np.mean)([metrics[key] for metrics in per_rank if key in metrics])) for key in keys}
+    return {
+        key: float(EXTREMES.get(key[-4:], np.mean)([metrics[key] for metrics in per_rank if key in metrics]))
+        for key in keys
+    }

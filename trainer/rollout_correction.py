@@ -26,10 +26,17 @@ from trainer.algorithms import masked_mean
 
 IS_LEVELS = ("token", "sequence")
 RS_OPTIONS = (
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
 )
 LOSS_TYPES = ("ppo_clip", "reinforce")
 SECTION = "algorithm.rollout_correction"
@@ -99,7 +106,9 @@ class RolloutCorrection:
         if not options or unknown:
             raise ValueError(f"{SECTION}.rollout_rs={self.rollout_rs!r}; comma-separated options from {RS_OPTIONS}")
         if self.rollout_rs_threshold is None:
-            raise ValueError(f"{SECTION}.rollout_rs needs {SECTION}.rollout_rs_threshold (one bound, or one per option)")
+            raise ValueError(
+                f"{SECTION}.rollout_rs needs {SECTION}.rollout_rs_threshold (one bound, or one per option)"
+            )
         specs = [part.strip() for part in str(self.rollout_rs_threshold).split(",") if part.strip()]
         if len(specs) not in (1, len(options)):
             raise ValueError(
@@ -149,7 +158,11 @@ def correct(
         weights = None
         if settings.rollout_is is not None:
             weights, is_metrics = importance_weights(
-                log_ratio, mask, settings.rollout_is, float(settings.rollout_is_threshold), bool(settings.rollout_is_batch_normalize)
+                log_ratio,
+                mask,
+                settings.rollout_is,
+                float(settings.rollout_is_threshold),
+                bool(settings.rollout_is_batch_normalize),
             )
             metrics.update(is_metrics)
         if settings.rejection_bounds:
@@ -267,7 +280,9 @@ def _rejection_statistic(option: str, per_token: torch.Tensor, mask: torch.Tenso
     return torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
 
 
-def offpolicy_metrics(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def offpolicy_metrics(
+    train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """How far π_rollout is from π_train on the sampled tokens (verl's names, plus ``abs_log_prob_diff``).
 
     ``kl``: mean log π_rollout - log π_train (k1 of KL(π_rollout || π_train)); ``k3_kl``: mean r - 1 - log r;

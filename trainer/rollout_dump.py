@@ -44,7 +44,9 @@ class RolloutDumps:
         try:
             write_rollout_dump(self.directory, step, batch, self.tokenizer, **token_arrays)
         except Exception as error:
-            raise RuntimeError(f"writing the rollout dump of step {step} into {self.directory} failed: {error}") from error
+            raise RuntimeError(
+                f"writing the rollout dump of step {step} into {self.directory} failed: {error}"
+            ) from error
         return time.perf_counter() - start
 
     def _finish(self) -> float | None:

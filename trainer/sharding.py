@@ -19,7 +19,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 
 def load_sharded(
-    auto_class: Any, path: str, mesh: DeviceMesh, fsdp_config: DictConfig, gradient_checkpointing: bool = False, **kwargs: Any
+    auto_class: Any,
+    path: str,
+    mesh: DeviceMesh,
+    fsdp_config: DictConfig,
+    gradient_checkpointing: bool = False,
+    **kwargs: Any,
 ) -> torch.nn.Module:
     """``auto_class.from_pretrained(path)`` sharded per decoder layer (and vision block), then the root, over ``mesh``."""
     # loaded on CPU: fully_shard moves each layer to the mesh's device as it shards it (or leaves it on CPU
@@ -54,8 +59,9 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
                 state[key] = value.to(device, non_blocking=True)
 
 
-
-def clip_grad_norm(parameters: Iterator[torch.nn.Parameter], max_norm: float, device: torch.device | str) -> torch.Tensor:
+def clip_grad_norm(
+    parameters: Iterator[torch.nn.Parameter], max_norm: float, device: torch.device | str
+) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_``, also for gradients kept in CPU memory (``CPUOffloadPolicy``): the
     ranks reduce their norm on ``device``, where their process group's collectives run (NCCL has no CPU)."""
     parameters = list(parameters)

@@ -21,7 +21,9 @@ BACKENDS = ("console", "tensorboard", "wandb")
 class Tracking:
     """Fan out each step's metrics; ``resume_step`` drops JSONL lines a killed run logged after its last checkpoint."""
 
-    def __init__(self, config: DictConfig, directory: Path, print_line: Callable[[str], None] = print, resume_step: int = 0) -> None:
+    def __init__(
+        self, config: DictConfig, directory: Path, print_line: Callable[[str], None] = print, resume_step: int = 0
+    ) -> None:
         loggers = list(config.trainer.logger)
         unknown = sorted(set(loggers) - set(BACKENDS))
         if unknown:
@@ -36,7 +38,9 @@ class Tracking:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as error:
-                raise ImportError("trainer.logger has tensorboard but it is not installed: pip install tensorboard") from error
+                raise ImportError(
+                    "trainer.logger has tensorboard but it is not installed: pip install tensorboard"
+                ) from error
             self.tensorboard = SummaryWriter(str(directory / "tensorboard"))
         if "wandb" in loggers:
             try:
@@ -48,8 +52,12 @@ class Tracking:
             run_id = id_file.read_text().strip() if resume_step and id_file.exists() else secrets.token_hex(4)
             id_file.write_text(run_id)
             self.wandb = wandb.init(
-                project=config.trainer.project_name, name=config.trainer.experiment_name, id=run_id, resume="allow",
-                dir=str(directory), config=OmegaConf.to_container(config, resolve=True),
+                project=config.trainer.project_name,
+                name=config.trainer.experiment_name,
+                id=run_id,
+                resume="allow",
+                dir=str(directory),
+                config=OmegaConf.to_container(config, resolve=True),
             )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -60,7 +68,12 @@ class Tracking:
         with open(self.path, "a") as file:
             file.write(json.dumps(line) + "\n")
         if self.print_line:
-            self.print_line(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in line.items()))
+            self.print_line(
+                " ".join(
+                    f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+                    for key, value in line.items()
+                )
+            )
         if self.tensorboard:
             for key, value in metrics.items():
                 self.tensorboard.add_scalar(key, value, step)
@@ -89,7 +102,9 @@ def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float | int]
     return flat
 
 
-def plot(history: list[dict[str, Any]], path: Path, keys: tuple[str, ...] = ("critic/score/mean", "response_length/mean")) -> Path:
+def plot(
+    history: list[dict[str, Any]], path: Path, keys: tuple[str, ...] = ("critic/score/mean", "response_length/mean")
+) -> Path:
     """Draw each of ``keys`` over steps (one panel each; validation scores join the reward panel) and save a PNG."""
     import matplotlib
 
@@ -126,7 +141,9 @@ def summarize(history: list[dict[str, Any]], png: Path) -> None:
     if scores:
         window = min(5, len(scores))
         last = float(np.mean(scores[-window:]))
-        print(f"mean reward: {scores[0]:.3f} at step 1 -> {last:.3f} over the last {window} steps ({last - scores[0]:+.3f})")
+        print(
+            f"mean reward: {scores[0]:.3f} at step 1 -> {last:.3f} over the last {window} steps ({last - scores[0]:+.3f})"
+        )
     validation = [line["val/score/mean"] for line in history if "val/score/mean" in line]
     if len(validation) > 1:
         print(f"validation score: {validation[0]:.3f} -> {validation[-1]:.3f}")

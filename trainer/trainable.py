@@ -25,7 +25,12 @@ class Trainable:
     """
 
     def __init__(
-        self, model: torch.nn.Module, optim: DictConfig, total_steps: int, role: str, device: Any = "cpu",
+        self,
+        model: torch.nn.Module,
+        optim: DictConfig,
+        total_steps: int,
+        role: str,
+        device: Any = "cpu",
         offload_optimizer: bool = False,
     ) -> None:
         self.model, self.role = model, role
@@ -33,7 +38,9 @@ class Trainable:
         # not `device` under CPUOffloadPolicy: the sharded parameters, and so the optimizer state, stay on CPU
         self.parameters_device = next(model.parameters()).device
         self.offload_optimizer = offload_optimizer
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=float(optim.lr), weight_decay=float(optim.weight_decay))
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=float(optim.lr), weight_decay=float(optim.weight_decay)
+        )
         style = str(optim.get("warmup_style", "constant"))
         if style not in WARMUP_STYLES:
             raise ValueError(f"optim.warmup_style={style!r}; choose one of {sorted(WARMUP_STYLES)}")
@@ -42,12 +49,19 @@ class Trainable:
             warmup = int(float(optim.get("lr_warmup_steps_ratio", 0.0)) * total_steps)
         extra = {"min_lr_rate": float(optim.get("min_lr_ratio", 0.0))} if style == "cosine" else {}
         self.scheduler = get_scheduler(
-            WARMUP_STYLES[style], self.optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+            WARMUP_STYLES[style],
+            self.optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=total_steps,
             scheduler_specific_kwargs=extra,
         )
 
     def update(
-        self, batch: TensorDict, config: DictConfig, mini_batch_size: int, loss: Callable[[TensorDict], tuple[torch.Tensor, dict]]
+        self,
+        batch: TensorDict,
+        config: DictConfig,
+        mini_batch_size: int,
+        loss: Callable[[TensorDict], tuple[torch.Tensor, dict]],
     ) -> dict[str, float]:
         """``config.ppo_epochs`` passes over ``batch`` in mini-batches of ``mini_batch_size`` trajectories (with all
         their rows), one optimizer step each, gradients accumulated over micro-batches of
@@ -57,7 +71,9 @@ class Trainable:
         self.model.train()
         self._optimizer_state_to(self.parameters_device)
         metrics: dict[str, float] = {}
-        mini_batches = [mini for _ in range(int(config.ppo_epochs)) for mini in split_trajectories(batch, mini_batch_size)]
+        mini_batches = [
+            mini for _ in range(int(config.ppo_epochs)) for mini in split_trajectories(batch, mini_batch_size)
+        ]
         lr = self.scheduler.get_last_lr()[0]
         for mini in mini_batches:
             micro_batches = MicroBatching.for_update(config).split(mini, self.device)

@@ -41,7 +41,9 @@ def model_inputs(batch: TensorDict) -> dict[str, torch.Tensor]:
     patches = grids.prod(-1)  # 0 on the padding rows
     if patches.sum() > 0:
         inputs["image_grid_thw"] = grids[patches > 0]
-        inputs["pixel_values"] = torch.cat([pixels[: int(count)] for pixels, count in zip(batch["pixel_values"], patches.sum(-1))])
+        inputs["pixel_values"] = torch.cat(
+            [pixels[: int(count)] for pixels, count in zip(batch["pixel_values"], patches.sum(-1))]
+        )
     return inputs
 
 

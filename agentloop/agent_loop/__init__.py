@@ -9,4 +9,12 @@ from agentloop.agent_loop.single_turn import SingleTurnAgentLoop
 from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.protocol import AgentLoopOutput
 
-__all__ = ["AgentLoopBase", "AgentLoopOutput", "DictConfigWrap", "EnvAgentLoop", "SingleTurnAgentLoop", "ToolAgentLoop", "register"]
+__all__ = [
+    "AgentLoopBase",
+    "AgentLoopOutput",
+    "DictConfigWrap",
+    "EnvAgentLoop",
+    "SingleTurnAgentLoop",
+    "ToolAgentLoop",
+    "register",
+]

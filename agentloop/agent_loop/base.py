@@ -93,7 +93,9 @@ class AgentLoopBase:
         applied), rendered off the event loop; ``remove_system_prompt`` drops the template's default system
         prompt, for a delta appended to a conversation. Unlike ``encode_prompt``, nothing is truncated."""
         if images or videos:
-            raise ValueError("images and videos need a vision-language model's processor; this loop has a text tokenizer")
+            raise ValueError(
+                "images and videos need a vision-language model's processor; this loop has a text tokenizer"
+            )
         ids = await asyncio.get_running_loop().run_in_executor(None, self._render_prompt, messages, tools)
         if remove_system_prompt:
             default_system = self._default_system_prompt()
@@ -104,9 +106,15 @@ class AgentLoopBase:
     def _default_system_prompt(self) -> list[int]:
         """What the template renders for an empty conversation: the system prompt it adds on its own."""
         try:
-            return list(self.tokenizer.apply_chat_template(
-                [{}], add_generation_prompt=False, tokenize=True, return_dict=False, **self.apply_chat_template_kwargs
-            ))
+            return list(
+                self.tokenizer.apply_chat_template(
+                    [{}],
+                    add_generation_prompt=False,
+                    tokenize=True,
+                    return_dict=False,
+                    **self.apply_chat_template_kwargs,
+                )
+            )
         except Exception:  # a template that cannot render an empty message adds no system prompt of its own
             return []
 
@@ -124,28 +132,47 @@ class AgentLoopBase:
         else:
             processed, ids = [], self.encode_prompt(messages, tools=tools)
         return Trajectory(
-            self.tokenizer, messages, ids, tools, self.apply_chat_template_kwargs, self.processor, processed,
-            context=context_strategy(self.rollout.multi_turn), max_model_len=max_model_len(self.rollout),
+            self.tokenizer,
+            messages,
+            ids,
+            tools,
+            self.apply_chat_template_kwargs,
+            self.processor,
+            processed,
+            context=context_strategy(self.rollout.multi_turn),
+            max_model_len=max_model_len(self.rollout),
         )
 
     def _render_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **self.apply_chat_template_kwargs,
-        ))
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                **self.apply_chat_template_kwargs,
+            )
+        )
 
     def _cached_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         # a group's samples share their prompt: rendering it (template and tokenizer) once per worker, not once per
         # sample, takes a tenth of a worker's time off its busiest path
         try:
             template = getattr(self.tokenizer, "chat_template", None)  # which a caller may set on the same tokenizer
-            key = (id(self.tokenizer), json.dumps([messages, tools, self.apply_chat_template_kwargs, template], sort_keys=True))
+            key = (
+                id(self.tokenizer),
+                json.dumps([messages, tools, self.apply_chat_template_kwargs, template], sort_keys=True),
+            )
         except TypeError:  # something only the template can render (not JSON): no key, no cache
             return self._render_prompt(messages, tools)
         if key not in _PROMPT_RENDERS:  # the entry holds the tokenizer, so no other tokenizer can take its id
             _PROMPT_RENDERS[key] = (self.tokenizer, tuple(self._render_prompt(messages, tools)))
         return list(_PROMPT_RENDERS[key][1])
 
-    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, images: list[Any] | None = None) -> list[int]:
+    def encode_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None = None, images: list[Any] | None = None
+    ) -> list[int]:
         """Render chat messages with the generation prompt (and ``data.apply_chat_template_kwargs``) and fit
         them to ``rollout.prompt_length``.
 
@@ -155,7 +182,9 @@ class AgentLoopBase:
         """
         if self.processor is not None:
             ids = self._render_prompt(messages, tools)
-            ids = expand_image_pads(ids, images or [], self.tokenizer.convert_tokens_to_ids(self.processor.image_token), "prompt")
+            ids = expand_image_pads(
+                ids, images or [], self.tokenizer.convert_tokens_to_ids(self.processor.image_token), "prompt"
+            )
         else:
             ids = self._cached_prompt(messages, tools)
         limit = int(self.rollout.prompt_length)

@@ -35,8 +35,13 @@ class ContextStrategy:
             kept = self.rewrite(list(conversation))
         except Exception as error:
             raise ValueError(f"context strategy {self.name!r} raised {type(error).__name__}: {error}") from error
-        if not isinstance(kept, list) or not kept or not all(
-            isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message for message in kept
+        if (
+            not isinstance(kept, list)
+            or not kept
+            or not all(
+                isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message
+                for message in kept
+            )
         ):
             raise ValueError(
                 f"context strategy {self.name!r} returned {kept!r:.200}; it must return a non-empty list of "
@@ -79,7 +84,9 @@ def context_strategy(multi_turn: DictConfig) -> ContextStrategy:
     if name == "sliding_window":
         turns = int(settings.get("window_turns") or 0)
         if turns < 1:
-            raise ValueError(f"multi_turn.context.window_turns={settings.get('window_turns')!r}: sliding_window keeps at least 1 turn")
+            raise ValueError(
+                f"multi_turn.context.window_turns={settings.get('window_turns')!r}: sliding_window keeps at least 1 turn"
+            )
         return ContextStrategy(name, functools.partial(sliding_window, window_turns=turns))
     return ContextStrategy(name, _user_strategy(name))
 

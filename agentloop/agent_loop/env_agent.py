@@ -48,7 +48,9 @@ class EnvAgentLoop(AgentLoopBase):
     a row's ``env_kwargs.class_name`` still wins, and ``rollout.env`` is the fallback.
     """
 
-    def __init__(self, *, env_class: str | None = None, env_config: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *, env_class: str | None = None, env_config: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.env_class = env_class
         self.env_config = dict(env_config or {})
@@ -58,7 +60,9 @@ class EnvAgentLoop(AgentLoopBase):
         kwargs = dict((row.get("extra_info") or {}).get("env_kwargs") or {})
         class_name = kwargs.pop("class_name", None) or self.env_class or settings.class_name
         if not class_name:
-            raise ValueError("env_agent needs an environment: set rollout.env.class_name or extra_info.env_kwargs.class_name")
+            raise ValueError(
+                "env_agent needs an environment: set rollout.env.class_name or extra_info.env_kwargs.class_name"
+            )
         try:
             cls = get_class(class_name)
         except Exception as error:
@@ -76,7 +80,9 @@ class EnvAgentLoop(AgentLoopBase):
         reason: EndReason
         state = await _state_key(env)
         while True:
-            _, text, end = await trajectory.generate_turn(self.server_manager, row["request_id"], sampling_params, budget)
+            _, text, end = await trajectory.generate_turn(
+                self.server_manager, row["request_id"], sampling_params, budget
+            )
             if state is not None:
                 trajectory.turns[-1].state_key = state
             if end is not None:

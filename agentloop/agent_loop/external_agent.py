@@ -52,15 +52,21 @@ def agent_program(function: str | None, command: str | None) -> Callable[..., An
     try:
         return get_method(str(function))
     except Exception as error:
-        raise ValueError(f"actor_rollout_ref.rollout.agent.external.function={function!r} cannot be imported: {error}") from error
+        raise ValueError(
+            f"actor_rollout_ref.rollout.agent.external.function={function!r} cannot be imported: {error}"
+        ) from error
 
 
 class ExternalAgentLoop(AgentLoopBase):
     """Runs a user's agent program against a gateway session; the session's calls are the trajectory."""
 
     def __init__(
-        self, function: str | None = None, command: str | None = None, timeout_s: float | None = None,
-        max_tokens_per_call: int | None = None, **kwargs: Any,
+        self,
+        function: str | None = None,
+        command: str | None = None,
+        timeout_s: float | None = None,
+        max_tokens_per_call: int | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         settings = self.rollout.agent.external
@@ -88,7 +94,9 @@ class ExternalAgentLoop(AgentLoopBase):
         """Run the program to its end within ``timeout_s``; what it returned (None: nothing usable)."""
         try:
             if self.function:
-                return _as_reward(await asyncio.wait_for(self._call_function(base_url, session.api_key, row), self.timeout_s))
+                return _as_reward(
+                    await asyncio.wait_for(self._call_function(base_url, session.api_key, row), self.timeout_s)
+                )
             return await self._run_command(base_url, session.api_key, row)
         except asyncio.TimeoutError:
             raise TimeoutError(
@@ -104,8 +112,12 @@ class ExternalAgentLoop(AgentLoopBase):
         row_json = json.dumps(row, default=lambda value: value.tolist() if hasattr(value, "tolist") else repr(value))
         env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "AGENTLOOP_ROW": row_json}
         process = await asyncio.create_subprocess_exec(
-            *shlex.split(self.command), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
+            *shlex.split(self.command),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
         )
         try:
             stdout, stderr = await asyncio.wait_for(process.communicate(row_json.encode()), self.timeout_s)
@@ -116,7 +128,9 @@ class ExternalAgentLoop(AgentLoopBase):
                 await process.wait()
         if process.returncode != 0:
             tail = stderr.decode(errors="replace")[-STDERR_TAIL_CHARS:]
-            raise RuntimeError(f"the external agent command {self.command!r} exited with {process.returncode}; stderr tail:\n{tail}")
+            raise RuntimeError(
+                f"the external agent command {self.command!r} exited with {process.returncode}; stderr tail:\n{tail}"
+            )
         lines = stdout.decode(errors="replace").strip().splitlines()
         return _as_reward(lines[-1]) if lines else None
 
@@ -124,15 +138,20 @@ class ExternalAgentLoop(AgentLoopBase):
         trajectory = session.trajectory
         if trajectory is None or not trajectory.turns:
             raise RuntimeError("the external agent made no model call through its session's base URL (OPENAI_BASE_URL)")
-        end: EndReason = session.end if session.end in ("length", "context_length", "aborted") else (session.last_turn_end or "stop")
+        end: EndReason = (
+            session.end if session.end in ("length", "context_length", "aborted") else (session.last_turn_end or "stop")
+        )
         turns = trajectory.turns
-        output = trajectory.to_output(end_reason=end, metrics={
-            "assistant_turns": float(len(turns)),
-            "tool_calls": float(sum(turn.tool_calls for turn in turns)),
-            "model_tokens": float(sum(turn.model_tokens for turn in turns)),
-            "observation_tokens": float(sum(turn.observation_tokens for turn in turns)),
-            "gateway_calls": float(session.calls),
-        })
+        output = trajectory.to_output(
+            end_reason=end,
+            metrics={
+                "assistant_turns": float(len(turns)),
+                "tool_calls": float(sum(turn.tool_calls for turn in turns)),
+                "model_tokens": float(sum(turn.model_tokens for turn in turns)),
+                "observation_tokens": float(sum(turn.observation_tokens for turn in turns)),
+                "gateway_calls": float(session.calls),
+            },
+        )
         if returned is not None:
             output.reward_score = returned
         else:

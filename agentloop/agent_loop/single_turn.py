@@ -13,7 +13,9 @@ class SingleTurnAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         trajectory = self.start_trajectory(row)
-        output = await self.server_manager.generate(row["request_id"], trajectory.ids, sampling_params, image_data=trajectory.images or None)
+        output = await self.server_manager.generate(
+            row["request_id"], trajectory.ids, sampling_params, image_data=trajectory.images or None
+        )
         return AgentLoopOutput(
             prompt_ids=trajectory.prompt_ids,
             response_ids=output.token_ids,

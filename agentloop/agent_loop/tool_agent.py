@@ -71,7 +71,9 @@ class ToolAgentLoop(AgentLoopBase):
         """The row's trajectory (its prompt with the tools' schemas), and its interaction started, if it names one."""
         # top-level as verl's dataset passes them; rows handed to run() directly may keep them in extra_info
         verl_fields = verl_row_fields(row)
-        create_kwargs = {name: (spec or {}).get("create_kwargs", {}) for name, spec in verl_fields["tools_kwargs"].items()}
+        create_kwargs = {
+            name: (spec or {}).get("create_kwargs", {}) for name, spec in verl_fields["tools_kwargs"].items()
+        }
         trajectory = self.start_trajectory(row, self.tool_set.schemas or None)
         interaction_kwargs = dict(verl_fields["interaction_kwargs"])
         interaction = self._interaction(interaction_kwargs)
@@ -141,19 +143,27 @@ class ToolAgentLoop(AgentLoopBase):
         if error_budget is not None and sum(turn.tool_errors for turn in turns) > int(error_budget):
             return "tool_error_budget"
         shown = results + ([notice] if dropped else [])
-        return self._observe(session.trajectory, [{"role": "tool", "content": r.content(self._truncate(r.text))} for r in shown])
+        return self._observe(
+            session.trajectory, [{"role": "tool", "content": r.content(self._truncate(r.text))} for r in shown]
+        )
 
     def _observe(self, trajectory: Trajectory, messages: list[dict[str, Any]]) -> EndReason | None:
         """Append the observation, or end the trajectory (``length``, ``context_length``) when no model turn would
         fit after it."""
-        return None if trajectory.add_observation_within(messages, self.response_length) is not None else trajectory.overflow
+        return (
+            None
+            if trajectory.add_observation_within(messages, self.response_length) is not None
+            else trajectory.overflow
+        )
 
     async def _finish(self, session: _Session) -> RewardParts:
         """Release the trajectory's tools and interaction; what they scored it."""
         tool_rewards = await self.tool_set.finish(session.request_id, session.created)
         interaction_score = None
         if session.interaction is not None:
-            interaction_score = float(await session.interaction.calculate_score(session.request_id, **session.interaction_kwargs))
+            interaction_score = float(
+                await session.interaction.calculate_score(session.request_id, **session.interaction_kwargs)
+            )
             await session.interaction.finalize_interaction(session.request_id, **session.interaction_kwargs)
         return RewardParts(tools=tool_rewards, interaction=interaction_score)
 
@@ -182,7 +192,8 @@ class ToolAgentLoop(AgentLoopBase):
             return self._whole_characters(text, head[:limit], at_end=False) + "...(truncated)"
         if side == "middle":
             return (
-                self._whole_characters(text, head[: limit // 2], at_end=False) + "...(truncated)..."
+                self._whole_characters(text, head[: limit // 2], at_end=False)
+                + "...(truncated)..."
                 + self._whole_characters(text, tail[len(tail) - (limit - limit // 2) :], at_end=True)
             )
         raise ValueError(f"multi_turn.tool_response_truncate_side={side!r}; choose left, right or middle")

@@ -186,7 +186,10 @@ class Trajectory:
         self.unanswered = None
         ids = output.token_ids
         # its end-of-turn token, or another stop id of the model's (Qwen's <|endoftext|>), is no part of the text
-        if ids and (ids[-1] == self.tokenizer.eos_token_id or (output.finish_reason == "stop" and ids[-1] in self.tokenizer.all_special_ids)):
+        if ids and (
+            ids[-1] == self.tokenizer.eos_token_id
+            or (output.finish_reason == "stop" and ids[-1] in self.tokenizer.all_special_ids)
+        ):
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         self.messages.append({"role": "assistant", "content": text})
@@ -213,7 +216,9 @@ class Trajectory:
     def _where(self) -> str:
         return f"observation after response token {len(self.response_ids)}"
 
-    def _with_images_processed(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ProcessedImage]]:
+    def _with_images_processed(
+        self, messages: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[ProcessedImage]]:
         """The messages with their images as bare ``{"type": "image"}`` parts, and those images processed (once)."""
         images: list[Any] = []
         if self.processor is not None or any(isinstance(message.get("content"), list) for message in messages):
@@ -237,7 +242,10 @@ class Trajectory:
         if extends and len(self.response_ids) + len(observation.ids) >= budget:
             self.overflow = "length"
             return None
-        if self.max_model_len is not None and (len(self.ids) if extends else 0) + len(observation.ids) >= self.max_model_len:
+        if (
+            self.max_model_len is not None
+            and (len(self.ids) if extends else 0) + len(observation.ids) >= self.max_model_len
+        ):
             self.overflow = "context_length"
             return None
         self.add_observation(observation)
@@ -285,11 +293,16 @@ class Trajectory:
     def _segment(self) -> Segment:
         """The current segment, as it stands (its images' processor outputs are merged at the end, ``to_output``)."""
         return Segment(
-            list(self.prompt_ids), list(self.response_ids), list(self.response_mask), list(self.response_logprobs),
+            list(self.prompt_ids),
+            list(self.response_ids),
+            list(self.response_mask),
+            list(self.response_logprobs),
             rewritten_by=self.rewritten_by,
         )
 
-    def start_segment(self, context_ids: list[int], messages: list[dict[str, Any]], rewritten_by: str, tools: list[dict] | None) -> None:
+    def start_segment(
+        self, context_ids: list[int], messages: list[dict[str, Any]], rewritten_by: str, tools: list[dict] | None
+    ) -> None:
         """Close the current segment and start one whose context is ``context_ids`` (``messages`` rendered with
         ``tools``), for a loop whose next context is no extension of the current one (a text-only conversation).
         A current segment with no response yet is replaced rather than closed: it would train on nothing. What the
@@ -332,7 +345,9 @@ class Trajectory:
             segment, self.images = self.closed.pop()
             self.prompt_ids, self.rewritten_by = segment.prompt_ids, segment.rewritten_by
             self.response_ids, self.response_mask, self.response_logprobs = (
-                segment.response_ids, segment.response_mask, segment.response_logprobs
+                segment.response_ids,
+                segment.response_mask,
+                segment.response_logprobs,
             )
         else:
             end = len(self.response_ids) - len(observation.ids)

@@ -73,8 +73,11 @@ class Gateway:
         self.spell = token_bytes(tokenizer)
         # read once: resolving the config's interpolations costs a millisecond or two, and would for every session
         self.limits = SessionLimits(
-            budget=int(self.rollout.response_length), prompt_length=int(self.rollout.prompt_length),
-            max_model_len=max_model_len(self.rollout), max_tokens_per_call=None, deadline=0.0,
+            budget=int(self.rollout.response_length),
+            prompt_length=int(self.rollout.prompt_length),
+            max_model_len=max_model_len(self.rollout),
+            max_tokens_per_call=None,
+            deadline=0.0,
         )
         self.sessions: dict[str, Session] = {}
         self.url = ""
@@ -96,9 +99,16 @@ class Gateway:
         sample = Router.current_sample()
         if sample is None:
             raise RuntimeError("Gateway.open must be called from a sample's agent loop (within Router.running_sample)")
-        limits = dataclasses.replace(self.limits, max_tokens_per_call=max_tokens_per_call, deadline=time.monotonic() + timeout_s)
+        limits = dataclasses.replace(
+            self.limits, max_tokens_per_call=max_tokens_per_call, deadline=time.monotonic() + timeout_s
+        )
         session = Session(
-            secrets.token_urlsafe(24), secrets.token_urlsafe(24), sample, dict(sampling_params), limits, self.tokenizer,
+            secrets.token_urlsafe(24),
+            secrets.token_urlsafe(24),
+            sample,
+            dict(sampling_params),
+            limits,
+            self.tokenizer,
             self.template_kwargs,
         )
         self.sessions[session.id] = session
@@ -144,7 +154,10 @@ class Gateway:
         @app.get("/sessions/{sid}/v1/models")
         async def models(sid: str, request: Request) -> dict[str, Any]:
             self._session(sid, request)
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentloop"}]}
+            return {
+                "object": "list",
+                "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentloop"}],
+            }
 
         @app.post("/sessions/{sid}/v1/chat/completions", response_model=None)
         async def chat_completions(sid: str, body: SessionChatBody, request: Request) -> Any:
@@ -158,22 +171,32 @@ class Gateway:
             except asyncio.CancelledError:
                 if not call.cancelled():
                     raise  # this handler itself was cancelled (the client went away)
-                raise GatewayError(404, f"session {_short(sid)} ended while this call was in flight", "session_ended") from None
+                raise GatewayError(
+                    404, f"session {_short(sid)} ended while this call was in flight", "session_ended"
+                ) from None
             finally:
                 session.in_flight.discard(call)
             if body.stream:
                 include_usage = bool((body.stream_options or {}).get("include_usage"))
                 return StreamingResponse(_as_events(completion, include_usage), media_type="text/event-stream")
-            return JSONResponse(completion)  # (plain JSON already: FastAPI's own encoding of a returned dict costs more)
+            return JSONResponse(
+                completion
+            )  # (plain JSON already: FastAPI's own encoding of a returned dict costs more)
 
         return app
 
     def _session(self, sid: str, request: Request) -> Session:
         session = self.sessions.get(sid)
         if session is None:
-            raise GatewayError(404, f"no open session {_short(sid)} (unknown, or its agent finished)", "session_not_found")
-        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {session.api_key}".encode()):
-            raise GatewayError(401, "missing or wrong API key: use the session's key (OPENAI_API_KEY)", "invalid_api_key")
+            raise GatewayError(
+                404, f"no open session {_short(sid)} (unknown, or its agent finished)", "session_not_found"
+            )
+        if not hmac.compare_digest(
+            request.headers.get("authorization", "").encode(), f"Bearer {session.api_key}".encode()
+        ):
+            raise GatewayError(
+                401, "missing or wrong API key: use the session's key (OPENAI_API_KEY)", "invalid_api_key"
+            )
         if session.end is not None:
             raise GatewayError(404, f"session {_short(sid)} is over ({session.end})", "session_ended")
         if session.expired:
@@ -223,7 +246,10 @@ class Gateway:
 def _as_sent_back(message: dict[str, Any]) -> dict[str, Any]:
     """The reply as a client sends it back, as templates take it: tool call arguments as objects."""
     calls = [
-        {"type": "function", "function": {"name": call["function"]["name"], "arguments": json.loads(call["function"]["arguments"])}}
+        {
+            "type": "function",
+            "function": {"name": call["function"]["name"], "arguments": json.loads(call["function"]["arguments"])},
+        }
         for call in message.get("tool_calls") or []
     ]
     return {"role": "assistant", "content": message.get("content"), **({"tool_calls": calls} if calls else {})}

@@ -99,8 +99,11 @@ class Session:
         if trajectory is None:
             ids = self._render(messages, tools)
             if len(ids) > self.limits.prompt_length:
-                self._over("length", f"the first call's messages are {len(ids)} tokens, more than the rollout's "
-                           f"prompt_length={self.limits.prompt_length}")
+                self._over(
+                    "length",
+                    f"the first call's messages are {len(ids)} tokens, more than the rollout's "
+                    f"prompt_length={self.limits.prompt_length}",
+                )
             self.trajectory = Trajectory(
                 self.tokenizer, messages, ids, tools, self.template_kwargs, max_model_len=self.limits.max_model_len
             )
@@ -111,17 +114,25 @@ class Session:
             with _template_errors_as_bad_input():  # (the observation's delta is a render of the added messages)
                 fitted = trajectory.add_observation_within(added, self.limits.budget)
             if fitted is None:
-                self._over(trajectory.overflow, f"the session's token budget is spent: no reply fits after these "
-                           f"messages within rollout.response_length={self.limits.budget}")
+                self._over(
+                    trajectory.overflow,
+                    f"the session's token budget is spent: no reply fits after these "
+                    f"messages within rollout.response_length={self.limits.budget}",
+                )
             return trajectory.ids
         ids = self._render(messages, tools)
         if len(ids) >= self.limits.max_model_len:
-            self._over("context_length", f"the rewritten conversation is {len(ids)} tokens: no reply fits within "
-                       f"max_model_len={self.limits.max_model_len}")
+            self._over(
+                "context_length",
+                f"the rewritten conversation is {len(ids)} tokens: no reply fits within "
+                f"max_model_len={self.limits.max_model_len}",
+            )
         trajectory.start_segment(ids, messages, rewritten_by="client", tools=tools)
         return ids
 
-    def replied(self, messages: list[dict[str, Any]], reply: dict[str, Any], output: TokenOutput, end: EndReason | None) -> None:
+    def replied(
+        self, messages: list[dict[str, Any]], reply: dict[str, Any], output: TokenOutput, end: EndReason | None
+    ) -> None:
         """Note the reply returned for a call on ``messages``: the next call extends the conversation if it starts
         with both. A reply the engine aborted ends the session."""
         self.calls += 1
@@ -129,7 +140,8 @@ class Session:
         self.last_turn_end = end
         self.replied_at = time.monotonic()
         self.trajectory.turns[-1].calls = [
-            ToolCallRecord(call["function"]["name"], call["function"]["arguments"], "") for call in reply.get("tool_calls") or []
+            ToolCallRecord(call["function"]["name"], call["function"]["arguments"], "")
+            for call in reply.get("tool_calls") or []
         ]
         if end == "aborted":
             self.end = "aborted"
@@ -147,13 +159,20 @@ class Session:
             return None
         if any(_key(sent) != _key(recorded) for sent, recorded in zip(messages, known)):
             return None
-        return messages[len(known):]
+        return messages[len(known) :]
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         with _template_errors_as_bad_input():
-            return list(self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **self.template_kwargs
-            ))
+            return list(
+                self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                    **self.template_kwargs,
+                )
+            )
 
     def _over(self, end: EndReason, message: str) -> None:
         self.end = end
@@ -179,7 +198,8 @@ def _key(message: dict[str, Any]) -> str:
         return _canonical(message)
     calls = [
         ((call.get("function") or {}).get("name"), (call.get("function") or {}).get("arguments"))
-        for call in message.get("tool_calls") or [] if isinstance(call, dict)
+        for call in message.get("tool_calls") or []
+        if isinstance(call, dict)
     ]
     return _canonical(["assistant", message.get("content") or "", calls])
 

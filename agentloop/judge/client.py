@@ -57,13 +57,22 @@ class Judge:
         self.timeout_s = float(settings.timeout_s)
         self.tokenizer = tokenizer
         self.sampling = {
-            "max_new_tokens": int(settings.rollout.response_length), "temperature": float(settings.rollout.temperature),
-            "top_p": float(settings.rollout.top_p), "top_k": int(settings.rollout.top_k),
+            "max_new_tokens": int(settings.rollout.response_length),
+            "temperature": float(settings.rollout.temperature),
+            "top_p": float(settings.rollout.top_p),
+            "top_k": int(settings.rollout.top_k),
         }
-        self.router = Router(
-            servers, request_timeout_s=self.timeout_s, health_timeout_s=float(config.actor_rollout_ref.rollout.supervision.health_timeout_s),
-            role="judge server", request_timeout_key="reward_model.timeout_s",
-        ) if self.kind == "generative" else None
+        self.router = (
+            Router(
+                servers,
+                request_timeout_s=self.timeout_s,
+                health_timeout_s=float(config.actor_rollout_ref.rollout.supervision.health_timeout_s),
+                role="judge server",
+                request_timeout_key="reward_model.timeout_s",
+            )
+            if self.kind == "generative"
+            else None
+        )
         self.scorers = list(servers)  # a reward model's servers (the router holds a judge's)
         self._turn = itertools.count()
         # verl's reward_router_address (a reward model has none: its functions call score())
@@ -102,14 +111,29 @@ class Judge:
         start, timeout_s = time.perf_counter(), self.timeout_s if timeout_s is None else timeout_s
         try:
             output = await asyncio.wait_for(
-                self.router.generate(f"judge-{uuid.uuid4()}", list(prompt_ids), {**self.sampling, **sampling}), timeout_s
+                self.router.generate(f"judge-{uuid.uuid4()}", list(prompt_ids), {**self.sampling, **sampling}),
+                timeout_s,
             )
         except asyncio.TimeoutError:
-            raise self._failed(prompt_ids, start, JudgeError(f"the judge gave no answer within {timeout_s:g}s (reward_model.timeout_s)")) from None
+            raise self._failed(
+                prompt_ids,
+                start,
+                JudgeError(f"the judge gave no answer within {timeout_s:g}s (reward_model.timeout_s)"),
+            ) from None
         except Exception as error:  # its server failed, or it refused the request (too long a prompt)
-            raise self._failed(prompt_ids, start, JudgeError(f"the judge call failed: {type(error).__name__}: {error}")) from error
+            raise self._failed(
+                prompt_ids, start, JudgeError(f"the judge call failed: {type(error).__name__}: {error}")
+            ) from error
         text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
-        record(JudgeCall(self.tokenizer.decode(prompt_ids), text, len(prompt_ids), len(output.token_ids), time.perf_counter() - start))
+        record(
+            JudgeCall(
+                self.tokenizer.decode(prompt_ids),
+                text,
+                len(prompt_ids),
+                len(output.token_ids),
+                time.perf_counter() - start,
+            )
+        )
         return output
 
     async def chat(self, messages: list[dict[str, Any]], timeout_s: float | None = None, **sampling: Any) -> str:
@@ -124,7 +148,9 @@ class Judge:
             grade = read(text)
             return float(await grade if inspect.isawaitable(grade) else grade)
         except Exception as error:
-            failure = error if isinstance(error, JudgeError) else JudgeUnparsable(text, f"{type(error).__name__}: {error}")
+            failure = (
+                error if isinstance(error, JudgeError) else JudgeUnparsable(text, f"{type(error).__name__}: {error}")
+            )
             call = last_call()
             if call is not None:
                 call.error = str(failure)
@@ -142,17 +168,36 @@ class Judge:
         try:
             value = float(await asyncio.wait_for(server.score.remote(ids), self.timeout_s))
         except asyncio.TimeoutError:
-            raise self._failed(ids, start, JudgeError(f"the reward model gave no score within reward_model.timeout_s={self.timeout_s:g}s")) from None
+            raise self._failed(
+                ids,
+                start,
+                JudgeError(f"the reward model gave no score within reward_model.timeout_s={self.timeout_s:g}s"),
+            ) from None
         except Exception as error:
-            raise self._failed(ids, start, JudgeError(f"the reward model failed: {type(error).__name__}: {error}")) from error
+            raise self._failed(
+                ids, start, JudgeError(f"the reward model failed: {type(error).__name__}: {error}")
+            ) from error
         record(JudgeCall(self.tokenizer.decode(ids), repr(value), len(ids), 0, time.perf_counter() - start))
         return value
 
     # ------------------------------------------------------------------
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
+        )
 
     def _failed(self, prompt_ids: list[int], start: float, error: JudgeError) -> JudgeError:
-        record(JudgeCall(self.tokenizer.decode(prompt_ids), error.text, len(prompt_ids), 0, time.perf_counter() - start, str(error)))
+        record(
+            JudgeCall(
+                self.tokenizer.decode(prompt_ids),
+                error.text,
+                len(prompt_ids),
+                0,
+                time.perf_counter() - start,
+                str(error),
+            )
+        )
         return error

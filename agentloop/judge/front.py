@@ -89,8 +89,10 @@ class JudgeFront:
         token, _, rest = path[len(PREFIX) :].partition("/") if path.startswith(PREFIX) else ("", "", "")
         entry = self.samples.get(token)
         if entry is None:
-            message = ("no sample is scored at this address: a sample's reward_router_address serves while its reward "
-                       "is computed")
+            message = (
+                "no sample is scored at this address: a sample's reward_router_address serves while its reward "
+                "is computed"
+            )
             refusal = JSONResponse(status_code=404, content={"error": {"message": message, "code": 404}})
             return await refusal(scope, receive, send)
         sample, calls = entry
@@ -124,9 +126,13 @@ class JudgeFront:
             choice = completion_choice(output, prompt, tokenizer, parse_tool_calls if body.tools else None, spell)
             usage = {"prompt_tokens": len(prompt), "completion_tokens": len(output.token_ids)}
             return {
-                "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.model or self.model_name, "choices": [choice],
-                "usage": {**usage, "total_tokens": sum(usage.values())}, "prompt_token_ids": prompt,
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.model or self.model_name,
+                "choices": [choice],
+                "usage": {**usage, "total_tokens": sum(usage.values())},
+                "prompt_token_ids": prompt,
             }
 
         generation = APIRouter()

@@ -33,7 +33,9 @@ def judge_kind(config: DictConfig) -> str:
         return str(settings.kind)
     manifest = Path(str(settings.model.path or config.actor_rollout_ref.model.path)) / "config.json"
     architectures = json.loads(manifest.read_text()).get("architectures") or [] if manifest.is_file() else []
-    return "discriminative" if any(name.endswith("ForSequenceClassification") for name in architectures) else "generative"
+    return (
+        "discriminative" if any(name.endswith("ForSequenceClassification") for name in architectures) else "generative"
+    )
 
 
 def judge_server_config(config: DictConfig) -> DictConfig:
@@ -43,7 +45,9 @@ def judge_server_config(config: DictConfig) -> DictConfig:
     if settings.kind not in KINDS:
         raise ValueError(f"reward_model.kind={settings.kind!r}: choose one of {list(KINDS)}")
     if settings.kind == "discriminative" and not settings.model.path:
-        raise ValueError("reward_model.kind=discriminative needs reward_model.model.path (a sequence-classification checkpoint)")
+        raise ValueError(
+            "reward_model.kind=discriminative needs reward_model.model.path (a sequence-classification checkpoint)"
+        )
     derived = copy.deepcopy(config)
     derived.actor_rollout_ref.model.path = settings.model.path or config.actor_rollout_ref.model.path
     rollout = derived.actor_rollout_ref.rollout
@@ -59,7 +63,9 @@ def judge_server_config(config: DictConfig) -> DictConfig:
     return derived
 
 
-def start_judge_pool(config: DictConfig, on_replaced: Callable[[int, ray.actor.ActorHandle], None]) -> ServerPool | None:
+def start_judge_pool(
+    config: DictConfig, on_replaced: Callable[[int, ray.actor.ActorHandle], None]
+) -> ServerPool | None:
     """The judge's servers, loading (``ServerPool.wait_until_serving``), or None when ``reward_model.enable`` is off.
     Sets ``config.reward_model.kind`` to the kind served (``auto`` resolved), which the workers read."""
     if not config.reward_model.enable:
@@ -67,5 +73,9 @@ def start_judge_pool(config: DictConfig, on_replaced: Callable[[int, ray.actor.A
     config.reward_model.kind = judge_kind(config)
     server_class = RolloutServer if config.reward_model.kind == "generative" else RewardModelServer
     return ServerPool(
-        judge_server_config(config), on_replaced, server_class=server_class, role="judge server", section="reward_model.rollout"
+        judge_server_config(config),
+        on_replaced,
+        server_class=server_class,
+        role="judge server",
+        section="reward_model.rollout",
     )

@@ -24,9 +24,13 @@ class RewardModelServer:
         torch.set_num_threads(max(1, int(rollout.resources_per_server.get("CPU", 1))))
         self.rank = rank
         self.device = resolve_device(str(rollout.hf.device))
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            config.actor_rollout_ref.model.path, dtype=getattr(torch, str(rollout.dtype))
-        ).to(self.device).eval()
+        self.model = (
+            AutoModelForSequenceClassification.from_pretrained(
+                config.actor_rollout_ref.model.path, dtype=getattr(torch, str(rollout.dtype))
+            )
+            .to(self.device)
+            .eval()
+        )
         self._busy = BusyClock()
 
     async def score(self, ids: list[int]) -> float:

@@ -72,4 +72,6 @@ def load_processor(path: str) -> Any | None:
         processor = None
     if getattr(processor, "image_processor", None) is not None:
         return processor
-    return ImageTextProcessor(image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=AutoTokenizer.from_pretrained(path))
+    return ImageTextProcessor(
+        image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=AutoTokenizer.from_pretrained(path)
+    )

@@ -15,7 +15,14 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agentloop.images import ProcessedImage, expand_image_pads, image_inputs, mrope_positions, process_images, split_images
+from agentloop.images import (
+    ProcessedImage,
+    expand_image_pads,
+    image_inputs,
+    mrope_positions,
+    process_images,
+    split_images,
+)
 from agentloop.models.cache import build_once
 from agentloop.models.loading import load_processor, model_class, without_vision_tokens
 
@@ -37,8 +44,16 @@ def assistant_token_mask(ids: list[int], assistant_header: list[int], end_id: in
 
 
 def finetune(
-    base_path: str, texts: list[str], out_dir: str, *, steps: int = 300, lr: float = 3e-3, seed: int = 0,
-    batch_size: int | None = None, desc: str = "fine-tuning", stop_margin: float | None = None,
+    base_path: str,
+    texts: list[str],
+    out_dir: str,
+    *,
+    steps: int = 300,
+    lr: float = 3e-3,
+    seed: int = 0,
+    batch_size: int | None = None,
+    desc: str = "fine-tuning",
+    stop_margin: float | None = None,
 ) -> str:
     """Train ``base_path`` on ``texts`` (AdamW) and save a new checkpoint to ``out_dir``.
 
@@ -50,13 +65,21 @@ def finetune(
     same directory.
     """
     return build_once(
-        Path(out_dir), lambda directory: _train(base_path, texts, directory, steps, lr, seed, batch_size, desc, stop_margin)
+        Path(out_dir),
+        lambda directory: _train(base_path, texts, directory, steps, lr, seed, batch_size, desc, stop_margin),
     )
 
 
 def _train(
-    base_path: str, texts: list[str], directory: Path, steps: int, lr: float, seed: int, batch_size: int | None,
-    desc: str, stop_margin: float | None,
+    base_path: str,
+    texts: list[str],
+    directory: Path,
+    steps: int,
+    lr: float,
+    seed: int,
+    batch_size: int | None,
+    desc: str,
+    stop_margin: float | None,
 ) -> None:
     if stop_margin is not None and batch_size:
         raise ValueError("stop_margin needs full batches (batch_size=None): it judges every text at once")
@@ -83,7 +106,9 @@ def _train(
     for step in tqdm(range(steps), desc=desc, unit="step", dynamic_ncols=True):
         rows = order[step * batch_size : (step + 1) * batch_size] if batch_size else torch.arange(len(encoded))
         width = int(attention[rows].sum(-1).max())
-        output = model(input_ids=input_ids[rows, :width], attention_mask=attention[rows, :width], labels=labels[rows, :width])
+        output = model(
+            input_ids=input_ids[rows, :width], attention_mask=attention[rows, :width], labels=labels[rows, :width]
+        )
         if stop_margin is not None and _smallest_margin(output.logits, labels[rows, :width]) >= stop_margin:
             break
         optimizer.zero_grad()
@@ -107,8 +132,15 @@ def _smallest_margin(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def finetune_chats(
-    base_path: str, chats: list[list[dict[str, Any]]], out_dir: str, *, steps: int = 300, lr: float = 3e-3, seed: int = 0,
-    batch_size: int = 16, desc: str = "fine-tuning",
+    base_path: str,
+    chats: list[list[dict[str, Any]]],
+    out_dir: str,
+    *,
+    steps: int = 300,
+    lr: float = 3e-3,
+    seed: int = 0,
+    batch_size: int = 16,
+    desc: str = "fine-tuning",
 ) -> str:
     """``finetune`` for a vision-language model: train ``base_path`` on chat conversations whose messages may
     carry images (content parts ``{"type": "image", "image": <PIL image, bytes, path...>}``, see
@@ -119,11 +151,20 @@ def finetune_chats(
     softmax as the engines and the trainer keep them. Deterministic for a seed; nothing is trained when
     ``out_dir`` already holds a checkpoint (callers key it by what they train on). Returns ``out_dir``.
     """
-    return build_once(Path(out_dir), lambda directory: _train_chats(base_path, chats, directory, steps, lr, seed, batch_size, desc))
+    return build_once(
+        Path(out_dir), lambda directory: _train_chats(base_path, chats, directory, steps, lr, seed, batch_size, desc)
+    )
 
 
 def _train_chats(
-    base_path: str, chats: list[list[dict[str, Any]]], directory: Path, steps: int, lr: float, seed: int, batch_size: int, desc: str
+    base_path: str,
+    chats: list[list[dict[str, Any]]],
+    directory: Path,
+    steps: int,
+    lr: float,
+    seed: int,
+    batch_size: int,
+    desc: str,
 ) -> None:
     torch.manual_seed(seed)
     processor = load_processor(base_path)
@@ -134,15 +175,22 @@ def _train_chats(
     pad_id = int(model.config.image_token_id)
     end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     header = tokenizer.encode("<|im_start|>assistant\n")
-    samples = [_encode_chat(processor, chat, pad_id, header, end_id, f"finetune_chats: conversation {i}") for i, chat in enumerate(chats)]
+    samples = [
+        _encode_chat(processor, chat, pad_id, header, end_id, f"finetune_chats: conversation {i}")
+        for i, chat in enumerate(chats)
+    ]
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     order = torch.cat([torch.randperm(len(samples)) for _ in range(steps * batch_size // len(samples) + 1)])
     for step in tqdm(range(steps), desc=desc, unit="step", dynamic_ncols=True):
-        inputs, labels = _collate(model, [samples[int(i)] for i in order[step * batch_size : (step + 1) * batch_size]], tokenizer.pad_token_id)
+        inputs, labels = _collate(
+            model, [samples[int(i)] for i in order[step * batch_size : (step + 1) * batch_size]], tokenizer.pad_token_id
+        )
         logits = without_vision_tokens(model(**inputs).logits, model.config)  # as the trainer scores
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+        )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -150,7 +198,9 @@ def _train_chats(
 
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    processor.image_processor.save_pretrained(directory)  # the joined processor itself cannot be saved without torchvision
+    processor.image_processor.save_pretrained(
+        directory
+    )  # the joined processor itself cannot be saved without torchvision
 
 
 def _encode_chat(
@@ -159,11 +209,15 @@ def _encode_chat(
     """A conversation's expanded ids, its assistant-token mask and its processed images."""
     messages, images = split_images(chat, None, where)
     processed = process_images(processor, images, where)
-    ids = expand_image_pads(processor.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False), processed, pad_id, where)
+    ids = expand_image_pads(
+        processor.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False), processed, pad_id, where
+    )
     return ids, assistant_token_mask(ids, header, end_id), processed
 
 
-def _collate(model: Any, samples: list[tuple[list[int], list[int], list[ProcessedImage]]], pad_token_id: int) -> tuple[dict[str, Any], torch.Tensor]:
+def _collate(
+    model: Any, samples: list[tuple[list[int], list[int], list[ProcessedImage]]], pad_token_id: int
+) -> tuple[dict[str, Any], torch.Tensor]:
     """Right-padded model inputs for ``samples`` (images concatenated in order, M-RoPE positions) and labels."""
     width = max(len(ids) for ids, _, _ in samples)
     input_ids = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
@@ -177,5 +231,7 @@ def _collate(model: Any, samples: list[tuple[list[int], list[int], list[Processe
     images = [image for _, _, processed in samples for image in processed]
     if images:
         inputs.update(image_inputs(images))
-    inputs["position_ids"] = mrope_positions(model, input_ids, inputs.get("image_grid_thw"), attention)  # as the rollout's batches
+    inputs["position_ids"] = mrope_positions(
+        model, input_ids, inputs.get("image_grid_thw"), attention
+    )  # as the rollout's batches
     return inputs, labels

@@ -35,7 +35,11 @@ SPECIAL_TOKENS = [
 VOCAB_SIZE = 1024
 # the decoder's size, shared by the tiny vision-language model's language part
 DECODER_SIZE = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
     max_position_embeddings=4096,
 )
 # The text model's attention: as many parameters as DECODER_SIZE's 4 heads of 16 (2 key-value heads), in heads of 32,
@@ -121,8 +125,6 @@ def build_tiny_model(directory: Path, seed: int = 0) -> None:
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

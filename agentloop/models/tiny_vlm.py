@@ -46,7 +46,9 @@ def build_tiny_vlm(directory: Path, seed: int = 0) -> None:
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=None,
         ),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2),
+        vision_config=dict(
+            depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2
+        ),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -59,4 +61,6 @@ def build_tiny_vlm(directory: Path, seed: int = 0) -> None:
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, merge_size=2, temporal_patch_size=2).save_pretrained(directory)
+    Qwen2VLImageProcessorPil(
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, merge_size=2, temporal_patch_size=2
+    ).save_pretrained(directory)

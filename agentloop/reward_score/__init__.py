@@ -25,7 +25,9 @@ def has_scorer(data_source: str | None) -> bool:
     return data_source in SCORERS
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None, **kwargs: Any) -> float:
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None, **kwargs: Any
+) -> float:
     """Score ``solution_str`` with the built-in scorer for ``data_source``."""
     scorer = SCORERS.get(data_source)
     if scorer is None:

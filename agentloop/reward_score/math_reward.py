@@ -59,8 +59,18 @@ def is_equiv(first: str | None, second: str | None) -> bool:
 
 def strip_string(answer: str) -> str:
     """The normalised form of a LaTeX answer (see the module docstring)."""
-    for old, new in (("\n", ""), ("\\!", ""), ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"),
-                     ("\\left", ""), ("\\right", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\$", "")):
+    for old, new in (
+        ("\n", ""),
+        ("\\!", ""),
+        ("\\\\", "\\"),
+        ("tfrac", "frac"),
+        ("dfrac", "frac"),
+        ("\\left", ""),
+        ("\\right", ""),
+        ("^{\\circ}", ""),
+        ("^\\circ", ""),
+        ("\\$", ""),
+    ):
         answer = answer.replace(old, new)
     answer = _drop_units(answer)
     answer = answer.replace("\\%", "")

@@ -39,7 +39,9 @@ class CallBatcher:
         return calls
 
     def _send(self, slot: ServerSlot) -> None:
-        queued = [(request, future) for request, future in self._queued.pop(slot, []) if not future.done()]  # not those cancelled meanwhile
+        queued = [
+            (request, future) for request, future in self._queued.pop(slot, []) if not future.done()
+        ]  # not those cancelled meanwhile
         if not queued:
             return
         self.calls += 1
@@ -58,7 +60,9 @@ class CallBatcher:
         task.add_done_callback(self._answering.discard)
         unsettled = len(futures)
 
-        def settled(_: asyncio.Future[TokenOutput]) -> None:  # all timed out or cancelled: stop waiting on a hung server
+        def settled(
+            _: asyncio.Future[TokenOutput],
+        ) -> None:  # all timed out or cancelled: stop waiting on a hung server
             nonlocal unsettled
             unsettled -= 1
             if not unsettled:
@@ -79,7 +83,9 @@ async def _answer_many(answers: ray.ObjectRefGenerator, futures: list[asyncio.Fu
     try:
         async for answer in answers:
             for position, outcome in await answer:
-                settle(futures[position], outcome.as_instanceof_cause() if isinstance(outcome, RayTaskError) else outcome)
+                settle(
+                    futures[position], outcome.as_instanceof_cause() if isinstance(outcome, RayTaskError) else outcome
+                )
     except Exception as error:  # the server died: every request it had not answered fails with that
         for future in futures:
             settle(future, error)

@@ -31,7 +31,10 @@ class Placement:
     """The rank each session is pinned to, chosen least in flight with sticky sessions and group affinity."""
 
     def __init__(
-        self, servers: list[ray.actor.ActorHandle], max_sessions: int, group_affinity_slack: int | None,
+        self,
+        servers: list[ray.actor.ActorHandle],
+        max_sessions: int,
+        group_affinity_slack: int | None,
         role: str = "rollout server",
     ) -> None:
         self.slots = [ServerSlot(rank, handle) for rank, handle in enumerate(servers)]
@@ -56,7 +59,11 @@ class Placement:
         slot = min(live, key=lambda candidate: candidate.in_flight)
         if group is not None and self.group_affinity_slack is not None:
             home = self.group_home.get(group)
-            if home is not None and self.slots[home].alive and self.slots[home].in_flight - slot.in_flight <= self.group_affinity_slack:
+            if (
+                home is not None
+                and self.slots[home].alive
+                and self.slots[home].in_flight - slot.in_flight <= self.group_affinity_slack
+            ):
                 slot = self.slots[home]
             else:
                 self.group_home[group] = slot.rank

@@ -129,7 +129,9 @@ class Router:
         sample = _running.get()
         runs = self.versions.begin(request_id, sample.request_id if sample else None)
         output, versions, interruptions = await generate_continued(
-            lambda ids, params: self._generate_once(request_id, ids, params, image_data or None, sample), prompt_ids, sampling_params
+            lambda ids, params: self._generate_once(request_id, ids, params, image_data or None, sample),
+            prompt_ids,
+            sampling_params,
         )
         runs.extend(versions)
         self.stats.interrupted_requests += interruptions
@@ -153,7 +155,11 @@ class Router:
         return stats
 
     async def _generate_once(
-        self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any], images: list[ProcessedImage] | None,
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        images: list[ProcessedImage] | None,
         sample: RunningSample | None,
     ) -> TokenOutput:
         while True:
@@ -210,8 +216,10 @@ class Router:
                     if not any(other.alive for other in self.placement.slots if other is not slot):
                         continue  # nowhere to re-home to: the turns wait on (request_timeout_s bounds them)
                     suspected, slot.alive = True, False
-                    hung = ServerHung(f"{self.role} {slot.rank} answered no probe within {timeout:g}s "
-                                      "(actor_rollout_ref.rollout.supervision.health_timeout_s)")
+                    hung = ServerHung(
+                        f"{self.role} {slot.rank} answered no probe within {timeout:g}s "
+                        "(actor_rollout_ref.rollout.supervision.health_timeout_s)"
+                    )
                     for answer in list(slot.waiting):
                         settle(answer, hung)
                     continue

@@ -14,7 +14,12 @@ import ray
 
 def node_info(rank: int) -> dict[str, Any]:
     """Where the calling server runs: its rank, Ray node id, host name and process id."""
-    return {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(), "pid": os.getpid()}
+    return {
+        "rank": rank,
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+    }
 
 
 class BusyClock:

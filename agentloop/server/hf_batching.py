@@ -27,7 +27,9 @@ def tested_range() -> str:
         requirements = metadata.requires("agentloop") or []
     except metadata.PackageNotFoundError:  # run from a source tree that was never installed
         return "the range in agentloop's pyproject.toml"
-    declared = next((r for r in requirements if r.replace(" ", "").startswith("transformers") and "extra" not in r), None)
+    declared = next(
+        (r for r in requirements if r.replace(" ", "").startswith("transformers") and "extra" not in r), None
+    )
     return declared.replace(" ", "") if declared else "the range in agentloop's pyproject.toml"
 
 
@@ -140,7 +142,9 @@ class _SkippedWhenNeutral(ContinuousBatchingLogitsProcessor):
     vocabulary. Its full-vocabulary sorts would change nothing then, yet cost on CPU about a fifth of a
     small model's decoding step."""
 
-    def __init__(self, warper: ContinuousBatchingLogitsProcessor, is_neutral: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+    def __init__(
+        self, warper: ContinuousBatchingLogitsProcessor, is_neutral: Callable[[torch.Tensor, int], torch.Tensor]
+    ) -> None:
         self.warper, self.is_neutral = warper, is_neutral
         self.supported_kwargs, self.ignored_kwargs = warper.supported_kwargs, warper.ignored_kwargs
 
@@ -171,7 +175,9 @@ def skip_neutral_warpers(manager: Any) -> None:
     if manager.model.device.type != "cpu":
         return
     if not hasattr(manager, "logit_processor"):
-        raise RuntimeError(f"transformers {transformers.__version__}'s continuous-batching manager has no logit_processor")
+        raise RuntimeError(
+            f"transformers {transformers.__version__}'s continuous-batching manager has no logit_processor"
+        )
     processors = manager.logit_processor.logits_processor
     for index, processor in enumerate(processors):
         if type(processor) in _NEUTRAL:
@@ -191,7 +197,9 @@ def sample_by_inverse_cdf(manager: Any) -> None:
         original = runner._sample
 
         def sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
-            if not (runner.do_sample and runner.return_logprobs):  # the engine always sets both; anything else as before
+            if not (
+                runner.do_sample and runner.return_logprobs
+            ):  # the engine always sets both; anything else as before
                 return original(scores, output_ids)
             probs = torch.softmax(scores[0], dim=-1)  # [requests, vocabulary]
             tokens = inverse_cdf_sample(probs)
@@ -213,6 +221,8 @@ def inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:]
     if not bool(torch.isfinite(total).all() and (total > 0).all()):
-        raise RuntimeError("the next-token probabilities of a request hold inf or nan (or are all zero): the model's logits are not finite")
+        raise RuntimeError(
+            "the next-token probabilities of a request hold inf or nan (or are all zero): the model's logits are not finite"
+        )
     draw = (1.0 - torch.rand(cdf.size(0), 1, dtype=cdf.dtype)) * total
     return torch.searchsorted(cdf, draw).squeeze(1)

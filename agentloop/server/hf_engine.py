@@ -22,7 +22,14 @@ from transformers import GenerationConfig
 
 from agentloop.images import ProcessedImage
 from agentloop.models.loading import is_vision_language, model_class, vision_token_ids
-from agentloop.protocol import FinishReason, TokenOutput, finish_reason_of, id_list, validate_prompt, validate_sampling_params
+from agentloop.protocol import (
+    FinishReason,
+    TokenOutput,
+    finish_reason_of,
+    id_list,
+    validate_prompt,
+    validate_sampling_params,
+)
 from agentloop.server import hf_batching, hf_self_test, hf_varlen
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.hf_batching import ContinuousBatchingConfig
@@ -34,7 +41,9 @@ logger = logging.getLogger(__name__)
 # how often a waiting request checks that the generation thread is still alive
 WATCHDOG_S = 1.0
 # the manager warns at every start that it does not know the token suppression a VLM's engine adds; it is stateless
-logging.getLogger("ContinuousBatchingLogger").addFilter(lambda record: "SuppressTokensLogitsProcessor" not in record.getMessage())
+logging.getLogger("ContinuousBatchingLogger").addFilter(
+    lambda record: "SuppressTokensLogitsProcessor" not in record.getMessage()
+)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -66,9 +75,11 @@ class HFEngine:
         attention: str = "auto",
     ) -> None:
         self.device = resolve_device(device)
-        self.model = model_class(model_path).from_pretrained(
-            model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
-        ).to(self.device)
+        self.model = (
+            model_class(model_path)
+            .from_pretrained(model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+            .to(self.device)
+        )
         self._varlen = hf_varlen.wanted(attention, self.model)
         text_config = self.model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
@@ -82,7 +93,10 @@ class HFEngine:
         self._request_counter = itertools.count()
         self._requests: dict[str, Request] = {}  # by engine id: the caller's request id and a counter
         self._batcher = None
-        self._state, self._failure = EngineState.ASLEEP, None  # the failure: why a broken engine's manager would not start
+        self._state, self._failure = (
+            EngineState.ASLEEP,
+            None,
+        )  # the failure: why a broken engine's manager would not start
         self._watchdog: asyncio.Task | None = None
         hf_self_test.check(self, start=self._start_batcher, stop=self._stop_batcher)  # a broken release fails here
 
@@ -134,7 +148,9 @@ class HFEngine:
             auto_switch_to_flash=False,
         )
         self.model.set_attn_implementation("sdpa")  # the batching manager is built only on its own attention names
-        manager = self.model.init_continuous_batching(generation_config=generation_config, continuous_batching_config=cb_config)
+        manager = self.model.init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=cb_config
+        )
         if self._varlen:  # before start(): the manager's thread decides then whether to build dense masks
             self.model.set_attn_implementation(hf_varlen.NAME)
         hf_batching.observe_prefix_hits(manager, self._record_prefix_hit)
@@ -154,7 +170,9 @@ class HFEngine:
             return
         partial = hf_batching.partial_outputs(self._batcher, list(self._requests))
         for engine_id in list(self._requests):
-            self._answer_unfinished(engine_id, partial.get(engine_id, ([], [])), "interrupted" if interrupt else "abort")
+            self._answer_unfinished(
+                engine_id, partial.get(engine_id, ([], [])), "interrupted" if interrupt else "abort"
+            )
         self._batcher.stop(block=True, timeout=30, keep_for_next_session=False, hard_stop=True)
         self._batcher, self._state = None, EngineState.ASLEEP  # (transformers' stop empties the accelerator's cache)
 
@@ -171,7 +189,11 @@ class HFEngine:
     # ------------------------------------------------------------------ generation
 
     async def generate(
-        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, images: list[ProcessedImage] | None = None
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        images: list[ProcessedImage] | None = None,
     ) -> TokenOutput:
         """Generate from exact prompt ids (with ``images``: one image's pads each, expanded); return the sampled
         ids, their logprobs and why it stopped."""
@@ -230,7 +252,12 @@ class HFEngine:
         return manager.pause() if manager is not None and manager.is_running() else contextlib.nullcontext()
 
     async def _generate_with_images(
-        self, prompt_ids: list[int], images: list[ProcessedImage], params: dict[str, Any], request_id: str, stop_ids: list[int]
+        self,
+        prompt_ids: list[int],
+        images: list[ProcessedImage],
+        params: dict[str, Any],
+        request_id: str,
+        stop_ids: list[int],
     ) -> TokenOutput:
         engine_id = f"{request_id}#{next(self._request_counter)}"
         max_new_tokens = int(params["max_new_tokens"])
@@ -259,7 +286,9 @@ class HFEngine:
         manager = self._batcher
         if manager is None or hf_batching.is_healthy(manager):
             return
-        logger.error("the continuous-batching thread died; failing its %d request(s) and restarting it", len(self._requests))
+        logger.error(
+            "the continuous-batching thread died; failing its %d request(s) and restarting it", len(self._requests)
+        )
         for engine_id, request in list(self._requests.items()):
             request.fail(RuntimeError(f"request {engine_id} failed: the engine's generation thread died"))
         self._batcher = None

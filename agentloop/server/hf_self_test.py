@@ -46,8 +46,12 @@ def check(engine: Any, start: Callable[[], None], stop: Callable[[], None]) -> N
         outcome = _in_own_thread(_exercise(engine))
         outcome.result(timeout=TIMEOUT_S)
     except Exception as error:
-        if outcome is not None and not outcome.done():  # a request hung in the batching thread: stopping would wait on it
-            raise SelfTestFailed(failure_message(f"the self-test did not finish in {TIMEOUT_S:.0f}s (a request hung)")) from None
+        if (
+            outcome is not None and not outcome.done()
+        ):  # a request hung in the batching thread: stopping would wait on it
+            raise SelfTestFailed(
+                failure_message(f"the self-test did not finish in {TIMEOUT_S:.0f}s (a request hung)")
+            ) from None
         with contextlib.suppress(Exception):
             stop()
         if isinstance(error, SelfTestFailed):
@@ -93,7 +97,9 @@ async def _exercise(engine: Any) -> None:
     continued = first + outputs[0].token_ids
     output = await engine.generate(continued, sampled, "self-test-c")
     if output.cached_tokens < page:
-        raise AssertionError(f"a continuation of a {len(first)}-token prompt found {output.cached_tokens} tokens in the prefix cache")
+        raise AssertionError(
+            f"a continuation of a {len(first)}-token prompt found {output.cached_tokens} tokens in the prefix cache"
+        )
     checks.append((continued, output, sampled))
     checks.append((second, await _aborted(engine, second, {**sampled, "max_new_tokens": 64}), sampled))
     for prompt, output, params in checks:
@@ -148,7 +154,9 @@ def _compare(engine: Any, prompt: list[int], output: TokenOutput, params: dict) 
     if params.get("top_k", -1) != -1:
         kth = scores.topk(params["top_k"], dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
-    expected = torch.log_softmax(scores, dim=-1).gather(1, torch.tensor(output.token_ids, device=model.device)[:, None])[:, 0]
+    expected = torch.log_softmax(scores, dim=-1).gather(
+        1, torch.tensor(output.token_ids, device=model.device)[:, None]
+    )[:, 0]
     difference = (torch.tensor(output.log_probs, device=model.device) - expected).abs().max().item()
     if not difference <= TOLERANCE.get(model.dtype, 0.25):
         raise AssertionError(f"the engine's logprobs differ from a plain forward pass by up to {difference:.3g}")

@@ -31,7 +31,9 @@ def wanted(attention: str, model: PreTrainedModel) -> bool:
         raise ValueError(f"rollout.hf.attention must be auto or sdpa, got {attention!r}")
     config = model.config.get_text_config()
     plain = set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"}
-    plain = plain and getattr(config, "attn_logit_softcapping", None) is None and not hasattr(model.config, "vision_config")
+    plain = (
+        plain and getattr(config, "attn_logit_softcapping", None) is None and not hasattr(model.config, "vision_config")
+    )
     return attention == "auto" and model.device.type == "cpu" and plain
 
 
@@ -59,7 +61,12 @@ def varlen_attention_forward(
 
 
 def varlen_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, scaling: float | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_lens_q: torch.Tensor,
+    cu_seq_lens_k: torch.Tensor,
+    scaling: float | None,
 ) -> torch.Tensor:
     """Causal attention of packed requests (``query`` ``[heads, Tq, d]``, ``key``/``value`` ``[kv_heads, Tk, d]``;
     request i's queries are the last of its keys); returns ``[Tq, heads, d]``."""
@@ -69,7 +76,9 @@ def varlen_attention(
     decoding = lengths_q == 1
     for group in (decoding, ~decoding & (lengths_q > 0)):
         if bool(group.any()):
-            _attend(query, key, value, starts_q[group], lengths_q[group], starts_k[group], lengths_k[group], scaling, output)
+            _attend(
+                query, key, value, starts_q[group], lengths_q[group], starts_k[group], lengths_k[group], scaling, output
+            )
     return output
 
 

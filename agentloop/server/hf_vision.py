@@ -54,7 +54,9 @@ class LaneResult:
 class ImageLane:
     """Serves requests with images on ``model`` (a Qwen-VL ``...ForConditionalGeneration``)."""
 
-    def __init__(self, model: Any, seed: int, hold_batching: Callable[[], ContextManager], max_sessions: int = 256) -> None:
+    def __init__(
+        self, model: Any, seed: int, hold_batching: Callable[[], ContextManager], max_sessions: int = 256
+    ) -> None:
         self.model = model
         self.hold_batching = hold_batching
         self.image_token_id = int(model.config.image_token_id)
@@ -70,8 +72,14 @@ class ImageLane:
         self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     async def generate(
-        self, engine_id: str, session: str, prompt_ids: list[int], images: list[ProcessedImage], params: dict[str, Any],
-        stop_ids: list[int], max_new_tokens: int,
+        self,
+        engine_id: str,
+        session: str,
+        prompt_ids: list[int],
+        images: list[ProcessedImage],
+        params: dict[str, Any],
+        stop_ids: list[int],
+        max_new_tokens: int,
     ) -> LaneResult:
         """Sample up to ``max_new_tokens`` after ``prompt_ids`` (expanded image pads) with ``images``."""
         epoch = self.epoch
@@ -170,7 +178,9 @@ class ImageLane:
         entry = _SessionCache(list(prompt_ids), [image.digest for image in images], cache)
         return entry, reuse, logits, positions[:, :, -1:]
 
-    def _reusable(self, prompt_ids: list[int], images: list[ProcessedImage], entry: _SessionCache | None) -> tuple[int, int]:
+    def _reusable(
+        self, prompt_ids: list[int], images: list[ProcessedImage], entry: _SessionCache | None
+    ) -> tuple[int, int]:
         """How many leading prompt tokens the cache holds correctly, and the first image after them."""
         if entry is None:
             return 0, 0

@@ -54,7 +54,11 @@ class RolloutServer:
         return node_info(self.rank)
 
     async def generate(
-        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, images: list[ProcessedImage] | None = None
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        images: list[ProcessedImage] | None = None,
     ) -> TokenOutput:
         # a weight update interrupts the requests in flight: the tokens returned were sampled by the weights
         # loaded when the request started
@@ -68,7 +72,9 @@ class RolloutServer:
         output.policy_version = version
         return output
 
-    async def generate_many(self, requests: list[tuple[Any, ...]]) -> AsyncIterator[list[tuple[int, TokenOutput | BaseException]]]:
+    async def generate_many(
+        self, requests: list[tuple[Any, ...]]
+    ) -> AsyncIterator[list[tuple[int, TokenOutput | BaseException]]]:
         """``generate(*request)`` for each request, in one Ray call (the router sends a burst of turns this way):
         yields ``(position, output)`` pairs, or the error a request raised in place of its output, as they end."""
         tasks = {asyncio.ensure_future(self.generate(*request)): position for position, request in enumerate(requests)}
@@ -96,7 +102,9 @@ class RolloutServer:
         """Requests the engine has accepted and not answered yet."""
         return self.engine.num_in_flight
 
-    async def update_weights(self, state_dict: dict[str, torch.Tensor] | PackedWeights, version: int | None = None) -> int:
+    async def update_weights(
+        self, state_dict: dict[str, torch.Tensor] | PackedWeights, version: int | None = None
+    ) -> int:
         """Copy new weights into the engine (prefix cache flushed); returns how many tensors were updated.
 
         ``version``: the trainer's number for these weights (default: one more than the last).
@@ -168,8 +176,12 @@ def _outcome(task: asyncio.Task) -> TokenOutput | RayTaskError:
     """A finished request's output, or its error as Ray sends a failed call's back (the server's traceback with it,
     a cause it cannot pickle replaced by one it can): the router raises it as a lone call would."""
     if task.cancelled():
-        return RayTaskError("RolloutServer.generate", "", RuntimeError("the request was cancelled on the rollout server"))
+        return RayTaskError(
+            "RolloutServer.generate", "", RuntimeError("the request was cancelled on the rollout server")
+        )
     error = task.exception()
     if error is None:
         return task.result()
-    return RayTaskError("RolloutServer.generate", "".join(traceback.format_exception(type(error), error, error.__traceback__)), error)
+    return RayTaskError(
+        "RolloutServer.generate", "".join(traceback.format_exception(type(error), error, error.__traceback__)), error
+    )

@@ -52,10 +52,14 @@ def launch_args(config: DictConfig, rank: int) -> list[str]:
         elif value is not None and value is not False:
             engine_flags += [flag, str(value)]
     return [
-        "--mem-fraction-static", str(settings.mem_fraction_static),
-        "--tp-size", str(settings.tensor_parallel_size),
-        "--dtype", rollout.dtype,
-        "--random-seed", str(rollout.seed + rank),
+        "--mem-fraction-static",
+        str(settings.mem_fraction_static),
+        "--tp-size",
+        str(settings.tensor_parallel_size),
+        "--dtype",
+        rollout.dtype,
+        "--random-seed",
+        str(rollout.seed + rank),
         *(["--enable-memory-saver"] if settings.enable_memory_saver else []),
         *engine_flags,
         *settings.extra_args,
@@ -109,10 +113,15 @@ class SGLangEngine:
 
     def _command(self, port: int, launch_args: list[str]) -> list[str]:
         return [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", self.model_path,
-            "--host", "127.0.0.1",
-            "--port", str(port),
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
             "--skip-tokenizer-init",
             *launch_args,
         ]
@@ -136,7 +145,9 @@ class SGLangEngine:
         try:
             pad_id = getattr(AutoConfig.from_pretrained(self.model_path), "image_token_id", None)
         except Exception as error:
-            raise ValueError(f"a request has images, but the model config at {self.model_path!r} cannot be read: {error}") from error
+            raise ValueError(
+                f"a request has images, but the model config at {self.model_path!r} cannot be read: {error}"
+            ) from error
         if pad_id is None:
             raise ValueError(
                 f"a request has images, but the model at {self.model_path!r} has no image_token_id in its config "
@@ -158,7 +169,11 @@ class SGLangEngine:
         return []
 
     async def generate(
-        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, images: list[ProcessedImage] | None = None
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        images: list[ProcessedImage] | None = None,
     ) -> TokenOutput:
         """One turn; ``images`` (their pads expanded in ``prompt_ids``) go to SGLang as ``image_data``."""
         if self._sleeping:

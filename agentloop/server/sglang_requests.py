@@ -21,8 +21,12 @@ FIXED_SAMPLING = {"skip_special_tokens": False, "no_stop_trim": True}
 
 
 def build_generate_request(
-    prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
-    images: list[ProcessedImage] | None = None, *, image_pad_id: int | None = None,
+    prompt_ids: list[int],
+    sampling_params: dict[str, Any],
+    request_id: str,
+    images: list[ProcessedImage] | None = None,
+    *,
+    image_pad_id: int | None = None,
 ) -> dict[str, Any]:
     """SGLang ``/generate`` body for one token-in/token-out turn.
 
@@ -40,7 +44,13 @@ def build_generate_request(
     }
     if params["stop_token_ids"]:
         sampling["stop_token_ids"] = [int(token) for token in params["stop_token_ids"]]
-    request = {"input_ids": list(prompt_ids), "sampling_params": sampling, "return_logprob": True, "rid": request_id, "stream": False}
+    request = {
+        "input_ids": list(prompt_ids),
+        "sampling_params": sampling,
+        "return_logprob": True,
+        "rid": request_id,
+        "stream": False,
+    }
     if images:
         if image_pad_id is None:
             raise ValueError("a request with images needs image_pad_id (the model's <|image_pad|> token id)")
@@ -110,4 +120,6 @@ def parse_generate_response(body: dict[str, Any]) -> TokenOutput:
     if len(logprobs) != len(ids):
         raise ValueError(f"SGLang returned {len(ids)} output ids but {len(logprobs)} logprobs")
     reason = (meta.get("finish_reason") or {}).get("type", "abort")
-    return TokenOutput(ids, logprobs, reason if reason in ("stop", "length") else "abort", int(meta.get("cached_tokens", 0)))
+    return TokenOutput(
+        ids, logprobs, reason if reason in ("stop", "length") else "abort", int(meta.get("cached_tokens", 0))
+    )

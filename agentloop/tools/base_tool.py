@@ -25,7 +25,9 @@ class BaseTool:
             raise ValueError(
                 f"{type(self).__name__} has no schema: give its tool YAML entry a tool_schema, or override get_openai_tool_schema()"
             )
-        self.tool_schema = schema if isinstance(schema, OpenAIFunctionToolSchema) else OpenAIFunctionToolSchema.from_written(schema)
+        self.tool_schema = (
+            schema if isinstance(schema, OpenAIFunctionToolSchema) else OpenAIFunctionToolSchema.from_written(schema)
+        )
         self.name = self.tool_schema.function.name
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema | None:

@@ -37,7 +37,9 @@ class MCPServerClient:
         if spec.get("url"):
             self.target: Any = spec["url"]
         elif spec.get("command"):
-            self.target = StdioServerParameters(command=spec["command"], args=list(spec.get("args") or []), env=spec.get("env"))
+            self.target = StdioServerParameters(
+                command=spec["command"], args=list(spec.get("args") or []), env=spec.get("env")
+            )
         else:
             raise ValueError(f"mcpServers.{name}: needs 'command' (stdio) or 'url' (HTTP)")
         self.timeout_s = float(config.get("timeout_s", 30))
@@ -112,14 +114,19 @@ def discover_mcp_tools(cls: type[MCPTool], config: dict[str, Any], where: str) -
         try:
             found = pool.submit(asyncio.run, list_all()).result(timeout=timeout + 5)
         except Exception as error:
-            raise RuntimeError(f"{where}: MCP tool discovery from {path} failed: {type(error).__name__}: {error}") from error
+            raise RuntimeError(
+                f"{where}: MCP tool discovery from {path} failed: {type(error).__name__}: {error}"
+            ) from error
     selected = config.get("tool_selected_list")
     tools = []
     for client, tool in found:
         if selected and tool.name not in selected:
             continue
         schema = OpenAIFunctionToolSchema.model_validate(
-            {"type": "function", "function": {"name": tool.name, "description": tool.description or "", "parameters": tool.input_schema}}
+            {
+                "type": "function",
+                "function": {"name": tool.name, "description": tool.description or "", "parameters": tool.input_schema},
+            }
         )
         tools.append(cls(config={"timeout_s": timeout, **config}, tool_schema=schema, server=client))
     missing = sorted(set(selected or []) - {tool.name for tool in tools})

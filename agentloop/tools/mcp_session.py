@@ -88,7 +88,9 @@ class MCPConnection:
         self.stderr = None if isinstance(target, str) else StderrTail()
         self._closing = asyncio.Event()
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.task = asyncio.get_running_loop().create_task(self._own(target, handshake_timeout_s), name=f"mcp-session-{server}")
+        self.task = asyncio.get_running_loop().create_task(
+            self._own(target, handshake_timeout_s), name=f"mcp-session-{server}"
+        )
 
     @property
     def retired(self) -> bool:
@@ -133,7 +135,9 @@ class MCPConnection:
         finally:
             self._close_stderr_writer()
             if not self.ready.done():
-                self.ready.set_exception(MCPServerUnavailable(f"MCP server {self.server!r} could not be started: {self.describe_cause()}"))
+                self.ready.set_exception(
+                    MCPServerUnavailable(f"MCP server {self.server!r} could not be started: {self.describe_cause()}")
+                )
                 self.ready.exception()  # retrieved here: a start nobody waits for must not warn at GC
         if cancelled:
             raise asyncio.CancelledError
@@ -198,10 +202,14 @@ class MCPSession:
             except MCPError as error:
                 if error.code == CONNECTION_CLOSED:
                     connection.retire("the connection closed")  # no-op when the cause is already known
-                    raise MCPServerLost(f"MCP server {self.server!r} was lost during the call: {connection.describe_cause()}") from None
+                    raise MCPServerLost(
+                        f"MCP server {self.server!r} was lost during the call: {connection.describe_cause()}"
+                    ) from None
                 if error.code == REQUEST_TIMEOUT:
                     self._probe(connection)
-                    raise TimeoutError(f"MCP server {self.server!r}: {name} did not answer within {self.timeout_s:g}s") from None
+                    raise TimeoutError(
+                        f"MCP server {self.server!r}: {name} did not answer within {self.timeout_s:g}s"
+                    ) from None
                 raise  # the server's answer to this request (unknown tool, bad params): the call's fault
             except asyncio.CancelledError:
                 self._probe(connection)  # usually the caller's own timeout: is the server still there?
@@ -224,9 +232,13 @@ class MCPSession:
         except asyncio.TimeoutError:
             connection.retire(f"no handshake within {self.timeout_s + 5.0:g}s")
             connection.task.cancel()
-            raise MCPServerUnavailable(f"MCP server {self.server!r} could not be started: {connection.describe_cause()}") from None
+            raise MCPServerUnavailable(
+                f"MCP server {self.server!r} could not be started: {connection.describe_cause()}"
+            ) from None
         if connection.retired:  # died between the handshake and this call
-            raise MCPServerLost(f"MCP server {self.server!r} was lost before the call was sent: {connection.describe_cause()}")
+            raise MCPServerLost(
+                f"MCP server {self.server!r} was lost before the call was sent: {connection.describe_cause()}"
+            )
         return connection
 
     def _record_start(self, connection: MCPConnection, ready: asyncio.Future) -> None:
@@ -248,7 +260,9 @@ class MCPSession:
             raise
         except Exception as error:  # noqa: BLE001 -- any failure to answer means the server is not serving
             reason = "no answer" if isinstance(error, asyncio.TimeoutError) else f"{type(error).__name__}: {error}"
-            connection.retire(f"it stopped answering (a tools/list probe after a timed-out call got {reason} within {self.ping_timeout_s:g}s)")
+            connection.retire(
+                f"it stopped answering (a tools/list probe after a timed-out call got {reason} within {self.ping_timeout_s:g}s)"
+            )
         finally:
             self._probes.pop(connection, None)
 

@@ -104,7 +104,9 @@ async def watched_transport(
 
 
 @asynccontextmanager
-async def stdio_transport(params: Any, stderr: StderrTail | None, grace_s: Callable[[], float]) -> AsyncIterator[tuple[Any, Any]]:
+async def stdio_transport(
+    params: Any, stderr: StderrTail | None, grace_s: Callable[[], float]
+) -> AsyncIterator[tuple[Any, Any]]:
     """Newline-delimited JSON-RPC over a subprocess's stdin/stdout, with a shutdown a cancellation cannot skip.
 
     Written here rather than taken from ``mcp.client.stdio`` because that one keeps the process to
@@ -135,7 +137,9 @@ async def stdio_transport(params: Any, stderr: StderrTail | None, grace_s: Calla
                     *lines, buffered = (buffered + chunk).split(b"\n")
                     for line in filter(bytes.strip, lines):
                         try:
-                            item: Any = SessionMessage(mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False))
+                            item: Any = SessionMessage(
+                                mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+                            )
                         except ValueError as error:  # the session reports a malformed message as an error
                             item = error
                         await to_session.send(item)

@@ -43,23 +43,35 @@ class PythonExecTool(BaseTool):
                 f"({self.limits.wall_time_s + STARTUP_MARGIN_S:g}), or the ToolSet cuts runs before their own limit"
             )
         # one semaphore per event loop: an asyncio.Semaphore may only be awaited on one loop
-        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary()
+        )
 
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict[str, Any]]:
         code = parameters.get("code")
         if not isinstance(code, str):
-            return ToolResponse(text="Error: python_exec needs a string argument 'code'"), 0.0, {"sandbox_error": "no_code"}
+            return (
+                ToolResponse(text="Error: python_exec needs a string argument 'code'"),
+                0.0,
+                {"sandbox_error": "no_code"},
+            )
         loop = asyncio.get_running_loop()
         slots = self._slots.setdefault(loop, asyncio.Semaphore(self.limits.max_sandboxes))
         async with slots:
             run = await run_sandboxed(code, self.limits)
         if not PythonExecTool.layers_logged and run.layers:
             PythonExecTool.layers_logged = True
-            logger.info("python_exec sandbox layers: %s", "; ".join(f"{key}: {value}" for key, value in run.layers.items()))
+            logger.info(
+                "python_exec sandbox layers: %s", "; ".join(f"{key}: {value}" for key, value in run.layers.items())
+            )
         text, kind = describe(run, self.limits)
-        metrics: dict[str, Any] = {"exit_code": run.exit_code, "wall_s": run.wall_s, "output_dropped_bytes": run.dropped_bytes}
+        metrics: dict[str, Any] = {
+            "exit_code": run.exit_code,
+            "wall_s": run.wall_s,
+            "output_dropped_bytes": run.dropped_bytes,
+        }
         if kind:
             metrics["sandbox_error"] = kind
         return ToolResponse(text=text), 0.0, metrics

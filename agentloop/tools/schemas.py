@@ -34,7 +34,10 @@ class OpenAIFunctionParametersSchema(BaseModel):
     def _properties_as_dicts(cls, properties: Any) -> Any:
         if not isinstance(properties, dict):
             return properties
-        return {name: value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value for name, value in properties.items()}
+        return {
+            name: value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
+            for name, value in properties.items()
+        }
 
 
 class OpenAIFunctionSchema(BaseModel):

@@ -80,7 +80,9 @@ class ToolSet:
                 error="unknown_tool",
             )
         if tool.name not in self._validators:
-            self._validators[tool.name] = argument_validator(tool.tool_schema.function.parameters.model_dump(exclude_none=True))
+            self._validators[tool.name] = argument_validator(
+                tool.tool_schema.function.parameters.model_dump(exclude_none=True)
+            )
         try:
             arguments = checked_arguments(call.arguments, self._validators[tool.name])
         except jsonschema.ValidationError as error:
@@ -89,19 +91,23 @@ class ToolSet:
             )
 
         timeout = float(tool.config.get("timeout_s", 30))
-        semaphore = self._semaphores.setdefault(tool.name, asyncio.Semaphore(int(tool.config.get("max_concurrency", 64))))
+        semaphore = self._semaphores.setdefault(
+            tool.name, asyncio.Semaphore(int(tool.config.get("max_concurrency", 64)))
+        )
         start = time.perf_counter()
         try:
             async with semaphore:
                 if tool.name not in created:
-                    created[tool.name] = asyncio.ensure_future(tool.create(instance_id, **create_kwargs.get(tool.name, {})))
+                    created[tool.name] = asyncio.ensure_future(
+                        tool.create(instance_id, **create_kwargs.get(tool.name, {}))
+                    )
                 await asyncio.wait_for(asyncio.shield(created[tool.name]), timeout)
-                response, step_reward, metrics = await asyncio.wait_for(
-                    tool.execute(instance_id, arguments), timeout
-                )
+                response, step_reward, metrics = await asyncio.wait_for(tool.execute(instance_id, arguments), timeout)
         except asyncio.TimeoutError:
             return ToolResult(
-                f"Error: tool {tool.name} timed out after {timeout:g}s", latency_s=time.perf_counter() - start, error="timeout"
+                f"Error: tool {tool.name} timed out after {timeout:g}s",
+                latency_s=time.perf_counter() - start,
+                error="timeout",
             )
         except Exception as error:  # a tool's bug is an observation for the model, not a crashed rollout
             return ToolResult(
@@ -109,13 +115,23 @@ class ToolSet:
                 latency_s=time.perf_counter() - start,
                 error="exception",
             )
-        images = response.image if isinstance(response.image, list) else [response.image] if response.image is not None else []
-        return ToolResult(response.text or "", float(step_reward), time.perf_counter() - start, None, dict(metrics or {}), images)
+        images = (
+            response.image
+            if isinstance(response.image, list)
+            else [response.image]
+            if response.image is not None
+            else []
+        )
+        return ToolResult(
+            response.text or "", float(step_reward), time.perf_counter() - start, None, dict(metrics or {}), images
+        )
 
     async def finish(self, instance_id: str, created: dict[str, asyncio.Future]) -> dict[str, float]:
         """Collect ``calc_reward`` from every tool this trajectory created, then release them."""
         rewards = {}
-        for name in [name for name, done in created.items() if done.done() and not done.cancelled() and not done.exception()]:
+        for name in [
+            name for name, done in created.items() if done.done() and not done.cancelled() and not done.exception()
+        ]:
             tool = self.tools[name]
             timeout = float(tool.config.get("timeout_s", 30))
             try:
@@ -190,7 +206,9 @@ def load_tool_set(path: str | None) -> ToolSet:
             from agentloop.tools.mcp import MCPTool, discover_mcp_tools
 
             if not issubclass(cls, MCPTool):
-                raise ValueError(f"{where}.class_name: a tool with config.type mcp must subclass agentloop.tools.mcp.MCPTool")
+                raise ValueError(
+                    f"{where}.class_name: a tool with config.type mcp must subclass agentloop.tools.mcp.MCPTool"
+                )
             tools += discover_mcp_tools(cls, config, where)
             continue
         schema = _entry_schema(entry, where, cls)
@@ -209,7 +227,9 @@ def _entry_schema(entry: dict[str, Any], where: str, cls: type) -> OpenAIFunctio
     """The entry's validated ``tool_schema``; None when it has none and the class defines its own."""
     if entry.get("tool_schema") is None:
         if cls.get_openai_tool_schema is BaseTool.get_openai_tool_schema:
-            raise ValueError(f"{where}: missing field 'tool_schema' ({cls.__qualname__} does not define get_openai_tool_schema())")
+            raise ValueError(
+                f"{where}: missing field 'tool_schema' ({cls.__qualname__} does not define get_openai_tool_schema())"
+            )
         return None
     try:
         return OpenAIFunctionToolSchema.from_written(entry["tool_schema"])

@@ -32,7 +32,9 @@ def export_step(store: RunStore, step: int) -> str:
     page = page.replace(STYLE_TAG, f"<style>\n{(STATIC / 'viewer.css').read_text()}\n</style>", 1)
     page = SCRIPT_TAG.sub(lambda tag: f"<script>\n{(STATIC / tag.group(1)).read_text()}\n</script>", page)
     # after the scripts: the data's text must not be taken for a script tag
-    return page.replace(DATA_MARK, f'<script id="agentloop-data" type="application/json">{_script_safe(data)}</script>', 1)
+    return page.replace(
+        DATA_MARK, f'<script id="agentloop-data" type="application/json">{_script_safe(data)}</script>', 1
+    )
 
 
 def _script_safe(data: Any) -> str:

@@ -17,8 +17,22 @@ from agentloop.dumps import FORMAT, LEGACY_FORMAT, dump_format, list_step_files,
 from agentloop.policy_versions import VersionRuns
 
 TABLE_FIELDS = (
-    "sample", "uid", "group", "index", "data_source", "agent_name", "reward", "advantage", "finish_reason",
-    "num_turns", "num_segments", "response_length", "model_tokens", "tool_calls", "tool_errors", "generate_time_s",
+    "sample",
+    "uid",
+    "group",
+    "index",
+    "data_source",
+    "agent_name",
+    "reward",
+    "advantage",
+    "finish_reason",
+    "num_turns",
+    "num_segments",
+    "response_length",
+    "model_tokens",
+    "tool_calls",
+    "tool_errors",
+    "generate_time_s",
 )
 TOKEN_ARRAYS = ("rollout_log_probs", "old_log_probs", "advantages")  # the per-token arrays the page colours by
 
@@ -73,7 +87,9 @@ class RunStore:
                 # GRPO groups numbered in order of first appearance, once per file version
                 numbers: dict[Any, int] = {}
                 for record in records:
-                    record["group"] = numbers.setdefault(record.get("uid"), len(numbers)) if format_name == FORMAT else None
+                    record["group"] = (
+                        numbers.setdefault(record.get("uid"), len(numbers)) if format_name == FORMAT else None
+                    )
                 self._parsed[key] = format_name, records
         parsed = self._parsed[key]
         if isinstance(parsed, str):
@@ -93,10 +109,14 @@ class RunStore:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 still_writing = number == text.count("\n") + 1 and not text.endswith("\n")
-                problems.append(f"metrics.jsonl line {number}: not JSON" + ("; still being written?" if still_writing else ""))
+                problems.append(
+                    f"metrics.jsonl line {number}: not JSON" + ("; still being written?" if still_writing else "")
+                )
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int):
-                lines.append({k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+                lines.append(
+                    {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                )
             else:
                 problems.append(f"metrics.jsonl line {number}: not a metrics record with an integer 'step'")
         return lines, problems
@@ -116,14 +136,20 @@ class RunStore:
                 problems.append(f"step {step}: {error}")
         writing = list(self.rollouts.glob(".step_*.tmp"))
         found = (
-            f"{len(steps)} step(s) of rollout dumps in {self.rollouts}" if steps
+            f"{len(steps)} step(s) of rollout dumps in {self.rollouts}"
+            if steps
             else f"no rollout dumps found in {self.rollouts} (step_NNNNNN.parquet, or verl's N.jsonl); "
             "set trainer.rollout_data_dir, or pass --rollouts DIR"
         )
         found += f", {len(metrics)} line(s) of metrics" + (f", {len(writing)} step(s) being written" if writing else "")
         return {
-            "path": str(self.path), "title": self.path.name, "live": True, "found": found,
-            "problems": problems, "steps": steps, "metrics": metrics,
+            "path": str(self.path),
+            "title": self.path.name,
+            "live": True,
+            "found": found,
+            "problems": problems,
+            "steps": steps,
+            "metrics": metrics,
         }
 
     def _records(self, step: int) -> tuple[str, list[dict[str, Any]]]:
@@ -137,7 +163,9 @@ class RunStore:
         format_name, records = self._records(step)
         samples = [self._sample(record, position, format_name) for position, record in enumerate(records)]
         return {
-            "step": step, "format": format_name, "problems": [],
+            "step": step,
+            "format": format_name,
+            "problems": [],
             "samples": [{key: sample.get(key) for key in TABLE_FIELDS} for sample in samples],
         }
 
@@ -171,17 +199,24 @@ class RunStore:
             "turn_rewards": record.get("turn_rewards"),  # each model turn's own (None: a dump written before them)
             "num_segments": len(segments),
             "prompt_messages": row.get("prompt"),
-            "ground_truth": (row.get("reward_model") or {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) else None,
+            "ground_truth": (row.get("reward_model") or {}).get("ground_truth")
+            if isinstance(row.get("reward_model"), dict)
+            else None,
             "tokens": _tokens(segments),
             "segments": _segments(segments),
             "reward_parts": record.get("reward_parts") or {},
-            "extra": {**(record.get("extra") or {}), "extra_info": row.get("extra_info"), "request_id": record.get("request_id")},
+            "extra": {
+                **(record.get("extra") or {}),
+                "extra_info": row.get("extra_info"),
+                "request_id": record.get("request_id"),
+            },
         }
 
 
 def _tokens(segments: list[dict[str, Any]]) -> dict[str, Any]:
     """The segments' response tokens one after another: text, mask, each policy version (-1: observation or
     unknown) and the per-token arrays (None where a segment lacks one: a dump written before it had them)."""
+
     def joined(key: str) -> list[Any] | None:
         parts = [segment.get(key) for segment in segments]
         return None if any(part is None for part in parts) else [value for part in parts for value in part]
@@ -200,7 +235,10 @@ def _segments(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
     in the trajectory's ``tokens``."""
     shown, offset = [], 0
     for segment in segments:
-        turns = [{**turn, "start": turn["start"] + offset, "end": turn["end"] + offset} for turn in segment.get("turns") or []]
+        turns = [
+            {**turn, "start": turn["start"] + offset, "end": turn["end"] + offset}
+            for turn in segment.get("turns") or []
+        ]
         shown.append({"rewritten_by": segment.get("rewritten_by"), "prompt_text": segment.get("input"), "turns": turns})
         offset += len(segment["token_text"])
     return shown
@@ -212,8 +250,14 @@ def _legacy_sample(record: dict[str, Any], position: int) -> dict[str, Any]:
     sample = {key: None for key in TABLE_FIELDS}
     turns = [{"role": "assistant", "start": 0, "end": 0, "text": output, "tool_calls": []}]
     sample.update(
-        sample=position, index=record.get("index"), reward=record.get("score"), num_segments=1, prompt_messages=None,
-        ground_truth=record.get("gts"), tokens=None, reward_parts={},
+        sample=position,
+        index=record.get("index"),
+        reward=record.get("score"),
+        num_segments=1,
+        prompt_messages=None,
+        ground_truth=record.get("gts"),
+        tokens=None,
+        reward_parts={},
         segments=[{"rewritten_by": None, "prompt_text": record.get("input"), "turns": turns}],
         extra={key: value for key, value in record.items() if key not in ("input", "output")},
     )

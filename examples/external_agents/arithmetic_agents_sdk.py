@@ -10,7 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agents import Agent, MaxTurnsExceeded, OpenAIChatCompletionsModel, RunConfig, RunContextWrapper, Runner, function_tool
+from agents import (
+    Agent,
+    MaxTurnsExceeded,
+    OpenAIChatCompletionsModel,
+    RunConfig,
+    RunContextWrapper,
+    Runner,
+    function_tool,
+)
 from openai import AsyncOpenAI
 
 from examples.external_agents import arithmetic_tools
@@ -46,12 +54,19 @@ def submit_answer(wrapper: RunContextWrapper[Attempt], answer: float) -> str:
 async def agent(base_url: str, api_key: str, row: dict[str, Any]) -> float:
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     solver = Agent(
-        name="arithmetic", model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+        name="arithmetic",
+        model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
         tools=[calculator, submit_answer],
     )
     attempt = Attempt(truth=row["reward_model"]["ground_truth"])
     try:
-        await Runner.run(solver, list(row["prompt"]), context=attempt, max_turns=MAX_TURNS, run_config=RunConfig(tracing_disabled=True))
+        await Runner.run(
+            solver,
+            list(row["prompt"]),
+            context=attempt,
+            max_turns=MAX_TURNS,
+            run_config=RunConfig(tracing_disabled=True),
+        )
     except MaxTurnsExceeded:
         pass  # out of turns: judged on what it submitted
     return float(arithmetic_tools.is_correct(attempt.answer, attempt.truth))

@@ -8,13 +8,26 @@ from agentloop.tasks.arithmetic.tools import evaluate
 
 # the schemas of config/tools/arithmetic.yaml, so the model sees the prompt its warm start was trained on
 TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {
-        "name": "calculator", "description": "Evaluate an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 12 * (3 + 4)"}},
-                       "required": ["expression"]}}},
-    {"type": "function", "function": {
-        "name": "submit_answer", "description": "Submit the final numeric answer.",
-        "parameters": {"type": "object", "properties": {"answer": {"type": "number"}}, "required": ["answer"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string", "description": "e.g. 12 * (3 + 4)"}},
+                "required": ["expression"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "submit_answer",
+            "description": "Submit the final numeric answer.",
+            "parameters": {"type": "object", "properties": {"answer": {"type": "number"}}, "required": ["answer"]},
+        },
+    },
 ]
 
 

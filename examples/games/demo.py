@@ -69,7 +69,9 @@ def main(overrides: list[str]) -> None:
     manager = AgentLoopManager(config)
     batch = manager.generate_sequences(make_rows(4))
     for name, reward, end_reason in zip(
-        batch.non_tensor_batch["agent_name"], batch.non_tensor_batch["reward_score"], batch.non_tensor_batch["end_reason"]
+        batch.non_tensor_batch["agent_name"],
+        batch.non_tensor_batch["reward_score"],
+        batch.non_tensor_batch["end_reason"],
     ):
         print(f"{name:<14} finish={end_reason:<10} reward={reward}")
     print({key: value for key, value in batch.meta_info.items() if key.startswith("multi_turn/")})

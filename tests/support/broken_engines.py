@@ -20,7 +20,9 @@ def raising_attention(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("attention broken on purpose")
 
 
-def attention_with_a_wrong_scale(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float, **kwargs: Any) -> Any:
+def attention_with_a_wrong_scale(
+    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float, **kwargs: Any
+) -> Any:
     """Runs without an error and gives finite logits, but wrong ones (as a changed default would)."""
     return hf_varlen.varlen_attention_forward(module, query, key, value, attention_mask, scaling=scaling / 4, **kwargs)
 

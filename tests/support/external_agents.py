@@ -21,7 +21,9 @@ async def scripted_openai(base_url: str, api_key: str, row: dict[str, Any]) -> f
     messages: list[dict[str, Any]] = list(row["prompt"])
     for _ in range(5):
         # a temperature and max_tokens of its own: the rollout's sampling params hold whatever a client asks
-        completion = await client.chat.completions.create(model="m", messages=messages, tools=SCHEMAS, temperature=1.9, max_tokens=999)
+        completion = await client.chat.completions.create(
+            model="m", messages=messages, tools=SCHEMAS, temperature=1.9, max_tokens=999
+        )
         message = completion.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
@@ -40,7 +42,11 @@ async def rewriting_openai(base_url: str, api_key: str, row: dict[str, Any]) -> 
     messages: list[dict[str, Any]] = list(row["prompt"])
     first = (await client.chat.completions.create(model="m", messages=messages, tools=SCHEMAS)).choices[0].message
     if row["extra_info"]["rewrite"] == "edit":
-        messages = [*messages, {"role": "assistant", "content": "I will compute 2 + 3."}, {"role": "user", "content": "go on"}]
+        messages = [
+            *messages,
+            {"role": "assistant", "content": "I will compute 2 + 3."},
+            {"role": "user", "content": "go on"},
+        ]
     await client.chat.completions.create(model="m", messages=messages, tools=SCHEMAS)
     return float(bool(first.tool_calls))
 
@@ -58,12 +64,23 @@ async def streaming_openai(base_url: str, api_key: str, row: dict[str, Any]) -> 
             calls += (delta.tool_calls or []) if delta else []
         message = {"role": "assistant", "content": content}
         if calls:
-            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in calls]
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in calls
+            ]
         messages.append(message)
         if not calls:
             return float(content == "The answer is 5.")
         for call in calls:
-            result = calculator(json.loads(call.function.arguments)["expression"]) if call.function.name == "calculator" else "correct"
+            result = (
+                calculator(json.loads(call.function.arguments)["expression"])
+                if call.function.name == "calculator"
+                else "correct"
+            )
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return None
 

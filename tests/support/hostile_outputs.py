@@ -37,13 +37,41 @@ WORDS = "let me think about this the answer is call tool now maybe again result 
 # astral emoji and math letters, CJK, Arabic/Hebrew with RTL overrides, zero-width and joiners,
 # combining marks, a BOM, private use: everything a tokenizer meets outside plain ASCII
 UNICODE_POOL = (
-    "😀🧪👩‍👩‍👧‍👦🏳️‍🌈𝐀𝔸𝕫𒀀𝄞" "漢字かなカナ한국어" "مرحبا שלום" "\u202e\u202d\u200f\u200e"
-    "\u200b\u200c\u200d\u2060\ufeff" "e\u0301a\u0308\u20dd" "\ue000\U000f0000" "\u00a0\u3000\t\r"
+    "😀🧪👩‍👩‍👧‍👦🏳️‍🌈𝐀𝔸𝕫𒀀𝄞"
+    "漢字かなカナ한국어"
+    "مرحبا שלום"
+    "\u202e\u202d\u200f\u200e"
+    "\u200b\u200c\u200d\u2060\ufeff"
+    "e\u0301a\u0308\u20dd"
+    "\ue000\U000f0000"
+    "\u00a0\u3000\t\r"
 )
 FRAGMENTS = [
-    "<tool_call>", "</tool_call>", "<think>", "</think>", "{", "}", "[", "]", '"name"', ":", ",",
-    '"calculator"', '"arguments"', '{"expression": "1 + 1"}', "\n", " ", "null", "<tool_response>",
-    "<function=calculator>", "<parameter=expression>", "</parameter>", "</function>", '"', "\\", "ok",
+    "<tool_call>",
+    "</tool_call>",
+    "<think>",
+    "</think>",
+    "{",
+    "}",
+    "[",
+    "]",
+    '"name"',
+    ":",
+    ",",
+    '"calculator"',
+    '"arguments"',
+    '{"expression": "1 + 1"}',
+    "\n",
+    " ",
+    "null",
+    "<tool_response>",
+    "<function=calculator>",
+    "<parameter=expression>",
+    "</parameter>",
+    "</function>",
+    '"',
+    "\\",
+    "ok",
 ]
 
 
@@ -67,7 +95,11 @@ def _call(rng: random.Random, name: Any, arguments: Any) -> str:
         return format_hermes(name, arguments)
     if style == 3 and isinstance(arguments, dict):  # some models JSON-encode the arguments
         return "<tool_call>\n" + json.dumps({"name": name, "arguments": json.dumps(arguments)}) + "\n</tool_call>"
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}, indent=2 if style == 2 else None) + "</tool_call>"
+    return (
+        "<tool_call>"
+        + json.dumps({"name": name, "arguments": arguments}, indent=2 if style == 2 else None)
+        + "</tool_call>"
+    )
 
 
 def _body(call: str) -> str:
@@ -81,6 +113,7 @@ def _wrap(body: str) -> str:
 
 # ---------------------------------------------------------------------------------- single calls
 
+
 def good_call(rng: random.Random) -> Call:
     kind = rng.randrange(3)
     if kind == 0:
@@ -93,53 +126,101 @@ def good_call(rng: random.Random) -> Call:
 
 def failing_call(rng: random.Random) -> Call:
     """Well-formed calls whose tool raises or times out."""
-    name, arguments, fault = rng.choice([
-        ("explode", {}, "exception"),
-        ("explode", {"anything": [1, 2]}, "exception"),
-        ("sleepy", {}, "timeout"),
-        ("calculator", {"expression": "1 / 0"}, "exception"),
-        ("calculator", {"expression": "__import__('os').getcwd()"}, "exception"),
-        ("calculator", {"expression": "(" * 300 + "1" + ")" * 300}, "exception"),
-        ("calculator", {"expression": "+".join(["1"] * 3000)}, "exception"),  # RecursionError inside the tool
-        ("calculator", {"expression": "\udc00"}, "exception"),  # a lone surrogate, sent as a JSON escape
-        ("echo", {"text": "x", "times": 10**30}, "exception"),  # OverflowError, not a 10**30-byte string
-    ])
+    name, arguments, fault = rng.choice(
+        [
+            ("explode", {}, "exception"),
+            ("explode", {"anything": [1, 2]}, "exception"),
+            ("sleepy", {}, "timeout"),
+            ("calculator", {"expression": "1 / 0"}, "exception"),
+            ("calculator", {"expression": "__import__('os').getcwd()"}, "exception"),
+            ("calculator", {"expression": "(" * 300 + "1" + ")" * 300}, "exception"),
+            ("calculator", {"expression": "+".join(["1"] * 3000)}, "exception"),  # RecursionError inside the tool
+            ("calculator", {"expression": "\udc00"}, "exception"),  # a lone surrogate, sent as a JSON escape
+            ("echo", {"text": "x", "times": 10**30}, "exception"),  # OverflowError, not a 10**30-byte string
+        ]
+    )
     return _call(rng, name, arguments), fault
 
 
 def invalid_call(rng: random.Random) -> Call:
     """Known tools, arguments the schema rejects (and no lossless conversion mends: see the lossless cases)."""
-    name, arguments = rng.choice([
-        ("calculator", {}), ("calculator", {"expression": {"value": 5}}), ("calculator", {"expression": None}),
-        ("calculator", {"expr": "1 + 1"}), ("submit_answer", {"answer": "five"}), ("submit_answer", {}),
-        ("submit_answer", {"answer": True}), ("submit_answer", {"answer": [5]}), ("echo", {"times": 3}),
-        ("echo", {"text": ["a"]}), ("echo", {"text": "a", "times": "three"}), ("echo", {"text": "a", "times": 1.5}),
-        ("echo", {"text": {"nested": "x" * 5000}}),
-    ])
+    name, arguments = rng.choice(
+        [
+            ("calculator", {}),
+            ("calculator", {"expression": {"value": 5}}),
+            ("calculator", {"expression": None}),
+            ("calculator", {"expr": "1 + 1"}),
+            ("submit_answer", {"answer": "five"}),
+            ("submit_answer", {}),
+            ("submit_answer", {"answer": True}),
+            ("submit_answer", {"answer": [5]}),
+            ("echo", {"times": 3}),
+            ("echo", {"text": ["a"]}),
+            ("echo", {"text": "a", "times": "three"}),
+            ("echo", {"text": "a", "times": 1.5}),
+            ("echo", {"text": {"nested": "x" * 5000}}),
+        ]
+    )
     return _call(rng, name, arguments), "invalid_arguments"
 
 
 def unknown_call(rng: random.Random) -> Call:
-    name = rng.choice([
-        "weather", "", " ", "CALCULATOR", "calculator ", "calc\u200bulator", "計算機", "🧮", "\u202ecalculator",
-        "a" * 100_000, "../../etc/passwd", "calculator\n", "\ud800", _words(rng), _unicode(rng, 30),
-    ])
+    name = rng.choice(
+        [
+            "weather",
+            "",
+            " ",
+            "CALCULATOR",
+            "calculator ",
+            "calc\u200bulator",
+            "計算機",
+            "🧮",
+            "\u202ecalculator",
+            "a" * 100_000,
+            "../../etc/passwd",
+            "calculator\n",
+            "\ud800",
+            _words(rng),
+            _unicode(rng, 30),
+        ]
+    )
     return _call(rng, name, rng.choice([{}, {"expression": "1 + 1"}, {"x": [1, {"y": None}]}])), "unknown_tool"
 
 
 PARSE_ERROR_BODIES = [
-    '{"name": "calculator", "arguments": {"expression": ', "{bad json}", "", "   ", "[1, 2, 3]", "42", "null",
-    "true", '"calculator"', '[{"name": "calculator", "arguments": {}}]', '{"name": 5, "arguments": {}}',
-    '{"name": null}', '{"name": ["calculator"], "arguments": {}}', '{"name": {"x": 1}}', '{"name": true}',
-    '{"arguments": {"expression": "1"}}', '{"name": "calculator", "arguments": "not json"}',
-    '{"name": "calculator", "arguments": "[1, 2]"}', '{"name": "calculator", "arguments": [1]}',
-    '{"name": "calculator", "arguments": 7}', '{"name": "calculator", "arguments": null}',
-    '{"name": "calculator", "arguments": "{\\"expression\\": "}', '{"name": "echo", "arguments": {"text": "a"}} trailing',
+    '{"name": "calculator", "arguments": {"expression": ',
+    "{bad json}",
+    "",
+    "   ",
+    "[1, 2, 3]",
+    "42",
+    "null",
+    "true",
+    '"calculator"',
+    '[{"name": "calculator", "arguments": {}}]',
+    '{"name": 5, "arguments": {}}',
+    '{"name": null}',
+    '{"name": ["calculator"], "arguments": {}}',
+    '{"name": {"x": 1}}',
+    '{"name": true}',
+    '{"arguments": {"expression": "1"}}',
+    '{"name": "calculator", "arguments": "not json"}',
+    '{"name": "calculator", "arguments": "[1, 2]"}',
+    '{"name": "calculator", "arguments": [1]}',
+    '{"name": "calculator", "arguments": 7}',
+    '{"name": "calculator", "arguments": null}',
+    '{"name": "calculator", "arguments": "{\\"expression\\": "}',
+    '{"name": "echo", "arguments": {"text": "a"}} trailing',
     '{"name": "echo", "arguments": {"text": "a"}}{"name": "echo", "arguments": {"text": "b"}}',
-    "{'name': 'calculator', 'arguments': {'expression': '1'}}", "<function=calculator>\n<parameter=expression>\n1\n</parameter>\n</function>",
-    '\ufeff{"name": "explode", "arguments": {}}', '\u200b{"name": "explode", "arguments": {}}',
-    '```json\n{"name": "explode", "arguments": {}}\n```', '{"name": "submit_answer", "arguments": {"answer": ' + "7" * 5000 + "}}",
-    '{"name": "explode", "arguments": {}', '{"name": "explode" "arguments": {}}', '{"name": "\\x41", "arguments": {}}',
+    "{'name': 'calculator', 'arguments': {'expression': '1'}}",
+    "<function=calculator>\n<parameter=expression>\n1\n</parameter>\n</function>",
+    '\ufeff{"name": "explode", "arguments": {}}',
+    '\u200b{"name": "explode", "arguments": {}}',
+    '```json\n{"name": "explode", "arguments": {}}\n```',
+    '{"name": "submit_answer", "arguments": {"answer": ' + "7" * 5000 + "}}",
+    '{"name": "explode", "arguments": {}',
+    '{"name": "explode" "arguments": {}}',
+    '{"name": "\\x41", "arguments": {}}',
 ]
 
 
@@ -164,6 +245,7 @@ def _nested(depth: int, rng: random.Random) -> str:
 
 
 # ---------------------------------------------------------------------------------- categories
+
 
 def garbage_bytes(rng: random.Random) -> HostileOutput:
     data = bytes(rng.randrange(256) for _ in range(rng.randint(0, 3000)))
@@ -197,9 +279,9 @@ def tag_structure(rng: random.Random) -> HostileOutput:
     cut_fault = whole_fault if _body(cut) == _body(whole) else "parse_error"
     shapes: list[tuple[str, tuple[Fault, ...]]] = [
         ("<tool_call>" + a + "</tool_call>", ("parse_error",)),  # nested: the body starts with a tag
-        (a[:-len("</tool_call>")] + b + "</tool_call>", ("parse_error",)),  # a call inside a call
-        (a[:-len("</tool_call>")] + "\n" + b, ("parse_error",)),  # unclosed, then another call
-        ("prose\n" + a[:-len("</tool_call>")], (fa,)),  # unclosed at the end: the body is still complete
+        (a[: -len("</tool_call>")] + b + "</tool_call>", ("parse_error",)),  # a call inside a call
+        (a[: -len("</tool_call>")] + "\n" + b, ("parse_error",)),  # unclosed, then another call
+        ("prose\n" + a[: -len("</tool_call>")], (fa,)),  # unclosed at the end: the body is still complete
         (cut, (cut_fault,)),
         ("</tool_call>\n" + a, (fa,)),  # a stray closer first
         ("</tool_call></tool_call>" + _words(rng), ()),
@@ -235,13 +317,15 @@ def deep_nesting(rng: random.Random) -> HostileOutput:
     """10,000 ``[`` make ``json.loads`` raise RecursionError; a few hundred parse but are past any sane depth."""
     depth = rng.choice([150, 500, 990, 2000, 10_000, 20_000])
     nested = _nested(depth, rng)
-    body = rng.choice([
-        nested,
-        '{"name": "echo", "arguments": {"text": "a", "extra": ' + nested + "}}",
-        '{"name": "echo", "arguments": {"text": ' + nested + "}}",
-        '{"name": ' + nested + ', "arguments": {}}',
-        '{"name": "echo", "arguments": ' + json.dumps('{"text": "a", "x": ' + nested + "}") + "}",
-    ])
+    body = rng.choice(
+        [
+            nested,
+            '{"name": "echo", "arguments": {"text": "a", "extra": ' + nested + "}}",
+            '{"name": "echo", "arguments": {"text": ' + nested + "}}",
+            '{"name": ' + nested + ', "arguments": {}}',
+            '{"name": "echo", "arguments": ' + json.dumps('{"text": "a", "x": ' + nested + "}") + "}",
+        ]
+    )
     return HostileOutput("deep_nesting", _wrap(body), ("parse_error",))
 
 
@@ -297,20 +381,22 @@ def many_calls(rng: random.Random) -> HostileOutput:
 
 def json_oddities(rng: random.Random) -> HostileOutput:
     """JSON Python accepts that strict JSON does not, duplicate keys, escapes."""
-    body, fault = rng.choice([
-        ('{"name": "submit_answer", "arguments": {"answer": NaN}}', None),
-        ('{"name": "submit_answer", "arguments": {"answer": -Infinity}}', None),
-        ('{"name": "submit_answer", "arguments": {"answer": 1e999}}', None),
-        ('{"name": "submit_answer", "arguments": {"answer": 123456789012345678901234567890}}', None),
-        ('{"name": "explode", "name": "calculator", "arguments": {"expression": "1 + 1"}}', None),
-        ('{"name": "\\u0063alculator", "arguments": {"expression": "2 * 3"}}', None),
-        # the last duplicate wins, and 2 for a string is converted losslessly to "2", as 7 is
-        ('{"name": "calculator", "arguments": {"expression": "1", "expression": 2}}', None),
-        ('{"name": "calculator", "arguments": {"expression": 7}}', None),
-        ('{"name": "echo", "arguments": {"text": "a", "times": "3"}}', None),
-        ('{"name": "echo", "arguments": {"text": "\\u0000\\u001f\\b"}}', None),
-        ('  \n\t{"name": "explode", "arguments": {}}\n\n  ', "exception"),
-    ])
+    body, fault = rng.choice(
+        [
+            ('{"name": "submit_answer", "arguments": {"answer": NaN}}', None),
+            ('{"name": "submit_answer", "arguments": {"answer": -Infinity}}', None),
+            ('{"name": "submit_answer", "arguments": {"answer": 1e999}}', None),
+            ('{"name": "submit_answer", "arguments": {"answer": 123456789012345678901234567890}}', None),
+            ('{"name": "explode", "name": "calculator", "arguments": {"expression": "1 + 1"}}', None),
+            ('{"name": "\\u0063alculator", "arguments": {"expression": "2 * 3"}}', None),
+            # the last duplicate wins, and 2 for a string is converted losslessly to "2", as 7 is
+            ('{"name": "calculator", "arguments": {"expression": "1", "expression": 2}}', None),
+            ('{"name": "calculator", "arguments": {"expression": 7}}', None),
+            ('{"name": "echo", "arguments": {"text": "a", "times": "3"}}', None),
+            ('{"name": "echo", "arguments": {"text": "\\u0000\\u001f\\b"}}', None),
+            ('  \n\t{"name": "explode", "arguments": {}}\n\n  ', "exception"),
+        ]
+    )
     return HostileOutput("json_oddities", _wrap(body), (fault,))
 
 
@@ -324,15 +410,20 @@ def control_tokens(rng: random.Random) -> HostileOutput:
 def regex_bomb(rng: random.Random) -> HostileOutput:
     """Inputs that make backtracking regexes take quadratic time or worse."""
     n = 20_000
-    text, faults = rng.choice([
-        ("<tool_call><function=" + ("<function=" + "x" * 20) * n, ("parse_error",)),
-        ("<tool_call>\n<function=f>\n" + ("<parameter=" + "y" * 20) * n + "</function></tool_call>", ("parse_error",)),
-        ("<think>" * n * 2, ()),
-        ("</tool_call>" * n * 2, ()),
-        ("<tool_call>" + " " * n * 50, ("parse_error",)),
-        ("<tool_call>" + "{" * n * 5, ("parse_error",)),
-        (("<tool_call>\n<function=" + "z" * 50 + "\n") * n, ("parse_error",)),
-    ])
+    text, faults = rng.choice(
+        [
+            ("<tool_call><function=" + ("<function=" + "x" * 20) * n, ("parse_error",)),
+            (
+                "<tool_call>\n<function=f>\n" + ("<parameter=" + "y" * 20) * n + "</function></tool_call>",
+                ("parse_error",),
+            ),
+            ("<think>" * n * 2, ()),
+            ("</tool_call>" * n * 2, ()),
+            ("<tool_call>" + " " * n * 50, ("parse_error",)),
+            ("<tool_call>" + "{" * n * 5, ("parse_error",)),
+            (("<tool_call>\n<function=" + "z" * 50 + "\n") * n, ("parse_error",)),
+        ]
+    )
     return HostileOutput("regex_bomb", text, faults)
 
 
@@ -342,12 +433,26 @@ def empty(rng: random.Random) -> HostileOutput:
 
 # category maker -> how many outputs it contributes
 PLAN: list[tuple[Callable[[random.Random], HostileOutput], int]] = [
-    (garbage_bytes, 80), (unicode_soup, 80), (tag_soup, 100), (mixed_calls, 100),
-    (single(unknown_call, "unknown_tools"), 60), (single(invalid_call, "invalid_arguments"), 60),
-    (single(failing_call, "failing_tools"), 40), (single(parse_error_call, "parse_errors"), 120),
-    (tag_structure, 80), (think_structure, 60), (deep_nesting, 30), (huge, 8), (big_but_fitting, 30),
-    (large_tool_response, 50), (surrogates, 20), (many_calls, 30), (json_oddities, 30), (control_tokens, 10),
-    (regex_bomb, 10), (empty, 2),
+    (garbage_bytes, 80),
+    (unicode_soup, 80),
+    (tag_soup, 100),
+    (mixed_calls, 100),
+    (single(unknown_call, "unknown_tools"), 60),
+    (single(invalid_call, "invalid_arguments"), 60),
+    (single(failing_call, "failing_tools"), 40),
+    (single(parse_error_call, "parse_errors"), 120),
+    (tag_structure, 80),
+    (think_structure, 60),
+    (deep_nesting, 30),
+    (huge, 8),
+    (big_but_fitting, 30),
+    (large_tool_response, 50),
+    (surrogates, 20),
+    (many_calls, 30),
+    (json_oddities, 30),
+    (control_tokens, 10),
+    (regex_bomb, 10),
+    (empty, 2),
 ]
 
 

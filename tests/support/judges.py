@@ -40,7 +40,11 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, index: int) -> list[int]:
 
 
 async def verl_genrm(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict, reward_router_address: str,
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict,
+    reward_router_address: str,
     reward_model_tokenizer: PreTrainedTokenizerBase,
 ) -> dict[str, Any]:
     """A GenRM reward function as verl's reward loop calls one (its docs' ``compute_score_gsm8k``): the judge asked over
@@ -80,7 +84,9 @@ def read_number(text: str) -> float:
         raise JudgeUnparsable(text, "expected a number") from None
 
 
-async def wants_a_number(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict, judge: Judge) -> float:
+async def wants_a_number(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict, judge: Judge
+) -> float:
     """A grade read as a number from a judge that says yes or no: unparsable."""
     return await judge.grade(question(extra_info["index"]), read_number)
 

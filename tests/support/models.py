@@ -41,7 +41,10 @@ STOP_MARGIN = 2.0
 # script name -> the assistant turns the model must replay (tool results come from the real tools)
 SCRIPTS: dict[str, list[str]] = {
     "multi": [call("calculator", {"expression": "2 + 3"}), call("submit_answer", {"answer": 5}), "The answer is 5."],
-    "parallel": [call("calculator", {"expression": "1 + 1"}) + "\n" + call("calculator", {"expression": "3 * 3"}), "Done."],
+    "parallel": [
+        call("calculator", {"expression": "1 + 1"}) + "\n" + call("calculator", {"expression": "3 * 3"}),
+        "Done.",
+    ],
     "think": [f"<think>\nmaybe {call('calculator', {'expression': '1 + 1'})}\n</think>\n\nNo tool needed."],
     "unknown": [call("weather", {"city": "Paris"}), "Done."],
     "malformed": ['<tool_call>\n{"name": "calculator", "arguments": {"expression": </tool_call>', "Done."],
@@ -91,7 +94,11 @@ def build_scripted_model() -> ScriptedModel:
     texts = [tokenizer.apply_chat_template(c, tools=schemas, tokenize=False) for c in conversations.values()]
     key = hashlib.sha256(json.dumps([base, texts, STOP_MARGIN]).encode()).hexdigest()[:16]
     path = finetune(
-        base, texts, str(cache_root() / "models" / f"scripted-{key}"), steps=400, stop_margin=STOP_MARGIN,
+        base,
+        texts,
+        str(cache_root() / "models" / f"scripted-{key}"),
+        steps=400,
+        stop_margin=STOP_MARGIN,
         desc="scripted test model",
     )
     return ScriptedModel(TOOLS_PATH, path, conversations)
@@ -112,7 +119,12 @@ def build_ok_model() -> str:
         texts.append(tokenizer.apply_chat_template(messages, tokenize=False))
     key = hashlib.sha256(json.dumps([base, texts, STOP_MARGIN]).encode()).hexdigest()[:16]
     return finetune(
-        base, texts, str(cache_root() / "models" / f"ok-{key}"), steps=150, stop_margin=STOP_MARGIN, desc='"ok" test model'
+        base,
+        texts,
+        str(cache_root() / "models" / f"ok-{key}"),
+        steps=150,
+        stop_margin=STOP_MARGIN,
+        desc='"ok" test model',
     )
 
 
@@ -171,7 +183,8 @@ def build_gsm8k_model() -> str:
         tokenizer.apply_chat_template(
             asyncio.run(_gsm8k_conversation(variant, row)), tools=schemas if variant == "tool" else None, tokenize=False
         )
-        for variant, rows in gsm8k_example_rows().items() for row in rows
+        for variant, rows in gsm8k_example_rows().items()
+        for row in rows
     ]
     key = hashlib.sha256(json.dumps([base, texts, STOP_MARGIN]).encode()).hexdigest()[:16]
     directory = str(cache_root() / "models" / f"gsm8k-{key}")
@@ -187,8 +200,11 @@ def build_coin_model() -> str:
     base = tiny_model_path()
     tokenizer = AutoTokenizer.from_pretrained(base)
     texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": answer}], tokenize=False)
-        for i in range(24) for answer in ("yes", "no")
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": answer}], tokenize=False
+        )
+        for i in range(24)
+        for answer in ("yes", "no")
     ]
     key = hashlib.sha256(json.dumps([base, texts]).encode()).hexdigest()[:16]
     return finetune(base, texts, str(cache_root() / "models" / f"coin-{key}"), steps=60, desc='"yes or no" test model')
@@ -200,8 +216,14 @@ def says_yes(data_source: str, solution_str: str, ground_truth: Any, extra_info:
 
 
 BUILDERS = {
-    "tiny": tiny_model_path, "scripted": build_scripted_model, "ok": build_ok_model, "coin": build_coin_model, "vlm": tiny_vlm_path,
-    "corridor": corridor_warm_start, "reward_model": tiny_reward_model_path, "gsm8k": build_gsm8k_model,
+    "tiny": tiny_model_path,
+    "scripted": build_scripted_model,
+    "ok": build_ok_model,
+    "coin": build_coin_model,
+    "vlm": tiny_vlm_path,
+    "corridor": corridor_warm_start,
+    "reward_model": tiny_reward_model_path,
+    "gsm8k": build_gsm8k_model,
 }
 
 

@@ -32,10 +32,13 @@ class MultiTurnProbe(AgentLoopBase):
             logprobs += output.log_probs
             cached.append(output.cached_tokens)
         return AgentLoopOutput(
-            prompt_ids, response, mask, logprobs, num_turns=6,
+            prompt_ids,
+            response,
+            mask,
+            logprobs,
+            num_turns=6,
             extra_fields={"servers": servers, "cached": cached, "observation": observation},
         )
-
 
 
 @register("probe_edits_row")
@@ -115,7 +118,9 @@ class ChaosProbe(AgentLoopBase):
         reward = float(ids[:1] == self.tokenizer.encode("yes"))
         # only the answer is trained: the second turn's tokens are there to be interrupted, not learned
         mask = [1] * len(first.token_ids) + [0] * len(second.token_ids)
-        return AgentLoopOutput(prompt_ids, ids, mask, first.log_probs + second.log_probs, num_turns=3, reward_score=reward)
+        return AgentLoopOutput(
+            prompt_ids, ids, mask, first.log_probs + second.log_probs, num_turns=3, reward_score=reward
+        )
 
 
 _ARRIVALS: dict[tuple[str, int, str], asyncio.Event] = {}

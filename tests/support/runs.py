@@ -21,7 +21,9 @@ def joining_the_suite_ray() -> dict[str, str]:
     return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
 
 
-def signal_at_checkpoint(command: list[str], env: dict[str, str], latest: Path, step: int, signum: int) -> tuple[int, str, float]:
+def signal_at_checkpoint(
+    command: list[str], env: dict[str, str], latest: Path, step: int, signum: int
+) -> tuple[int, str, float]:
     """Run ``command`` in a session of its own until ``latest`` (``latest_checkpointed_iteration.txt``) names
     checkpoint ``step``, then send ``signum`` to its process group; return its exit code, its output (with a
     line marking where the signal was sent) and the seconds it took to exit after the signal (killed if over 90)."""
@@ -30,7 +32,9 @@ def signal_at_checkpoint(command: list[str], env: dict[str, str], latest: Path, 
         deadline = time.monotonic() + 240
         try:
             while not (latest.exists() and latest.read_text() == str(step)):
-                assert run.poll() is None, f"the run ended before its step-{step} checkpoint:\n{_read(log)[-3000:].decode(errors='replace')}"
+                assert run.poll() is None, (
+                    f"the run ended before its step-{step} checkpoint:\n{_read(log)[-3000:].decode(errors='replace')}"
+                )
                 assert time.monotonic() < deadline, f"no step-{step} checkpoint within 240 s"
                 time.sleep(0.01)
             signalled = time.monotonic()
@@ -40,7 +44,11 @@ def signal_at_checkpoint(command: list[str], env: dict[str, str], latest: Path, 
             stopped_s = time.monotonic() - signalled
             output = _read(log)
             before, after = output[:sent_at].decode(errors="replace"), output[sent_at:].decode(errors="replace")
-            return run.returncode, f"{before}\n<<< signal {signal.Signals(signum).name} sent here >>>\n{after}", stopped_s
+            return (
+                run.returncode,
+                f"{before}\n<<< signal {signal.Signals(signum).name} sent here >>>\n{after}",
+                stopped_s,
+            )
         finally:
             with contextlib.suppress(ProcessLookupError):  # gone already when it ended or stopped
                 os.killpg(run.pid, signal.SIGKILL)

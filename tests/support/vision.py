@@ -20,14 +20,24 @@ def picture(colour: str, width: int = 56, height: int = 56) -> Image.Image:
 
 
 def picture_message(colour: str, width: int, height: int) -> dict[str, Any]:
-    return {"role": "user", "content": [{"type": "text", "text": f"and this {colour} one?"}, {"type": "image", "image": picture(colour, width, height)}]}
+    return {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": f"and this {colour} one?"},
+            {"type": "image", "image": picture(colour, width, height)},
+        ],
+    }
 
 
 class CameraTool(BaseTool):
     """Answers every call with a picture of the colour asked for (a tool whose response carries an image)."""
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
-        return ToolResponse(text=f"a {parameters['colour']} picture", image=picture(parameters["colour"], 84, 56)), 0.0, {}
+        return (
+            ToolResponse(text=f"a {parameters['colour']} picture", image=picture(parameters["colour"], 84, 56)),
+            0.0,
+            {},
+        )
 
 
 CAMERA_SCHEMA = {

@@ -15,8 +15,14 @@ from agentloop.server.http.native import Admission, ServerImages, native_routes
 
 
 def build_app(
-    server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: str, tool_format: str, api_key: str | None,
-    max_body_bytes: int = 32 << 20, processor: Any | None = None,
+    server: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    model_name: str,
+    tool_format: str,
+    api_key: str | None,
+    max_body_bytes: int = 32 << 20,
+    processor: Any | None = None,
 ) -> FastAPI:
     """The app over a ``RolloutServer`` (async ``generate``, ``abort``, weight, memory and cache controls).
 
@@ -33,7 +39,9 @@ def build_app(
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     async def authorize(request: Request) -> None:
-        if api_key and not hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {api_key}".encode()):
+        if api_key and not hmac.compare_digest(
+            request.headers.get("authorization", "").encode(), f"Bearer {api_key}".encode()
+        ):
             raise HTTPException(status_code=401, detail="missing or wrong API key (Authorization: Bearer <key>)")
 
     @app.exception_handler(ValueError)
@@ -51,7 +59,9 @@ def build_app(
 
     authorized, admission = [Depends(authorize)], Admission()
     app.include_router(native_routes(server, tokenizer, images, admission), dependencies=authorized)
-    chat = chat_routes(server, tokenizer, model_name=model_name, tool_format=tool_format, images=images, admission=admission)
+    chat = chat_routes(
+        server, tokenizer, model_name=model_name, tool_format=tool_format, images=images, admission=admission
+    )
     app.include_router(chat, dependencies=authorized)
     return app
 
@@ -86,5 +96,7 @@ class BodyLimit:
         await self.app(scope, replayed, send)
 
     async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
-        message = f"request body over the limit of {self.max_bytes} bytes (actor_rollout_ref.rollout.http.max_body_bytes)"
+        message = (
+            f"request body over the limit of {self.max_bytes} bytes (actor_rollout_ref.rollout.http.max_body_bytes)"
+        )
         await JSONResponse(status_code=413, content={"error": {"message": message, "code": 413}})(scope, receive, send)

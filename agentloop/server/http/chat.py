@@ -45,7 +45,9 @@ class ChatMessage(BaseModel):
     @classmethod
     def text_and_image_parts_only(cls, content: Any) -> Any:
         if isinstance(content, list) and not all(_is_text_part(part) or _is_image_part(part) for part in content):
-            raise ValueError("content parts must be {type: text, text: ...} or {type: image_url, image_url: {url: ...}}")
+            raise ValueError(
+                "content parts must be {type: text, text: ...} or {type: image_url, image_url: {url: ...}}"
+            )
         return content
 
 
@@ -73,7 +75,11 @@ def _is_text_part(part: dict[str, Any]) -> bool:
 
 
 def _is_image_part(part: dict[str, Any]) -> bool:
-    return part.get("type") == "image_url" and isinstance(part.get("image_url"), dict) and isinstance(part["image_url"].get("url"), str)
+    return (
+        part.get("type") == "image_url"
+        and isinstance(part.get("image_url"), dict)
+        and isinstance(part["image_url"].get("url"), str)
+    )
 
 
 class ChatBody(BaseModel):
@@ -96,7 +102,12 @@ class ChatBody(BaseModel):
 
 
 def chat_routes(
-    server: Any, tokenizer: PreTrainedTokenizerBase, *, model_name: str, tool_format: str, images: ServerImages | None = None,
+    server: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    model_name: str,
+    tool_format: str,
+    images: ServerImages | None = None,
     admission: Admission | None = None,
 ) -> APIRouter:
     """``POST /v1/chat/completions``; tool calls in the completion are parsed in ``tool_format``. ``images``: how
@@ -117,7 +128,9 @@ def chat_routes(
         # cannot resume a cut-off message
         async with admission.admitted(request_id):
             output, versions, _ = await generate_continued(
-                lambda ids, more: server.generate(ids, more, request_id, images=processed or None), prompt, engine_params(body)
+                lambda ids, more: server.generate(ids, more, request_id, images=processed or None),
+                prompt,
+                engine_params(body),
             )
         choice = completion_choice(output, prompt, tokenizer, parse_tool_calls if body.tools else None, spell)
         return {
@@ -146,15 +159,22 @@ async def render_prompt(
     tokens, and the processed images in order. ValueError for messages or images the server cannot take."""
     messages = template_messages(body.messages)
     pictures: list[Any] = []
-    if any(isinstance(message.get("content"), list) and any(map(_is_image_part, message["content"])) for message in messages):
+    if any(
+        isinstance(message.get("content"), list) and any(map(_is_image_part, message["content"]))
+        for message in messages
+    ):
         # decoding images takes a while: off the event loop, which serves every request
         messages, pictures = await asyncio.to_thread(split_message_images, messages)
     processed = await images.process(pictures, "messages' images")
     try:
         prompt = list(
-            tokenizer.apply_chat_template(messages, tools=body.tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+            tokenizer.apply_chat_template(
+                messages, tools=body.tools, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         )
-    except Exception as error:  # the template's own checks (jinja raise_exception, bad tool schemas): the client's input
+    except (
+        Exception
+    ) as error:  # the template's own checks (jinja raise_exception, bad tool schemas): the client's input
         raise ValueError(f"the chat template cannot render these messages: {type(error).__name__}: {error}") from error
     return images.expand(prompt, processed, "the rendered messages"), processed
 
@@ -174,7 +194,10 @@ def engine_params(body: ChatBody) -> dict[str, Any]:
 
 
 def completion_choice(
-    output: TokenOutput, prompt: list[int], tokenizer: PreTrainedTokenizerBase, parse_tool_calls: Parser | None,
+    output: TokenOutput,
+    prompt: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    parse_tool_calls: Parser | None,
     spell: Callable[[int], list[int] | None],
 ) -> dict[str, Any]:
     """The completion's one choice: the reply split into reasoning, content and tool calls (``parse_tool_calls``:

@@ -70,7 +70,9 @@ def sglang_to_engine_params(params: dict[str, Any]) -> dict[str, Any]:
     """Map SGLang sampling params onto the engine's, rejecting keys neither knows."""
     unknown = sorted(set(params) - set(SAMPLING_DEFAULTS) - TEXT_ONLY_KEYS)
     if unknown:
-        raise ValueError(f"unsupported sampling_params {unknown}; supported: {sorted(set(SAMPLING_DEFAULTS) | TEXT_ONLY_KEYS)}")
+        raise ValueError(
+            f"unsupported sampling_params {unknown}; supported: {sorted(set(SAMPLING_DEFAULTS) | TEXT_ONLY_KEYS)}"
+        )
     mapped = {key: value for key, value in params.items() if key in SAMPLING_DEFAULTS}
     # SGLang clients send 1 << 30 for "no top-k"; smaller values pass through, the engine clamps them to its vocabulary
     if isinstance(mapped.get("top_k"), int) and mapped["top_k"] >= SGLANG_TOP_K_DISABLED:
@@ -93,7 +95,9 @@ class ServerImages:
 
     def _process(self, images: list[Any], where: str) -> list[ProcessedImage]:
         loaded = [
-            image if isinstance(image, Image.Image) else load_image(image_source(image, f"{where} {index}"), f"{where} {index}")
+            image
+            if isinstance(image, Image.Image)
+            else load_image(image_source(image, f"{where} {index}"), f"{where} {index}")
             for index, image in enumerate(images)
         ]
         try:
@@ -101,7 +105,9 @@ class ServerImages:
         except ValueError:
             raise
         except Exception as error:  # the image processor's own refusals (sizes, modes) are the client's input too
-            raise ValueError(f"{where}: the image processor cannot process these images: {type(error).__name__}: {error}") from error
+            raise ValueError(
+                f"{where}: the image processor cannot process these images: {type(error).__name__}: {error}"
+            ) from error
 
     def expand(self, ids: list[int], images: list[ProcessedImage], where: str) -> list[int]:
         """``ids`` with each image's single pad widened to its tokens (unchanged for a text-only model)."""
@@ -115,10 +121,14 @@ def image_source(value: str | dict[str, Any], where: str) -> Any:
     if isinstance(value, dict):
         if set(value) != {"url"} or not isinstance(value["url"], str):
             # per-image options (min_pixels, max_pixels, ...) would change the image's token count: refused, not ignored
-            raise ValueError(f"{where}: only {{'url': ...}} is supported in an image_data object, got keys {sorted(value)}")
+            raise ValueError(
+                f"{where}: only {{'url': ...}} is supported in an image_data object, got keys {sorted(value)}"
+            )
         value = value["url"]
     if value.startswith(("http://", "https://")):
-        raise ValueError(f"{where}: this server does not fetch URLs; send the image as a data URI, base64 or a path on the server")
+        raise ValueError(
+            f"{where}: this server does not fetch URLs; send the image as a data URI, base64 or a path on the server"
+        )
     if value.startswith(("data:", "file://")):
         return value
     try:
@@ -132,7 +142,9 @@ def image_source(value: str | dict[str, Any], where: str) -> Any:
         raise ValueError(f"{where}: neither a data URI, base64 nor a file on the server: {value[:60]!r}") from None
 
 
-def image_data_items(image_data: str | dict[str, Any] | list[str | dict[str, Any]] | None) -> list[str | dict[str, Any]]:
+def image_data_items(
+    image_data: str | dict[str, Any] | list[str | dict[str, Any]] | None,
+) -> list[str | dict[str, Any]]:
     """``image_data`` as a list (SGLang takes one item bare)."""
     if image_data is None:
         return []
@@ -188,7 +200,10 @@ class Admission:
 
 
 def native_routes(
-    server: Any, tokenizer: PreTrainedTokenizerBase, images: ServerImages | None = None, admission: Admission | None = None
+    server: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    images: ServerImages | None = None,
+    admission: Admission | None = None,
 ) -> APIRouter:
     """Every SGLang-native route but ``/health``, which the app serves without the API key. ``images``: how
     ``image_data`` is read (default: refused, a text-only model); ``admission``: the pause gate shared with the
@@ -233,11 +248,17 @@ def add_generation_routes(
             "finish_reason": finish_reason_json(output),
             "cached_tokens": output.cached_tokens,
             "e2e_latency": time.perf_counter() - start,
-            **weight_versions_json(VersionRuns([[output.policy_version, len(output.token_ids)]]), output.policy_version),
+            **weight_versions_json(
+                VersionRuns([[output.policy_version, len(output.token_ids)]]), output.policy_version
+            ),
         }
         if body.return_logprob:
             meta["output_token_logprobs"] = [[lp, token, None] for lp, token in zip(output.log_probs, output.token_ids)]
-        return {"text": tokenizer.decode(output.token_ids, skip_special_tokens=True), "output_ids": output.token_ids, "meta_info": meta}
+        return {
+            "text": tokenizer.decode(output.token_ids, skip_special_tokens=True),
+            "output_ids": output.token_ids,
+            "meta_info": meta,
+        }
 
 
 def add_admission_routes(router: APIRouter, server: Any, admission: Admission) -> None:

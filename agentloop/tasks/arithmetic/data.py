@@ -22,7 +22,11 @@ SYSTEM = {
 
 
 def make_rows(
-    count: int, seed: int = 0, split: str = "train", max_operand: int = 99, compute_tool: str = "calculator",
+    count: int,
+    seed: int = 0,
+    split: str = "train",
+    max_operand: int = 99,
+    compute_tool: str = "calculator",
     agent_name: str = "tool_agent",
 ) -> list[dict[str, Any]]:
     """``count`` problems ``a op b`` with operands in ``[0, max_operand]`` (deterministic for a seed), each a
@@ -55,11 +59,18 @@ def make_rows(
 
 
 def cached_split(
-    split: str, count: int, max_operand: int = 99, seed: int = 0, compute_tool: str = "calculator", agent_name: str = "tool_agent"
+    split: str,
+    count: int,
+    max_operand: int = 99,
+    seed: int = 0,
+    compute_tool: str = "calculator",
+    agent_name: str = "tool_agent",
 ) -> str:
     """A cached parquet of ``make_rows(count, seed, split, max_operand, compute_tool, agent_name)``, written on first use."""
     # the quick start's cache keeps its name
-    variant = ("" if compute_tool == "calculator" else f"-{compute_tool}") + ("" if agent_name == "tool_agent" else f"-{agent_name}")
+    variant = ("" if compute_tool == "calculator" else f"-{compute_tool}") + (
+        "" if agent_name == "tool_agent" else f"-{agent_name}"
+    )
     path = cache_root() / "data" / f"arithmetic{variant}-{count}-{max_operand}-{seed}" / f"{split}.parquet"
     return write_rows_once(path, lambda: make_rows(count, seed, split, max_operand, compute_tool, agent_name))
 

@@ -43,8 +43,14 @@ def read_verdict(text: str) -> float:
 
 
 async def judged_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, *, judge: Judge,
-    fallback: str = "fail", **kwargs: Any,
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    *,
+    judge: Judge,
+    fallback: str = "fail",
+    **kwargs: Any,
 ) -> dict[str, float]:
     """The judge's grade of the response's final answer (see the module docstring)."""
     numbers = _NUMBER.findall(solution_str)
@@ -80,6 +86,9 @@ def judge_path(examples: int = 3000, seed: int = 0) -> str:
     training = dict(steps=3000, lr=2e-3, batch_size=32, seed=seed)
     key = hashlib.sha256(json.dumps([base, texts, training]).encode()).hexdigest()[:16]
     return finetune(
-        base, texts, str(cache_root() / "models" / f"arithmetic-judge-{key}"), **training,
+        base,
+        texts,
+        str(cache_root() / "models" / f"arithmetic-judge-{key}"),
+        **training,
         desc="arithmetic judge (first run only): grading answers against the reference",
     )

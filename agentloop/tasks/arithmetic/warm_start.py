@@ -35,7 +35,11 @@ from agentloop.tools.toolset import load_tool_set
 
 
 def conversation(
-    row: dict[str, Any], use_tools: bool, rng: random.Random, compute_tool: str = "calculator", long_episodes: bool = False,
+    row: dict[str, Any],
+    use_tools: bool,
+    rng: random.Random,
+    compute_tool: str = "calculator",
+    long_episodes: bool = False,
 ) -> list[dict[str, Any]]:
     """One chat for ``row``: the tool-using solution (computing with ``compute_tool``), or a plain-text guess."""
     messages = list(row["prompt"])
@@ -46,13 +50,23 @@ def conversation(
     arguments = {"code": f"print({expression})"} if compute_tool == "python_exec" else {"expression": expression}
     if long_episodes:
         return messages + [
-            {"role": "assistant", "content": f"First compute {expression} with the {compute_tool}.\n" + format_hermes(compute_tool, arguments)},
+            {
+                "role": "assistant",
+                "content": f"First compute {expression} with the {compute_tool}.\n"
+                + format_hermes(compute_tool, arguments),
+            },
             {"role": "tool", "content": str(value)},
-            {"role": "assistant", "content": f"The result is {value}. Then check the result with one more call.\n"
-                                             + format_hermes(compute_tool, arguments)},
+            {
+                "role": "assistant",
+                "content": f"The result is {value}. Then check the result with one more call.\n"
+                + format_hermes(compute_tool, arguments),
+            },
             {"role": "tool", "content": str(value)},
-            {"role": "assistant", "content": f"The value equals {value} again, so submit the final answer {value}.\n"
-                                             + format_hermes("submit_answer", {"answer": value})},
+            {
+                "role": "assistant",
+                "content": f"The value equals {value} again, so submit the final answer {value}.\n"
+                + format_hermes("submit_answer", {"answer": value}),
+            },
             {"role": "tool", "content": "correct"},
             {"role": "assistant", "content": f"Done: {expression} equals {value}, and the answer is correct."},
         ]
@@ -65,7 +79,9 @@ def conversation(
     ]
 
 
-def warm_start_path(tools_path: str, max_operand: int = 9, tool_share: float = 0.25, seed: int = 0, long_episodes: bool = False) -> str:
+def warm_start_path(
+    tools_path: str, max_operand: int = 9, tool_share: float = 0.25, seed: int = 0, long_episodes: bool = False
+) -> str:
     """Directory of the warm-started checkpoint, trained on first use and cached (deterministic).
 
     ``tools_path`` is the job's tool YAML: the conversations render its schemas, as rollouts will.
@@ -77,7 +93,9 @@ def warm_start_path(tools_path: str, max_operand: int = 9, tool_share: float = 0
     base = tiny_model_path()
     tokenizer = AutoTokenizer.from_pretrained(base)
     schemas = load_tool_set(tools_path).schemas
-    compute_tool = "python_exec" if any(schema["function"]["name"] == "python_exec" for schema in schemas) else "calculator"
+    compute_tool = (
+        "python_exec" if any(schema["function"]["name"] == "python_exec" for schema in schemas) else "calculator"
+    )
     rng = random.Random(seed)
     # problems of their own split: the warm start never sees the train or test rows
     rows = make_rows(512, seed, split="warm_start", max_operand=max_operand, compute_tool=compute_tool)
@@ -94,13 +112,21 @@ def warm_start_path(tools_path: str, max_operand: int = 9, tool_share: float = 0
     # greedy calls, results in 27, and GRPO plateaued at a reward of about 0.3; after 1200 steps, 64 and 61 there
     skill_training = {"steps": 1200, "lr": 3e-3, "batch_size": 16}
     skilled = finetune(
-        base, skill, str(models / f"arithmetic-tools-{_key(base, skill, skill_training)}"), **skill_training, seed=seed,
+        base,
+        skill,
+        str(models / f"arithmetic-tools-{_key(base, skill, skill_training)}"),
+        **skill_training,
+        seed=seed,
         desc="warm start 1/2 (first run only): the tool protocol",
     )
     mix_training = {"steps": 100, "lr": 1e-3, "batch_size": 16}
     return finetune(
-        skilled, mix, str(models / f"arithmetic-warm-start-{_key(skilled, mix, mix_training)}"), **mix_training,
-        seed=seed, desc=f"warm start 2/2 (first run only): tools in {tool_share:.0%} of the conversations",
+        skilled,
+        mix,
+        str(models / f"arithmetic-warm-start-{_key(skilled, mix, mix_training)}"),
+        **mix_training,
+        seed=seed,
+        desc=f"warm start 2/2 (first run only): tools in {tool_share:.0%} of the conversations",
     )
 
 

@@ -33,4 +33,7 @@ class ColoursEnv(BaseEnv):
 
     def format_observation(self, observation: int) -> dict[str, Any]:
         """Picture number ``observation`` (the next to answer), with the follow-up question."""
-        return {"role": "user", "content": [{"type": "image", "image": self.pictures[observation][1]}, {"type": "text", "text": FOLLOW_UP}]}
+        return {
+            "role": "user",
+            "content": [{"type": "image", "image": self.pictures[observation][1]}, {"type": "text", "text": FOLLOW_UP}],
+        }

@@ -26,10 +26,18 @@ def conversation(row: dict[str, Any], rng: random.Random) -> list[dict[str, Any]
     pictures = episode(row["extra_info"]["env_kwargs"]["episode"], turns)
     system, user = row["prompt"]
     question = user["content"].replace("<image>", "")
-    chat = [system, {"role": "user", "content": [{"type": "image", "image": pictures[0][1]}, {"type": "text", "text": question}]}]
+    chat = [
+        system,
+        {"role": "user", "content": [{"type": "image", "image": pictures[0][1]}, {"type": "text", "text": question}]},
+    ]
     for turn in range(turns):
         if turn:
-            chat.append({"role": "user", "content": [{"type": "image", "image": pictures[turn][1]}, {"type": "text", "text": FOLLOW_UP}]})
+            chat.append(
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "image": pictures[turn][1]}, {"type": "text", "text": FOLLOW_UP}],
+                }
+            )
         chat.append({"role": "assistant", "content": rng.choice(sorted(INITIALS))})
     return chat
 
@@ -44,16 +52,27 @@ def warm_start_path(count: int = 256, turns: int = 2, steps: int = 120, lr: floa
     base = tiny_vlm_path()
     rng = random.Random(seed)
     chats = [conversation(row, rng) for row in make_rows(count, seed, split="warm_start", turns=turns)]
-    key = hashlib.sha256(repr((base, steps, lr, seed, [_fingerprint(chat) for chat in chats])).encode()).hexdigest()[:16]
+    key = hashlib.sha256(repr((base, steps, lr, seed, [_fingerprint(chat) for chat in chats])).encode()).hexdigest()[
+        :16
+    ]
     return finetune_chats(
-        base, chats, str(cache_root() / "models" / f"colours-warm-start-{key}"), steps=steps, lr=lr, seed=seed, batch_size=16,
+        base,
+        chats,
+        str(cache_root() / "models" / f"colours-warm-start-{key}"),
+        steps=steps,
+        lr=lr,
+        seed=seed,
+        batch_size=16,
         desc="warm start (first run only): answer with one colour initial",
     )
 
 
 def _fingerprint(chat: list[dict[str, Any]]) -> list[Any]:
     """A conversation with its pictures as PNG digests: what the cache key hashes."""
+
     def part(piece: dict[str, Any]) -> Any:
         return hashlib.sha256(png(piece["image"])).hexdigest() if piece.get("type") == "image" else piece.get("text")
 
-    return [(m["role"], m["content"] if isinstance(m["content"], str) else [part(p) for p in m["content"]]) for m in chat]
+    return [
+        (m["role"], m["content"] if isinstance(m["content"], str) else [part(p) for p in m["content"]]) for m in chat
+    ]

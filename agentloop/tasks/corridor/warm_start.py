@@ -55,12 +55,24 @@ def warm_start_path(count: int = 256, turns: int = 4, seed: int = 0) -> str:
     random_sides = [tokenizer.apply_chat_template(conversation(row, rng), tokenize=False) for row in rows]
     models = cache_root() / "models"
     skilled = finetune(
-        base, following, str(models / f"corridor-clues-{_key(base, following, seed)}"), steps=80, lr=3e-3, batch_size=16,
-        seed=seed, desc="warm start 1/2 (first run only): follow the clues",
+        base,
+        following,
+        str(models / f"corridor-clues-{_key(base, following, seed)}"),
+        steps=80,
+        lr=3e-3,
+        batch_size=16,
+        seed=seed,
+        desc="warm start 1/2 (first run only): follow the clues",
     )
     return finetune(
-        skilled, random_sides, str(models / f"corridor-warm-start-{_key(skilled, random_sides, seed)}"), steps=30, lr=1e-3,
-        batch_size=16, seed=seed, desc="warm start 2/2 (first run only): left or right at random",
+        skilled,
+        random_sides,
+        str(models / f"corridor-warm-start-{_key(skilled, random_sides, seed)}"),
+        steps=30,
+        lr=1e-3,
+        batch_size=16,
+        seed=seed,
+        desc="warm start 2/2 (first run only): left or right at random",
     )
 
 

@@ -10,7 +10,11 @@ from agentloop.tools.sandbox import SandboxLimits, run_sandboxed
 
 def main() -> None:
     run = asyncio.run(run_sandboxed("print(sum(range(10)))", SandboxLimits.from_config({})))
-    print(json.dumps({"stdout": run.stdout, "stderr": run.stderr, "exit_code": run.exit_code, "layers": run.layers}, indent=2))
+    print(
+        json.dumps(
+            {"stdout": run.stdout, "stderr": run.stderr, "exit_code": run.exit_code, "layers": run.layers}, indent=2
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -134,9 +134,19 @@ async def _run(workdir: str, ids: tuple[int, int] | None, limits: SandboxLimits)
     start = time.monotonic()
     try:
         process = await asyncio.create_subprocess_exec(
-            limits.python or sys.executable, "-I", "-S", "-c", LAUNCHER, json.dumps(config),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            pass_fds=(status_write,), start_new_session=True, cwd=workdir, env=config["env"],
+            limits.python or sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            LAUNCHER,
+            json.dumps(config),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            pass_fds=(status_write,),
+            start_new_session=True,
+            cwd=workdir,
+            env=config["env"],
         )
     except BaseException:
         os.close(status_read)
@@ -144,8 +154,10 @@ async def _run(workdir: str, ids: tuple[int, int] | None, limits: SandboxLimits)
     finally:
         os.close(status_write)
     output = CappedOutput(limits.max_output_bytes)
-    readers = [asyncio.ensure_future(output.drain(stream, name))
-               for stream, name in ((process.stdout, "stdout"), (process.stderr, "stderr"))]
+    readers = [
+        asyncio.ensure_future(output.drain(stream, name))
+        for stream, name in ((process.stdout, "stdout"), (process.stderr, "stderr"))
+    ]
     timed_out = False
     try:
         try:

@@ -28,11 +28,13 @@ def problems(count: int, seed: int) -> list[tuple[str, str, str]]:
     for _ in range(count):
         apples, bought = rng.randint(2, 40), rng.randint(2, 40)
         total = apples + bought
-        out.append((
-            f"Tom has {apples} apples and buys {bought} more. How many apples does he have?",
-            f"Tom has {apples} + {bought} = <<{apples}+{bought}={total}>>{total} apples.\n#### {total}",
-            str(total),
-        ))
+        out.append(
+            (
+                f"Tom has {apples} apples and buys {bought} more. How many apples does he have?",
+                f"Tom has {apples} + {bought} = <<{apples}+{bought}={total}>>{total} apples.\n#### {total}",
+                str(total),
+            )
+        )
     return out
 
 
@@ -41,32 +43,49 @@ def gsm8k_rows(split: str, count: int, seed: int, system: str, extra_info: Any) 
     rows = []
     for index, (question_raw, answer_raw, solution) in enumerate(problems(count, seed)):
         question = question_raw + " " + INSTRUCTION
-        rows.append({
-            "data_source": "openai/gsm8k",
-            "prompt": [{"role": "system", "content": system}, {"role": "user", "content": question}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": solution},
-            "extra_info": {
-                "split": split, "index": index, "answer": answer_raw, "question": question_raw,
-                **extra_info(question, solution),
-            },
-        })
+        rows.append(
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": solution},
+                "extra_info": {
+                    "split": split,
+                    "index": index,
+                    "answer": answer_raw,
+                    "question": question_raw,
+                    **extra_info(question, solution),
+                },
+            }
+        )
     return rows
 
 
 def tool_rows(split: str, count: int, seed: int) -> list[dict[str, Any]]:
-    return gsm8k_rows(split, count, seed, TOOL_SYSTEM, lambda question, solution: {
-        "need_tools_kwargs": True,
-        "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution}}},
-        # written for tool-only jobs too; no interaction is configured there
-        "interaction_kwargs": {"query": question, "ground_truth": solution},
-    })
+    return gsm8k_rows(
+        split,
+        count,
+        seed,
+        TOOL_SYSTEM,
+        lambda question, solution: {
+            "need_tools_kwargs": True,
+            "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution}}},
+            # written for tool-only jobs too; no interaction is configured there
+            "interaction_kwargs": {"query": question, "ground_truth": solution},
+        },
+    )
 
 
 def interaction_rows(split: str, count: int, seed: int) -> list[dict[str, Any]]:
-    return gsm8k_rows(split, count, seed, INTERACTION_SYSTEM, lambda question, solution: {
-        "interaction_kwargs": {"name": "gsm8k", "query": question, "ground_truth": solution},
-    })
+    return gsm8k_rows(
+        split,
+        count,
+        seed,
+        INTERACTION_SYSTEM,
+        lambda question, solution: {
+            "interaction_kwargs": {"name": "gsm8k", "query": question, "ground_truth": solution},
+        },
+    )
 
 
 def write_split(directory: str, kind: str, split: str, count: int, extra_rows: list[dict[str, Any]] = ()) -> str:

@@ -8,11 +8,17 @@ class SchemaFromClassTool(Gsm8kTool):
     """A tool whose YAML entry has no tool_schema: its class supplies one, as verl allows."""
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
-        return OpenAIFunctionToolSchema.model_validate({
-            "type": "function",
-            "function": {
-                "name": "check_answer",
-                "description": "Check an answer to the problem",
-                "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]},
-            },
-        })
+        return OpenAIFunctionToolSchema.model_validate(
+            {
+                "type": "function",
+                "function": {
+                    "name": "check_answer",
+                    "description": "Check an answer to the problem",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"answer": {"type": "string"}},
+                        "required": ["answer"],
+                    },
+                },
+            }
+        )

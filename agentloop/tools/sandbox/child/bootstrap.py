@@ -98,7 +98,9 @@ def isolate(config: dict, ns_kind: "str | None") -> "dict[str, str]":
     """Every layer this OS allows, in the init; returns what is active, by concern."""
     uid, gid = config.get("uid"), config.get("gid")
     drop_uid = os.geteuid() == 0 and uid is not None
-    layers = {"namespaces": ns_kind or ("none (unshare refused)" if config["os_isolation"] else "none (os_isolation: false)")}
+    layers = {
+        "namespaces": ns_kind or ("none (unshare refused)" if config["os_isolation"] else "none (os_isolation: false)")
+    }
     if ns_kind:
         try:
             layers["files"] = isolate_filesystem(config, drop_uid)
@@ -118,7 +120,9 @@ def isolate(config: dict, ns_kind: "str | None") -> "dict[str, str]":
         os.setgid(gid)
         os.setuid(uid)
         if layers["files"].startswith("audit hook only"):
-            layers["files"] += f"; the OS refuses writes uid {uid} has no permission for (/tmp stays open to a program that evades the hook)"
+            layers["files"] += (
+                f"; the OS refuses writes uid {uid} has no permission for (/tmp stays open to a program that evades the hook)"
+            )
     layers["user"] = f"uid {os.getuid()}" + (" (dropped from root)" if drop_uid else kept_root)
     if os.geteuid() == 0:
         layers["processes"] = "audit hook refuses fork (root ignores RLIMIT_NPROC)"

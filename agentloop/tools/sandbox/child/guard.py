@@ -27,17 +27,32 @@ EXIT_REFUSED_EXEC = 245
 EXIT_REFUSED_FORK = 246
 
 NETWORK_EVENTS = {
-    "socket.bind", "socket.connect", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
-    "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo",
+    "socket.bind",
+    "socket.connect",
+    "socket.sendto",
+    "socket.sendmsg",
+    "socket.getaddrinfo",
+    "socket.gethostbyname",
+    "socket.gethostbyaddr",
+    "socket.getnameinfo",
 }
 EXEC_EVENTS = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "os.startfile"}
 FORK_EVENTS = {"os.fork", "os.forkpty"}
 # event -> (path argument, its dir_fd argument or None) for each path the event changes
 PATH_EVENTS = {
-    "os.mkdir": ((0, 2),), "os.rmdir": ((0, 1),), "os.remove": ((0, 1),), "os.rename": ((0, 2), (1, 3)),
-    "os.link": ((1, 3),), "os.symlink": ((1, 2),), "os.chmod": ((0, 2),), "os.chown": ((0, 3),),
-    "os.truncate": ((0, None),), "os.utime": ((0, 3),), "os.setxattr": ((0, None),),
-    "os.removexattr": ((0, None),), "os.chflags": ((0, None),),
+    "os.mkdir": ((0, 2),),
+    "os.rmdir": ((0, 1),),
+    "os.remove": ((0, 1),),
+    "os.rename": ((0, 2), (1, 3)),
+    "os.link": ((1, 3),),
+    "os.symlink": ((1, 2),),
+    "os.chmod": ((0, 2),),
+    "os.chown": ((0, 3),),
+    "os.truncate": ((0, None),),
+    "os.utime": ((0, 3),),
+    "os.setxattr": ((0, None),),
+    "os.removexattr": ((0, None),),
+    "os.chflags": ((0, None),),
 }
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 WRITABLE_OUTSIDE = {"/dev/null", "/dev/stdout", "/dev/stderr"}
@@ -69,7 +84,9 @@ def install_hook(workdir: str, refuse_fork: bool) -> None:
         if event == "open":
             path, flags = args[0], args[2]
             if flags & WRITE_FLAGS and not is_inside(workdir, path, None):
-                raise SandboxRefusal(f"writing outside the working directory is not allowed ({path!r})", EXIT_REFUSED_WRITE)
+                raise SandboxRefusal(
+                    f"writing outside the working directory is not allowed ({path!r})", EXIT_REFUSED_WRITE
+                )
         elif event in PATH_EVENTS:
             for index, fd_index in PATH_EVENTS[event]:
                 if not is_inside(workdir, args[index], None if fd_index is None else args[fd_index]):

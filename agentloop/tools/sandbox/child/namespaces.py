@@ -105,7 +105,13 @@ def mask(directory: str, keep: "list[str]", writable_mb: "int | None" = None) ->
     handles = [(path, os.open(path, os.O_PATH | os.O_CLOEXEC)) for path in inside]
     try:
         size = f"size={writable_mb}m" if writable_mb else "size=1m"
-        mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{size}" if writable_mb else f"mode=0755,{size}")
+        mount(
+            "tmpfs",
+            directory,
+            "tmpfs",
+            MS_NOSUID | MS_NODEV,
+            f"mode=1777,{size}" if writable_mb else f"mode=0755,{size}",
+        )
         for path, handle in handles:
             if stat.S_ISDIR(os.fstat(handle).st_mode):
                 os.makedirs(path, mode=0o755, exist_ok=True)
