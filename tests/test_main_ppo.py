@@ -20,6 +20,7 @@ from agentloop.dumps import read_rollout_dump
 from agentloop.rows import write_rows
 from agentloop.tasks.arithmetic.data import make_rows
 from tests.support.config import small_config
+from tests.test_docs import undocumented
 from tests.support.runs import signal_at_checkpoint
 from trainer.algorithms import adaptive_kl_coef
 from trainer.data import BatchSampler
@@ -63,6 +64,7 @@ def test_grpo_steps_in_bypass_mode_with_validation_loggers_and_rollout_dumps(loc
     history = run(config)
     assert [line["step"] for line in history] == [0, 1, 2]
     assert read_jsonl(out / "metrics.jsonl") == history
+    assert not undocumented(key for line in history for key in line), "docs/reference/metrics.md lacks them"
     assert set(history[0]) == {
         "step",
         "val/score/mean",
@@ -129,6 +131,7 @@ def test_gae_with_critic_warmup_and_kl_in_reward_and_loss(local_ray, tmp_path):
         f"trainer.default_local_dir={tmp_path / 'run'}",
     )
     first, second, third = run(config)
+    assert not undocumented([*first, *second, *third]), "docs/reference/metrics.md lacks them"
     for metrics in (first, second, third):
         assert metrics["critic/vf_loss"] > 0 and metrics["critic/grad_norm"] > 0
     assert not any(key.startswith("actor/pg") for key in first), "step 1 only warms up the critic"
