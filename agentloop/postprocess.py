@@ -1,4 +1,4 @@
-"""Pad finished trajectories into the trainer's tensor layout (README.md, "How a rollout flows": **Batch**).
+"""Pad finished trajectories into the trainer's tensor layout (docs/reference/agent-loop-output.md, "The batch").
 
 One row per segment (``AgentLoopOutput.all_segments``; one per trajectory unless its context was rewritten), a
 trajectory's rows consecutive and oldest first; ``segment_index [B]`` numbers them (0 starts a trajectory).

@@ -353,7 +353,7 @@ def test_exported_step_opens_from_a_file(run_dir, page, tmp_path):
         lambda: browser.find_elements(By.CSS_SELECTOR, "#sample-view .turn .tok"), "the exported sample's tokens"
     )
     assert console_problems(browser) == []
-    if os.environ.get("AGENTLOOP_VIEWER_SCREENSHOT"):  # how the README's picture is made
+    if os.environ.get("AGENTLOOP_VIEWER_SCREENSHOT"):  # how the picture in the README and docs/img/viewer.png is made
         browser.save_screenshot(os.environ["AGENTLOOP_VIEWER_SCREENSHOT"])
 
 

@@ -14,7 +14,8 @@ TOOLSET_KEYS = {"timeout_s", "max_concurrency", "type"}
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """The limits of one run; each is named as in the YAML. How each is enforced: README, "Sandboxed Python"."""
+    """The limits of one run; each is named as in the YAML. How each is enforced: docs/guides/tools.md, "Sandboxed
+    Python"."""
 
     wall_time_s: float = (
         10.0  # host timer: SIGTERM to the sandbox (its init dies, and its pid namespace), then SIGKILL to its group
