@@ -127,7 +127,7 @@ def ignored_keys(page_dir: str) -> str:
     """Every key of ``verl_ignored.yaml`` that ``ppo_trainer.yaml`` does not define itself, grouped under the comment
     that says why it is ignored (a comment covers the keys after it in its section, and a section's its keys)."""
     defined = {key.path for key in parse((CONFIG / "ppo_trainer.yaml").read_text())[1] if not key.section}
-    header, keys = parse((CONFIG / "verl_ignored.yaml").read_text())
+    keys = parse((CONFIG / "verl_ignored.yaml").read_text())[1]  # its header says what the page says
     groups: dict[tuple[str, str], list[str]] = {}
     why: dict[str, str] = {}  # the comment in force in a section
     for key in keys:
@@ -137,13 +137,13 @@ def ignored_keys(page_dir: str) -> str:
             why[key.path + "/"] = why[parent]
         elif key.path not in defined:
             groups.setdefault((key.path.split(".")[0], why[parent]), []).append(key.path)
-    out, top = [prose(header, page_dir)], None
+    out, top = [], None
     for (section, comment), paths in groups.items():
         if section != top:
-            out += [f"## `{section}`", ""]
+            out += ["", f"## `{section}`", ""]
             top = section
         out.append(f"- {prose(comment, page_dir) or 'ignored'}: " + ", ".join(f"`{path}`" for path in paths))
-    return "\n\n".join(out[:1]) + "\n\n" + "\n".join(out[1:]) + "\n"
+    return "\n".join(out) + "\n"
 
 
 GENERATED = {"config-reference": config_reference, "ignored-keys": ignored_keys}
