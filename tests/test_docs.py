@@ -134,3 +134,10 @@ def test_the_ignored_keys_page_lists_verl_ignored_yaml():
     for path in leaves(tree):
         if path not in defined and not any(path.startswith(d + ".") for d in defined):
             assert f"`{path.rsplit('.', 1)[0]}" in page, path
+
+
+def test_the_quick_start_page_shows_the_readmes_two_commands():
+    def commands(path: Path) -> str:
+        return re.search(r"```bash\n(.*?)```", path.read_text(), re.S)[1]
+
+    assert commands(REPO / "docs" / "getting-started" / "quick-start.md") == commands(REPO / "README.md")
