@@ -28,10 +28,13 @@ def documented_names() -> list[str]:
 
 
 def documented_patterns() -> list[re.Pattern]:
-    """The documented names as patterns: ``<x>`` matches one part, ``{a,b}`` either."""
+    """The documented names as patterns: ``<x>`` matches one part (``<data_source>`` any text: ``openai/gsm8k``),
+    ``{a,b}`` either."""
     patterns = []
     for name in documented_names():
-        regex = re.sub(r"<[^>]+>", "[^/]+", re.escape(name).replace(r"\<", "<").replace(r"\>", ">"))
+        regex = re.escape(name).replace(r"\<", "<").replace(r"\>", ">")
+        regex = regex.replace("<data_source>", ".+")
+        regex = re.sub(r"<[^>]+>", "[^/]+", regex)
         regex = re.sub(r"\\\{([^}]+)\\\}", lambda m: "(" + m[1].replace(",", "|") + ")", regex)
         patterns.append(re.compile(regex + "$"))
     return patterns
@@ -83,6 +86,9 @@ def test_every_metric_name_in_the_code_is_documented():
 def test_the_metric_check_catches_a_missing_name():
     assert undocumented(["rollout/cached_token_share", "multi_turn/finish_reason/stop", "actor/pg_loss"]) == []
     assert undocumented(["rollout/no_such_metric", "async/staleness_histogram/3"]) == ["rollout/no_such_metric"]
+    assert undocumented(["val/score/openai/gsm8k", "async/staleness_histogram/1/2"]) == [
+        "async/staleness_histogram/1/2"
+    ]
     assert undocumented(["multi_turn/interaction_score/turn_X", "timing_s/X", "no_such/X"]) == ["no_such/X"]
 
 
