@@ -7,13 +7,15 @@ through the ``agentloop/conf`` link in a checkout and copied into a wheel), so h
 Importing this module puts that package on hydra's search path after the primary config directory and
 before any ``hydra.searchpath`` entry: a user's YAML whose defaults list names ``ppo_trainer`` composes
 whatever its search path says (verl's ``file://verl/trainer/config`` included). It also registers the
-generic config resolvers:
+config's resolvers, which only name places (resolving a config runs nothing; what a config's data and models
+need built is its ``task.prepare`` section, run by the command: ``agentloop.preparation``):
 
-- ``${agentloop_tiny_model:}``: the tiny default model's directory, built on first use;
 - ``${agentloop_config_dir:}``: the config directory, so configs can name their neighbours from anywhere;
-- ``${agentloop_call:pkg.module.function,arg,...}``: the value ``function(arg, ...)`` returns, so a
-  config can name what builds its data or model (e.g. ``config/arithmetic_grpo.yaml``) without the
-  library knowing the task.
+- ``${agentloop_cache_dir:}``: agentloop's cache (``$AGENTLOOP_CACHE`` or ``~/.cache/agentloop``), where the
+  preparation steps build.
+
+``${agentloop_call:...}`` and ``${agentloop_tiny_model:}``, which ran code while resolving, are gone: they fail
+with the way to say the same thing now.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.plugins import Plugins
 from hydra.errors import ConfigCompositionException
 from hydra.plugins.search_path_plugin import SearchPathPlugin
-from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.config_keys import ConfigKeys
@@ -54,23 +55,35 @@ class AgentloopSearchPath(SearchPathPlugin):
 Plugins.instance().register(AgentloopSearchPath)
 
 
-def _tiny_model() -> str:
-    from agentloop.models.tiny_qwen import tiny_model_path  # built only when a config asks for it
+def _cache_root() -> Path:
+    from agentloop.models.cache import cache_root  # `import agentloop` loads nothing of the models package
 
-    return tiny_model_path()
-
-
-def _call(path: str, *args: Any) -> Any:
-    try:
-        function = get_method(path)
-    except Exception as error:
-        raise ValueError(f"${{agentloop_call:{path},...}}: {path!r} is not an importable function: {error}") from error
-    return function(*args)
+    return cache_root()
 
 
-OmegaConf.register_new_resolver("agentloop_tiny_model", _tiny_model, replace=True)
+def _removed(name: str, instead: str) -> Any:
+    def fail(*args: Any) -> Any:
+        raise ValueError(f"${{{name}:...}} was removed: resolving a config runs no code any more. {instead}")
+
+    return fail
+
+
 OmegaConf.register_new_resolver("agentloop_config_dir", lambda: str(CONFIG_DIR), replace=True)
-OmegaConf.register_new_resolver("agentloop_call", _call, replace=True)
+OmegaConf.register_new_resolver("agentloop_cache_dir", lambda: str(_cache_root()), replace=True)
+OmegaConf.register_new_resolver(
+    "agentloop_call",
+    _removed(
+        "agentloop_call",
+        "Name the function as a step under task.prepare (_target_, path, its arguments) and point the key at "
+        "${task.prepare.<step>.path}, as config/arithmetic_grpo.yaml does; the command runs the step first.",
+    ),
+    replace=True,
+)
+OmegaConf.register_new_resolver(
+    "agentloop_tiny_model",
+    _removed("agentloop_tiny_model", "ppo_trainer's default actor_rollout_ref.model.path is the tiny model."),
+    replace=True,
+)
 
 
 @functools.lru_cache(maxsize=1)

@@ -19,7 +19,11 @@ IGNORED_FILE = "verl_ignored.yaml"
 # verl switches that are always on here: false does nothing, so it is reported with the ignored keys
 ALWAYS_ON = ("data.return_raw_chat", "actor_rollout_ref.rollout.calculate_log_probs")
 # mappings whose entries are the user's own names rather than config keys (besides those empty by default)
-OPEN_MAPPINGS = ("actor_rollout_ref.rollout.resources_per_server", "reward_model.rollout.resources_per_server")
+OPEN_MAPPINGS = (
+    "actor_rollout_ref.rollout.resources_per_server",
+    "reward_model.rollout.resources_per_server",
+    "task.prepare",
+)
 
 
 def leaf_paths(node: Any, prefix: str = "") -> dict[str, Any]:

@@ -15,6 +15,7 @@ from agentloop.batch import RolloutBatch
 from agentloop.cluster import start_ray
 from agentloop.judge.pool import start_judge_pool
 from agentloop.metrics import rollout_metrics
+from agentloop.preparation import check_paths
 from agentloop.registry import check_agent_names, default_agent_loop, resolve_agent_loops
 from agentloop.router import RouterStats
 from agentloop.rows import check_row, verl_row_fields
@@ -34,11 +35,15 @@ class AgentLoopManager:
     of its own with ``ray_kwargs.ray_init``, as the trainer's command does (``agentloop.cluster``): never whatever
     cluster another job left running on the machine. ``server_addresses`` lists each server's HTTP base URL
     (``rollout.http``).
+
+    The models the config names must exist: call ``agentloop.preparation.prepare(config)`` first when they are built
+    by its ``task.prepare`` steps (the default tiny model included); building the manager builds nothing.
     """
 
     def __init__(self, config: DictConfig) -> None:
         config = config.copy()
-        OmegaConf.resolve(config)  # builds the default tiny model here, once, before any actor needs it
+        OmegaConf.resolve(config)  # interpolations only: the models it names were built by prepare(config)
+        check_paths(config, data=False)
         _absolute_paths(config)
         self.config = config
         self.rollout = config.actor_rollout_ref.rollout

@@ -28,6 +28,7 @@ import ray
 import yaml
 
 from agentloop.config import CONFIG_DIR, compose_config
+from agentloop.preparation import prepare
 from agentloop.tasks.arithmetic.tools import CalculatorTool
 from trainer.ray_trainer import RayPPOTrainer
 
@@ -67,7 +68,7 @@ def train(mode: str, steps: int, tools: str, out: Path, max_staleness: int, extr
     ]
     if mode == "sync":  # the same loss as the async runs, whose correction is on by default
         overrides.append("algorithm.rollout_correction.rollout_is=token")
-    trainer = RayPPOTrainer(compose_config(overrides, config_name="arithmetic_grpo"))
+    trainer = RayPPOTrainer(prepare(compose_config(overrides, config_name="arithmetic_grpo")))
     try:
         start = time.perf_counter()
         history = trainer.fit()

@@ -38,6 +38,7 @@ from agentloop.agent_loop.env_agent import EnvAgentLoop
 from agentloop.allocator import keep_freed_memory
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.config import compose_config
+from agentloop.preparation import prepare
 from agentloop.dumps import mask_runs
 from agentloop.envs import BaseEnv
 from agentloop.postprocess import pad_outputs
@@ -76,17 +77,19 @@ class Figures:
 def config(
     response_length: int, strategy: str = "append", turns: int = 1, window: int = 2, overrides: tuple[str, ...] = ()
 ) -> DictConfig:
-    return compose_config(
-        [
-            "data.max_prompt_length=64",
-            f"data.max_response_length={response_length}",
-            f"actor_rollout_ref.rollout.resources_per_server.CPU={THREADS}",
-            "actor_rollout_ref.rollout.env.class_name=benchmarks.context.NextStepEnv",
-            f"actor_rollout_ref.rollout.env.max_turns={turns}",
-            f"actor_rollout_ref.rollout.multi_turn.context.strategy={strategy}",
-            f"actor_rollout_ref.rollout.multi_turn.context.window_turns={window}",
-            *overrides,
-        ]
+    return prepare(
+        compose_config(
+            [
+                "data.max_prompt_length=64",
+                f"data.max_response_length={response_length}",
+                f"actor_rollout_ref.rollout.resources_per_server.CPU={THREADS}",
+                "actor_rollout_ref.rollout.env.class_name=benchmarks.context.NextStepEnv",
+                f"actor_rollout_ref.rollout.env.max_turns={turns}",
+                f"actor_rollout_ref.rollout.multi_turn.context.strategy={strategy}",
+                f"actor_rollout_ref.rollout.multi_turn.context.window_turns={window}",
+                *overrides,
+            ]
+        )
     )
 
 

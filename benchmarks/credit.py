@@ -30,6 +30,7 @@ import numpy as np
 import ray
 
 from agentloop.config import compose_config
+from agentloop.preparation import prepare
 from trainer.ray_trainer import RayPPOTrainer
 
 SMOKE = [
@@ -76,6 +77,7 @@ def train(estimator: str, seed: int, steps: int, out: Path, overrides: list[str]
         ],
         config_name="corridor_grpo",
     )
+    prepare(config)
     trainer = RayPPOTrainer(config)
     try:
         start = time.perf_counter()

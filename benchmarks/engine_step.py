@@ -19,6 +19,7 @@ from unittest import mock
 import torch
 
 from agentloop.config import compose_config
+from agentloop.preparation import prepare
 from agentloop.server import hf_batching
 from agentloop.server.hf_engine import HFEngine
 
@@ -39,7 +40,7 @@ async def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config = compose_config(["data.max_prompt_length=64", f"data.max_response_length={4 * TOKENS}"])
+    config = prepare(compose_config(["data.max_prompt_length=64", f"data.max_response_length={4 * TOKENS}"]))
     shipped = HFEngine.from_config(config, 0)
     with mock.patch.object(hf_batching, "sample_by_inverse_cdf", lambda manager: None):
         multinomial = HFEngine.from_config(config, 0)

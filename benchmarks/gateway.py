@@ -38,6 +38,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.config import compose_config
+from agentloop.preparation import prepare
 from agentloop.gateway import Gateway, Session, gateway_for
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
@@ -271,6 +272,7 @@ def main() -> None:
             f"data.max_response_length={max(args.turns, args.session_calls) * (args.tokens + 64)}",
         ]
     )
+    prepare(config)
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     servers = [RolloutServer.remote(config, rank) for rank in range(2)]

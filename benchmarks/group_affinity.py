@@ -25,6 +25,7 @@ import ray
 import agentloop.testing  # noqa: F401  (registers fixed_length)
 from agentloop import AgentLoopManager
 from agentloop.config import compose_config
+from agentloop.preparation import prepare
 
 
 def engine_overrides(engine: str, vllm_python: str | None) -> list[str]:
@@ -42,14 +43,16 @@ def engine_overrides(engine: str, vllm_python: str | None) -> list[str]:
 
 def rollout(slack: str, rows: list[dict], n: int, overrides: list[str]) -> tuple[float, float, float]:
     manager = AgentLoopManager(
-        compose_config(
-            [
-                "actor_rollout_ref.rollout.data_parallel_size=2",
-                f"actor_rollout_ref.rollout.n={n}",
-                f"actor_rollout_ref.rollout.agent.group_affinity_slack={slack}",
-                "data.max_prompt_length=512",
-                *overrides,
-            ]
+        prepare(
+            compose_config(
+                [
+                    "actor_rollout_ref.rollout.data_parallel_size=2",
+                    f"actor_rollout_ref.rollout.n={n}",
+                    f"actor_rollout_ref.rollout.agent.group_affinity_slack={slack}",
+                    "data.max_prompt_length=512",
+                    *overrides,
+                ]
+            )
         )
     )
     try:

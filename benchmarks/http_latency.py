@@ -18,6 +18,7 @@ import requests
 
 from agentloop import AgentLoopManager
 from agentloop.config import compose_config
+from agentloop.preparation import prepare
 
 
 def mean_ms(call, count: int) -> float:
@@ -32,7 +33,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=50)
     args = parser.parse_args()
     ray.init(include_dashboard=False, log_to_driver=False)
-    manager = AgentLoopManager(compose_config([]))
+    manager = AgentLoopManager(prepare(compose_config([])))
     try:
         url = manager.server_addresses[0]
         host, port = url.split("//")[1].rsplit(":", 1)

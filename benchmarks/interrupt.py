@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from agentloop import AgentLoopManager
 from agentloop.config import compose_config
+from agentloop.preparation import prepare
 from agentloop.protocol import TokenOutput
 
 
@@ -39,7 +40,7 @@ def main() -> None:
     config = compose_config(
         ["actor_rollout_ref.rollout.resources_per_server.CPU=2", "actor_rollout_ref.rollout.agent.num_workers=1"]
     )
-    manager = AgentLoopManager(config)
+    manager = AgentLoopManager(prepare(config))
     state = AutoModelForCausalLM.from_pretrained(config.actor_rollout_ref.model.path).state_dict()
     server = manager.servers[0]
     params = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True}

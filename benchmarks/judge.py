@@ -22,6 +22,7 @@ import ray
 import agentloop.testing  # noqa: F401  (registers fixed_length)
 from agentloop import AgentLoopManager
 from agentloop.config import compose_config
+from agentloop.preparation import prepare
 from agentloop.judge import Judge
 
 PROMPT = "grade this answer for its correctness and its style then say a number " * 3
@@ -78,13 +79,15 @@ def main() -> None:
     args = parser.parse_args()
     ray.init(include_dashboard=False, log_to_driver=False)
     manager = AgentLoopManager(
-        compose_config(
-            [
-                "reward_model.enable=true",
-                f"reward_model.rollout.response_length={args.judge_length}",
-                "+custom_reward_function.by_data_source.rule=agentloop.testing.rule_reward",
-                "+custom_reward_function.by_data_source.judged=agentloop.testing.judged_reward",
-            ]
+        prepare(
+            compose_config(
+                [
+                    "reward_model.enable=true",
+                    f"reward_model.rollout.response_length={args.judge_length}",
+                    "+custom_reward_function.by_data_source.rule=agentloop.testing.rule_reward",
+                    "+custom_reward_function.by_data_source.judged=agentloop.testing.judged_reward",
+                ]
+            )
         )
     )
     try:

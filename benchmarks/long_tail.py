@@ -24,6 +24,7 @@ import ray
 
 from agentloop import AgentLoopBase, AgentLoopManager, AgentLoopOutput, register
 from agentloop.config import compose_config
+from agentloop.preparation import prepare
 
 TOKENS_PER_TURN = 8
 
@@ -110,7 +111,7 @@ def main() -> None:
             *args.overrides,
         ]
     )
-    manager = AgentLoopManager(config)
+    manager = AgentLoopManager(prepare(config))
     request_level = make_rows(args.samples, args.seed, lockstep=False, batch="a")
     timed(manager, request_level)  # warm-up
 

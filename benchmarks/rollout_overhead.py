@@ -23,6 +23,7 @@ import torch
 import agentloop.testing  # noqa: F401  (registers "fixed_length": one turn of exactly extra_info.length tokens)
 from agentloop import AgentLoopManager
 from agentloop.config import compose_config
+from agentloop.preparation import prepare
 from agentloop.server.hf_engine import HFEngine
 
 THREADS = 2
@@ -42,14 +43,16 @@ def make_rows(count: int, seed: int = 0, arrival_gap_s: float = 0.0) -> list[dic
 
 
 def config_for(servers: int, cpus_per_server: int):
-    return compose_config(
-        [
-            "data.max_prompt_length=128",
-            "data.max_response_length=128",
-            f"actor_rollout_ref.rollout.data_parallel_size={servers}",
-            f"actor_rollout_ref.rollout.resources_per_server.CPU={cpus_per_server}",
-            "actor_rollout_ref.rollout.agent.num_workers=1",
-        ]
+    return prepare(
+        compose_config(
+            [
+                "data.max_prompt_length=128",
+                "data.max_response_length=128",
+                f"actor_rollout_ref.rollout.data_parallel_size={servers}",
+                f"actor_rollout_ref.rollout.resources_per_server.CPU={cpus_per_server}",
+                "actor_rollout_ref.rollout.agent.num_workers=1",
+            ]
+        )
     )
 
 

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from agentloop import AgentLoopManager
 from agentloop.config import compose_config
+from agentloop.preparation import prepare
 
 PROMPTS = ["What is 3 + 4?", "Say hello to the world.", "Compute 12 * 7 please.", "Which way: left or right?"]
 
@@ -30,7 +31,7 @@ def main(overrides: list[str]) -> None:
         ray.init()
     else:  # a Ray of its own on two cores
         ray.init(num_cpus=2, include_dashboard=False)
-    manager = AgentLoopManager(config)
+    manager = AgentLoopManager(prepare(config))  # prepare: builds the tiny default model on the first run
     rows = [{"prompt": [{"role": "user", "content": text}], "data_source": "quickstart"} for text in PROMPTS]
     output = manager.generate_sequences(rows)
 

@@ -55,6 +55,7 @@ LAYERS = [
         "agentloop.waiting",
         "agentloop.yaml_entries",
         "agentloop.config_keys",
+        "agentloop.preparation",
         "agentloop.images",
         "agentloop.allocator",
         "agentloop.http_server",

@@ -54,9 +54,11 @@ def test_a_choice_is_the_first_word():
 def test_rows_are_deterministic_balanced_and_fit_the_configured_lengths(model_path, tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTLOOP_CACHE", str(tmp_path))
     from agentloop.config import compose_config
+    from agentloop.preparation import prepare
     from trainer.data import read_rows
 
     config = compose_config(config_name="corridor_grpo")
+    prepare(config, only=["train_data", "val_data"])
     assert config.algorithm.adv_estimator == "grpo" and config.actor_rollout_ref.rollout.n == 8
     train, test = read_rows(str(config.data.train_files[0])), read_rows(str(config.data.val_files[0]))
     assert (len(train), len(test)) == (512, 64) and train == make_rows(512, split="train")

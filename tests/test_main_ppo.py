@@ -223,9 +223,9 @@ def test_a_job_starts_a_ray_of_its_own_unless_told_which_to_join(monkeypatch):
 
 
 def test_the_command_composes_the_quick_start_without_importing_torch(model_path):
-    """``python -m trainer.main_ppo`` starts Ray while a thread imports the trainer: its own module and the
-    composition of a config over ``ppo_trainer`` (which resolves the default model's path while merging) must not
-    pull in torch, transformers or tensordict first, or Ray would wait for them again."""
+    """``python -m trainer.main_ppo`` starts Ray while a thread prepares and imports the trainer: its own module and
+    the composition of a config over ``ppo_trainer`` must not pull in torch, transformers or tensordict first, or Ray
+    would wait for them again."""
     code = (
         "import sys; import trainer.main_ppo; from agentloop.config import compose_config; "
         "compose_config(config_name='arithmetic_grpo'); "

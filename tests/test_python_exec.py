@@ -288,6 +288,7 @@ def test_arithmetic_python_task_runs_its_warm_start_programs_in_the_sandbox(mode
     and every program the warm start teaches runs in the real sandbox to the observation it was taught,
     which submit_answer then scores correct."""
     from agentloop.config import compose_config
+    from agentloop.preparation import prepare
     from trainer.data import read_rows
     from agentloop.tasks.arithmetic.warm_start import conversation
     from agentloop.tools.parsers import parse_hermes
@@ -295,6 +296,7 @@ def test_arithmetic_python_task_runs_its_warm_start_programs_in_the_sandbox(mode
 
     monkeypatch.setenv("AGENTLOOP_CACHE", str(tmp_path))
     config = compose_config(config_name="arithmetic_python_grpo")
+    prepare(config, only=["train_data", "val_data"])
     rows = read_rows(config.data.train_files[0])
     assert len(rows) == 512 and "python_exec" in rows[0]["prompt"][0]["content"]
     tool_set = load_tool_set(config.actor_rollout_ref.rollout.multi_turn.tool_config_path)

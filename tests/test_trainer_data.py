@@ -115,9 +115,11 @@ def test_batch_sampler_replays_a_short_batch_for_readers_that_take_rows_as_they_
 
 def test_main_job_config_builds_its_data_on_first_use(tmp_path, monkeypatch):
     from agentloop.config import compose_config
+    from agentloop.preparation import prepare
 
     monkeypatch.setenv("AGENTLOOP_CACHE", str(tmp_path))
     config = compose_config(config_name="arithmetic_grpo")
+    prepare(config, only=["train_data", "val_data"])
     train, val = read_rows(config.data.train_files[0]), read_rows(config.data.val_files[0])
     assert (len(train), len(val)) == (512, 64)
     assert train == make_rows(512, split="train", max_operand=9) and val == make_rows(64, split="test", max_operand=9)

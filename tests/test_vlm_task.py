@@ -25,12 +25,14 @@ CHANNEL = {"red": 0, "green": 1, "blue": 2}
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
     from agentloop.config import compose_config
+    from agentloop.preparation import prepare
 
     cache = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("AGENTLOOP_CACHE", str(cache))
         config = compose_config(config_name="vlm_grpo")
-        # resolve the data (cheap) inside the patched cache; the model path stays unresolved (it would train)
+        # the data (cheap) inside the patched cache; the warm start is left out (it would train)
+        prepare(config, only=["train_data", "val_data"])
         files = [str(config.data.train_files[0]), str(config.data.val_files[0])]
     return config, files
 
@@ -44,7 +46,8 @@ def dominant(image: Image.Image) -> str:
 def test_config_composes_with_the_task_data_and_warm_start(config):
     config, files = config
     raw = OmegaConf.to_container(config.actor_rollout_ref.model, resolve=False)
-    assert raw["path"] == "${agentloop_call:agentloop.tasks.colours.warm_start.warm_start_path}"
+    assert raw["path"] == "${task.prepare.warm_start.path}"
+    assert config.task.prepare.warm_start._target_ == "agentloop.tasks.colours.warm_start.warm_start_path"
     assert config.algorithm.adv_estimator == "grpo" and config.actor_rollout_ref.rollout.n == 8
     assert config.actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode == "disable"
     from trainer.data import read_rows

@@ -34,6 +34,7 @@ from agentloop.batch import RolloutBatch, object_array
 from agentloop.cluster import start_ray
 from agentloop.metrics import spread
 from agentloop.preflight import check_job
+from agentloop.preparation import check_paths
 from agentloop.streaming import GroupStream
 from agentloop.tools.toolset import load_tool_set
 from agentloop.waiting import wait_for
@@ -62,7 +63,8 @@ class RayPPOTrainer:
         check_config(config)
         warn_ignored_keys(config)
         config = config.copy()
-        OmegaConf.resolve(config)  # builds default data and models once, here, before any actor needs them
+        OmegaConf.resolve(config)  # interpolations only; what they name was built by prepare() (main_ppo runs it)
+        check_paths(config)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         # data errors surface before any server starts

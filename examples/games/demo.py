@@ -17,6 +17,7 @@ import ray
 
 from agentloop import AgentLoopManager
 from agentloop.config import compose_config
+from agentloop.preparation import prepare
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -66,7 +67,7 @@ def main(overrides: list[str]) -> None:
         ray.init()
     else:  # a Ray of its own on two cores
         ray.init(num_cpus=2, include_dashboard=False)
-    manager = AgentLoopManager(config)
+    manager = AgentLoopManager(prepare(config))
     batch = manager.generate_sequences(make_rows(4))
     for name, reward, end_reason in zip(
         batch.non_tensor_batch["agent_name"],
