@@ -13,6 +13,7 @@ import pytest
 from hydra.utils import get_class
 
 from agentloop.server.engine import ENGINES, Engine, build_engine
+from agentloop.settings import rollout_settings
 from tests.support.config import small_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,6 +61,7 @@ LAYERS = [
         "agentloop.http_server",
         "agentloop.cluster",
         "agentloop.utils",
+        "agentloop.settings",
     ],
 ]
 
@@ -170,7 +172,7 @@ def test_functions_stay_short():
 @pytest.mark.parametrize("name", sorted(ENGINES))
 def test_every_engine_implements_the_contract(name):
     cls = get_class(ENGINES[name])
-    assert isinstance(inspect.getattr_static(cls, "from_config"), classmethod)
+    assert isinstance(inspect.getattr_static(cls, "from_settings"), classmethod)
     for member, declared in vars(Engine).items():
         if inspect.iscoroutinefunction(declared):
             assert inspect.iscoroutinefunction(getattr(cls, member, None)), (
@@ -186,8 +188,9 @@ def test_every_engine_implements_the_contract(name):
 
 def test_unknown_backend_names_the_available_ones():
     with pytest.raises(
-        ValueError, match=r"rollout.name='trtllm' is not a known backend; available: \['hf', 'sglang', 'vllm'\]"
+        ValueError,
+        match=r"actor_rollout_ref.rollout.name='trtllm': is not a known backend; choose one of \['hf', 'sglang', 'vllm'\]",
     ):
-        build_engine(small_config("actor_rollout_ref.rollout.name=trtllm"), 0)
+        rollout_settings(small_config("actor_rollout_ref.rollout.name=trtllm"))
     with pytest.raises(ValueError, match="'no_such.Engine' cannot be imported"):
-        build_engine(small_config("actor_rollout_ref.rollout.name=no_such.Engine"), 0)
+        build_engine(rollout_settings(small_config("actor_rollout_ref.rollout.name=no_such.Engine")).servers, 0)
