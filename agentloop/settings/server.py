@@ -171,6 +171,12 @@ class ServerSettings:
                 f"choose one of {list(ENGINE_NAMES)} or a dotted path to a class implementing "
                 "agentloop.server.engine.Engine",
             )
+        if name == "hf" and rollout.int("tensor_model_parallel_size") != 1:
+            raise rollout.error(
+                "tensor_model_parallel_size",
+                "the hf engine has no tensor parallelism",
+                "set it to 1, or rollout.name=vllm or sglang",
+            )
         return cls(
             model_path=model_path,
             section=rollout.key,
