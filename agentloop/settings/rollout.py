@@ -3,7 +3,7 @@ checked once (the servers' part is ``ServerSettings``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentloop.settings.reading import Section
@@ -59,8 +59,12 @@ class RolloutSettings:
     servers: ServerSettings
     n: int = 1
     val_n: int = 1
-    sampling: dict[str, Any] | None = None
-    val_sampling: dict[str, Any] | None = None
+    sampling: dict[str, Any] = field(
+        default_factory=lambda: {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    )
+    val_sampling: dict[str, Any] = field(
+        default_factory=lambda: {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
+    )
     generate_timeout_s: float = 3600.0
     max_failed_sample_ratio: float = 0.1
     free_cache_engine: bool = True
