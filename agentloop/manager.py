@@ -16,11 +16,12 @@ from agentloop.cluster import start_ray
 from agentloop.judge.pool import start_judge_pool
 from agentloop.metrics import rollout_metrics
 from agentloop.preparation import check_paths
-from agentloop.registry import check_agent_names, default_agent_loop, resolve_agent_loops
+from agentloop.registry import check_agent_names, resolve_agent_loops
 from agentloop.router import RouterStats
 from agentloop.rows import check_row, verl_row_fields
 from agentloop.server_pool import ServerPool
 from agentloop.server.weights import PackedWeights
+from agentloop.settings import judge_settings, rollout_settings
 from agentloop.streaming import GroupStream, Prepared
 from agentloop.worker_pool import WorkerPool
 
@@ -45,24 +46,21 @@ class AgentLoopManager:
         OmegaConf.resolve(config)  # interpolations only: the models it names were built by prepare(config)
         check_paths(config, data=False)
         _absolute_paths(config)
-        self.config = config
-        self.rollout = config.actor_rollout_ref.rollout
-        if int(self.rollout.agent.num_workers) < 0:
-            raise ValueError(
-                f"actor_rollout_ref.rollout.agent.num_workers={self.rollout.agent.num_workers}: it counts agent-loop worker "
-                "processes; set it >= 1, or 0 to run the agent loops in this process"
-            )
+        self.config = config  # what the agent loops and reward functions are given (verl's contract)
+        # each part's own settings, read and checked once here, before anything starts
+        self.settings = rollout_settings(config)
+        self.judge_settings = judge_settings(config, self.settings.servers)
         start_ray(config)
-        timeout = float(self.rollout.server_startup_timeout_s)
-        self.default_agent_loop = default_agent_loop(self.rollout)
+        timeout = self.settings.servers.startup_timeout_s
+        self.default_agent_loop = self.settings.agent.default_agent_loop
         check_agent_names({self.default_agent_loop}, self._agent_loops())
 
         # a replacement server is handed to every worker (the workers start second: they are given the servers)
-        self.judges = start_judge_pool(config, lambda rank, server: self.workers.give_judge(rank, server))
-        self.pool = ServerPool(config, lambda rank, server: self.workers.give_server(rank, server))
+        self.judges = start_judge_pool(self.judge_settings, lambda rank, server: self.workers.give_judge(rank, server))
+        self.pool = ServerPool(self.settings.servers, lambda rank, server: self.workers.give_server(rank, server))
         try:
             # the workers load their tokenizers while the servers (and the judge's) load their engines
-            self.workers = WorkerPool(config, self.pool, self.judges)
+            self.workers = WorkerPool(config, self.settings, self.judge_settings, self.pool, self.judges)
             self.pool.wait_until_serving()
             if self.judges is not None:
                 self.judges.wait_until_serving()
@@ -100,7 +98,7 @@ class AgentLoopManager:
         start = time.perf_counter()
         # Each trajectory's turns are individually bounded by request_timeout_s; the batch as a whole
         # is bounded by generate_timeout_s.
-        deadline = time.monotonic() + float(self.rollout.generate_timeout_s)
+        deadline = time.monotonic() + self.settings.generate_timeout_s
         parts = self.workers.run_chunks(self.workers.split(samples), params, agent_loops, deadline)
         stats = RouterStats.merge([part_stats for _, part_stats in parts])
         # servers that died or hung during the rollout (their sessions were re-homed) are replaced now
@@ -137,7 +135,7 @@ class AgentLoopManager:
         registered = self._agent_loops()
         check_agent_names(names, registered)
         # Only the loops this batch uses travel: an unrelated registration need not be importable remotely.
-        return samples, {name: registered[name] for name in names}, sampling_params(self.rollout, validate)
+        return samples, {name: registered[name] for name in names}, self.settings.sampling_params(validate)
 
     def stream(
         self,
@@ -174,7 +172,7 @@ class AgentLoopManager:
         failures = [
             failure for failure in batch.non_tensor_batch["failure"][batch.last_segments()] if failure is not None
         ]
-        limit, samples = float(self.rollout.max_failed_sample_ratio), batch.num_trajectories
+        limit, samples = self.settings.max_failed_sample_ratio, batch.num_trajectories
         if len(failures) > limit * samples:
             raise RuntimeError(
                 f"{len(failures)} of {samples} samples failed, more than actor_rollout_ref.rollout.max_failed_sample_ratio"
@@ -183,12 +181,12 @@ class AgentLoopManager:
 
     def _agent_loops(self) -> dict[str, dict[str, Any]]:
         # Resolved per call, so loops registered after the manager started are found too.
-        return resolve_agent_loops(self.rollout.agent.agent_loop_config_path)
+        return resolve_agent_loops(self.settings.agent.agent_loop_config_path)
 
     def _expand(self, rows: list[dict[str, Any]], validate: bool) -> list[dict[str, Any]]:
         for position, row in enumerate(rows):
             check_row(row, f"row {position} of the batch")
-        repeats = int(self.rollout.val_kwargs.n if validate else self.rollout.n)
+        repeats = self.settings.val_n if validate else self.settings.n
         keys = list(dict.fromkeys([*ROW_FIELDS, *(key for row in rows for key in row)]))
         samples = []
         for row in rows:
@@ -222,13 +220,13 @@ class AgentLoopManager:
     def sleep(self) -> None:
         """Free every server's KV cache (the judge's too, with ``reward_model.rollout.free_cache_engine``)."""
         self.pool.sleep()
-        if self.judges is not None and self.config.reward_model.rollout.free_cache_engine:
+        if self.judges is not None and self.judge_settings.free_cache_engine:
             self.judges.sleep()
 
     def wake_up(self) -> None:
         """Re-allocate every server's KV cache."""
         self.pool.wake_up()
-        if self.judges is not None and self.config.reward_model.rollout.free_cache_engine:
+        if self.judges is not None and self.judge_settings.free_cache_engine:
             self.judges.wake_up()
 
     def server_info(self) -> list[dict[str, Any]]:
@@ -243,18 +241,6 @@ class AgentLoopManager:
         self.pool.shutdown(graceful)
         if self.judges is not None:
             self.judges.shutdown(graceful)
-
-
-def sampling_params(rollout: DictConfig, validate: bool) -> dict[str, Any]:
-    """A turn's sampling settings: ``rollout``'s, or ``rollout.val_kwargs`` when validating; greedy
-    (temperature 0) where ``do_sample`` is false, whatever ``temperature`` says, as in verl."""
-    source = rollout.val_kwargs if validate else rollout
-    return {
-        "max_new_tokens": int(rollout.response_length),
-        "temperature": float(source.temperature) if source.get("do_sample", True) else 0.0,
-        "top_p": float(source.top_p),
-        "top_k": int(source.top_k),
-    }
 
 
 def _absolute_paths(config: DictConfig) -> None:

@@ -14,10 +14,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from agentloop.interactions import check_interaction_config
-from agentloop.registry import BUILTIN_AGENT_LOOPS, check_agent_names, default_agent_loop, resolve_agent_loops
-from agentloop.judge.pool import judge_kind
+from agentloop.registry import BUILTIN_AGENT_LOOPS, check_agent_names, resolve_agent_loops
 from agentloop.rewards import reward_function_for
 from agentloop.rows import verl_row_fields
+from agentloop.settings import AgentSettings, Section
+from agentloop.settings.judge import resolve_kind
 from agentloop.tools.toolset import check_tool_config
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ def check_job(config: DictConfig, rows: dict[str, list[dict[str, Any]]]) -> None
     rollout = config.actor_rollout_ref.rollout
     problems: list[str] = []
     loops = resolve_agent_loops(rollout.agent.agent_loop_config_path)
-    default_loop = default_agent_loop(rollout)
+    agent = Section(rollout.agent, "actor_rollout_ref.rollout.agent")
+    default_loop = AgentSettings.from_section(agent, bool(rollout.multi_turn.get("enable"))).default_agent_loop
     used: set[str] = set()
     for split, split_rows in rows.items():
         names = {row.get("agent_name") or default_loop for row in split_rows}
@@ -96,7 +98,10 @@ def _interaction_names(rows: dict[str, list[dict[str, Any]]], interactions: set[
 def _warn_unrewarded(config: DictConfig, rows: dict[str, list[dict[str, Any]]], default_loop: str) -> None:
     """Data sources whose rows get no reward function and run a loop without reward parts of its own (none when a
     discriminative reward model scores every sample)."""
-    if config.reward_model.get("enable") and judge_kind(config) == "discriminative":
+    judge = config.reward_model
+    if judge.get("enable") and resolve_kind(judge.kind, judge.model.path or config.actor_rollout_ref.model.path) == (
+        "discriminative"
+    ):
         return
     unrewarded = sorted(
         {

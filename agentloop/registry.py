@@ -13,7 +13,6 @@ from typing import Any
 
 import yaml
 from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig
 
 from agentloop.agent_loop.base import _REGISTRY, register  # noqa: F401  (register: agentloop.registry.register)
 
@@ -61,15 +60,6 @@ def resolve_agent_loops(agent_loop_config_path: str | None = None) -> dict[str, 
     if agent_loop_config_path:
         specs.update(load_agent_loop_file(agent_loop_config_path))
     return specs
-
-
-def default_agent_loop(rollout: DictConfig) -> str:
-    """The agent loop of rows without an ``agent_name``: ``agent.default_agent_loop``, except that verl's
-    ``multi_turn.enable`` turns the single-turn default into ``tool_agent``."""
-    name = rollout.agent.default_agent_loop
-    if rollout.multi_turn.get("enable", False) and name == "single_turn_agent":
-        return "tool_agent"
-    return name
 
 
 def check_agent_names(names: set[str], specs: dict[str, dict[str, Any]]) -> None:

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
 import ray
-from omegaconf import DictConfig
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from agentloop.server.rollout_server import RolloutServer
+from agentloop.settings import ServerSettings
 from agentloop.waiting import wait_for
 
 logger = logging.getLogger(__name__)
@@ -44,29 +44,26 @@ class ServerPool:
 
     def __init__(
         self,
-        config: DictConfig,
+        settings: ServerSettings,
         on_replaced: Callable[[int, ray.actor.ActorHandle], None],
         server_class: Any = RolloutServer,
-        role: str = "rollout server",
-        section: str = "actor_rollout_ref.rollout",
     ) -> None:
-        self.config = config
+        self.settings = settings  # its role names the servers in messages, its section where their keys are
         self.server_class = server_class  # RolloutServer, or an actor class with its probes and controls (a judge's)
-        self.role, self.section = role, section  # what the messages call the servers, and where their keys are
-        self.rollout = config.actor_rollout_ref.rollout
+        self.role = settings.role
         self.on_replaced = on_replaced
-        self.supervision = self.rollout.supervision
-        self.startup_timeout_s = float(self.rollout.server_startup_timeout_s)
-        size = int(self.rollout.data_parallel_size)
-        self.bundle = {key: float(value) for key, value in self.rollout.resources_per_server.items() if value}
+        self.supervision = settings.supervision
+        self.startup_timeout_s = settings.startup_timeout_s
+        size = settings.data_parallel_size
+        self.bundle = dict(settings.resources)
         self.placement_group = placement_group(
-            [dict(self.bundle) for _ in range(size)], strategy=self.rollout.placement_strategy
+            [dict(self.bundle) for _ in range(size)], strategy=settings.placement_strategy
         )
         wait_for(
             [self.placement_group.ready()],
             self.startup_timeout_s,
-            f"resources for {size} {role}(s) of {self.bundle} each "
-            f"(cluster has {ray.cluster_resources()}; lower {section}.resources_per_server or data_parallel_size)",
+            f"resources for {size} {self.role}(s) of {self.bundle} each (cluster has {ray.cluster_resources()}; "
+            f"lower {settings.section}.resources_per_server or data_parallel_size)",
         )
         self.servers = [self._spawn(rank) for rank in range(size)]  # loading their engines until ``wait_until_serving``
         self.addresses: list[str] = []
@@ -84,7 +81,7 @@ class ServerPool:
             self.startup_timeout_s,
             f"{self.role}s to load their engines",
         )
-        self.addresses = self._start_http(self.servers) if self.rollout.http.enable else []
+        self.addresses = self._start_http(self.servers) if self.settings.http.enable else []
 
     def _spawn(self, rank: int) -> ray.actor.ActorHandle:
         return self.server_class.options(
@@ -93,7 +90,7 @@ class ServerPool:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=rank
             ),
-        ).remote(self.config, rank)
+        ).remote(self.settings, rank)
 
     def _start_http(self, servers: list[ray.actor.ActorHandle]) -> list[str]:
         return wait_for(
@@ -112,7 +109,7 @@ class ServerPool:
         Returns the ranks replaced."""
         known = [rank for rank in self.live_ranks if rank in unhealthy]
         probed = [rank for rank in self.live_ranks if rank not in known]
-        results = self._call("in_flight", (), float(self.supervision.health_timeout_s), replace=False, ranks=probed)
+        results = self._call("in_flight", (), self.supervision.health_timeout_s, replace=False, ranks=probed)
         results.update({rank: RuntimeError("found dead or hung by the routers during the rollout") for rank in known})
         failed = [rank for rank, outcome in results.items() if isinstance(outcome, BaseException)]
         for rank in failed:
@@ -123,13 +120,13 @@ class ServerPool:
         """Start a new server on ``rank`` with the current weights and state, unless its restart budget is spent."""
         now = time.monotonic()
         recent = self._restarts[rank]
-        while recent and now - recent[0] > float(self.supervision.window_s):
+        while recent and now - recent[0] > self.supervision.window_s:
             recent.popleft()
-        if len(recent) >= int(self.supervision.max_restarts):
+        if len(recent) >= self.supervision.max_restarts:
             self.given_up[rank] = cause
             self.events.append(ServerEvent(rank, "given_up", cause))
             logger.error(
-                "%s %d died again (%s) after %d restarts within %ss (rollout.supervision); no longer restarting it",
+                "%s %d died again (%s) after %d restarts within %ss (actor_rollout_ref.rollout.supervision); no longer restarting it",
                 self.role,
                 rank,
                 cause,

@@ -23,6 +23,7 @@ from agentloop.protocol import BATCH_FIELDS, AgentLoopOutput, failed_output
 from agentloop.registry import build_agent_loop
 from agentloop.rewards import score_output
 from agentloop.router import Router, RouterStats
+from agentloop.settings import JudgeSettings, RolloutSettings
 
 logger = logging.getLogger(__name__)
 
@@ -34,23 +35,26 @@ class AgentLoopWorker:
     def __init__(
         self,
         config: DictConfig,
+        settings: RolloutSettings,
+        judge: JudgeSettings | None,
         servers: list[ray.actor.ActorHandle],
         judges: list[ray.actor.ActorHandle] | None = None,  # the judge's servers, with reward_model.enable
     ) -> None:
+        """``config``: the composed config, which the agent loops and reward functions are given (verl's contract);
+        the worker itself runs on ``settings`` (the rollout's) and ``judge`` (the judge's)."""
         self.config = config
-        self.rollout = config.actor_rollout_ref.rollout
-        path = config.actor_rollout_ref.model.path
+        self.settings = settings
+        path = settings.servers.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.processor = load_processor(path)  # None for a text-only model
         self.vision_model = structure(path)
-        slack = self.rollout.agent.group_affinity_slack
         self.router = Router(
             servers,
-            request_timeout_s=self.rollout.request_timeout_s,
-            health_timeout_s=self.rollout.supervision.health_timeout_s,
-            group_affinity_slack=slack,
+            request_timeout_s=settings.servers.request_timeout_s,
+            health_timeout_s=settings.servers.supervision.health_timeout_s,
+            group_affinity_slack=settings.agent.group_affinity_slack,
         )
-        self.judge = Judge.from_config(config, judges) if judges is not None else None
+        self.judge = Judge.from_settings(judge, judges) if judge is not None and judges is not None else None
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._groups: dict[int, asyncio.Task] = {}  # streamed groups in flight
         self._finished: list[tuple[int, RolloutBatch | Exception]] = []
@@ -112,7 +116,11 @@ class AgentLoopWorker:
         """One row per segment; a trajectory's per-sample columns repeat on each of its rows."""
         outputs = [output for output, _ in results]
         batch = pad_outputs(
-            outputs, self.rollout.prompt_length, self.rollout.response_length, self._pad_id, self.vision_model
+            outputs,
+            self.settings.servers.prompt_length,
+            self.settings.servers.response_length,
+            self._pad_id,
+            self.vision_model,
         )
         segments = [output.all_segments() for output in outputs]
         repeats = [len(parts) for parts in segments]

@@ -31,6 +31,7 @@ from ray.exceptions import RayActorError
 from agentloop.batch import RolloutBatch
 from agentloop.router import RouterStats
 from agentloop.server_pool import ServerPool
+from agentloop.settings import JudgeSettings, RolloutSettings
 from agentloop.worker import AgentLoopWorker
 
 logger = logging.getLogger(__name__)
@@ -47,23 +48,18 @@ class InDriverWorker:
     cannot reach the caller's rows.
     """
 
-    def __init__(
-        self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: list[ray.actor.ActorHandle] | None
-    ) -> None:
+    def __init__(self, *args: Any) -> None:
+        """``args``: ``AgentLoopWorker``'s."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent-loop-worker", daemon=True)
         self._thread.start()
         self._worker: AgentLoopWorker | None = None
         # copies, as an actor gets them: the worker's own server and judge lists are not the pool's
-        self.ready = asyncio.run_coroutine_threadsafe(
-            self._build(*copy.deepcopy((config, servers, judges))), self._loop
-        )
+        self.ready = asyncio.run_coroutine_threadsafe(self._build(*copy.deepcopy(args)), self._loop)
 
-    async def _build(
-        self, config: DictConfig, servers: list[ray.actor.ActorHandle], judges: list[ray.actor.ActorHandle] | None
-    ) -> None:
+    async def _build(self, *args: Any) -> None:
         # built on the loop's thread: whatever the worker creates belongs to the loop that runs it
-        self._worker = AgentLoopWorker(config, servers, judges)
+        self._worker = AgentLoopWorker(*args)
 
     def submit(self, method: str, *args: Any) -> Future:
         """``method(*args)`` of the worker on its loop (after ``ready``)."""
@@ -110,23 +106,33 @@ class WorkerPool:
     ``handles`` holds the live worker of each slot; ``restarts`` counts the workers replaced so far.
     """
 
-    def __init__(self, config: DictConfig, servers: ServerPool, judges: ServerPool | None = None) -> None:
+    def __init__(
+        self,
+        config: DictConfig,
+        settings: RolloutSettings,
+        judge: JudgeSettings | None,
+        servers: ServerPool,
+        judges: ServerPool | None = None,
+    ) -> None:
+        """``config``: the composed config, for the agent loops and reward functions (verl's contract); ``settings``
+        and ``judge``: the rollout's and the judge's settings the workers run with."""
         self.config = config
-        self.rollout = config.actor_rollout_ref.rollout
+        self.settings, self.judge = settings, judge
         self.servers = servers
         self.judges = judges
         self.restarts = 0
         self._lock = threading.RLock()  # the stream's thread and the caller's both replace dead workers
-        count = int(self.rollout.agent.num_workers)  # >= 0: the manager checked it before any server started
+        count = settings.agent.num_workers  # >= 0: checked with the settings
         self._in_driver = count == 0
         self._refs: dict[Future, ray.ObjectRef] = {}  # an actor call's future -> its ref, to cancel it
         self.handles: list[Worker] = [self._start() for _ in range(max(count, 1))]
 
     def _start(self) -> Worker:
         judges = self.judges.servers if self.judges is not None else None
+        args = (self.config, self.settings, self.judge, self.servers.servers, judges)
         if self._in_driver:
-            return InDriverWorker(self.config, self.servers.servers, judges)
-        return RemoteAgentLoopWorker.options(num_cpus=0).remote(self.config, self.servers.servers, judges)
+            return InDriverWorker(*args)
+        return RemoteAgentLoopWorker.options(num_cpus=0).remote(*args)
 
     def call(self, index: int, method: str, *args: Any) -> Future:
         """``method(*args)`` on worker ``index``'s current worker. A dead actor's future raises ``RayActorError``."""
@@ -228,7 +234,7 @@ class WorkerPool:
                 self.cancel(pending)
                 total = sum(len(chunk) for chunk in chunks)
                 raise TimeoutError(
-                    f"timed out after {self.rollout.generate_timeout_s}s waiting for {total} trajectories to finish "
+                    f"timed out after {self.settings.generate_timeout_s:g}s waiting for {total} trajectories to finish "
                     "(actor_rollout_ref.rollout.generate_timeout_s)"
                 )
             done = next(iter(ready))

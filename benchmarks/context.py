@@ -45,6 +45,7 @@ from agentloop.postprocess import pad_outputs
 from agentloop.protocol import AgentLoopOutput
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
+from agentloop.settings import rollout_settings
 from trainer.fsdp_workers import response_log_probs
 from trainer.micro_batches import MicroBatching
 from trainer.vision import model_inputs
@@ -165,7 +166,7 @@ def main() -> None:
     prompt = len(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_dict=False))
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    server = RolloutServer.remote(base, 0)
+    server = RolloutServer.remote(rollout_settings(base).servers, 0)
     ray.get(server.__ray_ready__.remote(), timeout=600)
     batches: dict[tuple[int, str], TensorDict] = {}
     start = time.perf_counter()

@@ -22,6 +22,7 @@ from agentloop.config import compose_config
 from agentloop.preparation import prepare
 from agentloop.server import hf_batching
 from agentloop.server.hf_engine import HFEngine
+from agentloop.settings import rollout_settings
 
 TOKENS = 64
 
@@ -41,9 +42,9 @@ async def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = prepare(compose_config(["data.max_prompt_length=64", f"data.max_response_length={4 * TOKENS}"]))
-    shipped = HFEngine.from_config(config, 0)
+    shipped = HFEngine.from_settings(rollout_settings(config).servers, 0)
     with mock.patch.object(hf_batching, "sample_by_inverse_cdf", lambda manager: None):
-        multinomial = HFEngine.from_config(config, 0)
+        multinomial = HFEngine.from_settings(rollout_settings(config).servers, 0)
     for engine in (shipped, multinomial):
         await step_s(engine, 4)  # warm-up
     print(f"torch threads: {args.threads}; best of {args.repeats} alternating rounds of {TOKENS} decoding steps")

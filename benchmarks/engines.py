@@ -26,6 +26,7 @@ from agentloop.models.tiny_qwen import tiny_model_path
 from agentloop.server.hf_engine import HFEngine
 from agentloop.server.vllm_engine import VLLMEngine, launch_args, server_env
 from agentloop.config import compose_config
+from agentloop.settings import rollout_settings
 
 
 def build(name: str, model: str, threads: int) -> Any:
@@ -43,11 +44,12 @@ def build(name: str, model: str, threads: int) -> Any:
             "actor_rollout_ref.rollout.vllm.cpu_kvcache_space_gb=2",
         ]
     )
+    settings = rollout_settings(config).servers
     return VLLMEngine(
         model,
-        python=config.actor_rollout_ref.rollout.vllm.python,
-        launch_args=launch_args(config, 0),
-        env=server_env(config),
+        python=settings.vllm.python,
+        launch_args=launch_args(settings, 0),
+        env=server_env(settings),
         startup_timeout_s=600,
     )
 

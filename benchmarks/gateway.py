@@ -42,6 +42,7 @@ from agentloop.preparation import prepare
 from agentloop.gateway import Gateway, Session, gateway_for
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
+from agentloop.settings import rollout_settings
 
 THREADS = 1  # per server: two servers share the two cores with this process, which serves the gateway
 
@@ -275,7 +276,7 @@ def main() -> None:
     prepare(config)
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    servers = [RolloutServer.remote(config, rank) for rank in range(2)]
+    servers = [RolloutServer.remote(rollout_settings(config).servers, rank) for rank in range(2)]
     try:
         ray.get([server.__ray_ready__.remote() for server in servers], timeout=600)
         asyncio.run(measure(args, servers, tokenizer, config))

@@ -53,7 +53,7 @@ def timed_step(manager: AgentLoopManager, batch_rows: list[dict]) -> float:
 
 
 def judge_alone(manager: AgentLoopManager, samples: int, judge_length: int) -> float:
-    judge = Judge.from_config(manager.config, manager.judges.servers)
+    judge = Judge.from_settings(manager.judge_settings, manager.judges.servers)
 
     async def calls() -> None:
         await asyncio.gather(

@@ -25,6 +25,7 @@ from agentloop import AgentLoopManager
 from agentloop.config import compose_config
 from agentloop.preparation import prepare
 from agentloop.server.hf_engine import HFEngine
+from agentloop.settings import rollout_settings
 
 THREADS = 2
 
@@ -73,7 +74,9 @@ class DirectEngine:
             for row in rows
         ]
         torch.set_num_threads(THREADS)
-        self.engine = HFEngine.from_config(config, rank=0)  # the settings a rollout server gets
+        self.engine = HFEngine.from_settings(
+            rollout_settings(config).servers, rank=0
+        )  # the settings a rollout server gets
 
     def run(self) -> tuple[int, float]:
         async def run_all():

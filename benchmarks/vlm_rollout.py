@@ -31,6 +31,7 @@ from agentloop.models.loading import load_processor
 from agentloop.models.tiny_vlm import tiny_vlm_path
 from agentloop.server.hf_engine import HFEngine
 from agentloop.testing import picture_turns
+from agentloop.settings import rollout_settings
 
 THREADS = 2
 SPEC = {"turns": 3, "length": 16, "sizes": [[84, 84]]}
@@ -80,7 +81,7 @@ class Direct:
         image_processor.__class__ = counted  # count calls, process as before
         self.rows = rows
         torch.set_num_threads(THREADS)
-        self.engine = HFEngine.from_config(config, rank=0)
+        self.engine = HFEngine.from_settings(rollout_settings(config).servers, rank=0)
         self.router = EngineAsRouter(self.engine)
         self.params = {"temperature": 0.0}
         self.loop = asyncio.new_event_loop()  # the engine serves one event loop (as in its rollout server)

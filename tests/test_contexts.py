@@ -26,6 +26,7 @@ from tests.support.ranks import manager_and_two_ranks, scores
 from tests.support.thinking_model import QWEN3_CONFIG, with_qwen3_template
 from tests.support.vision import picture, picture_message
 from tests.test_tool_agent import run_loop, tool_config
+from agentloop.settings import rollout_settings
 
 SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 STRATEGY = "actor_rollout_ref.rollout.multi_turn.context.strategy"
@@ -38,7 +39,7 @@ def scripted(scripted_model):
 
 @pytest.fixture(scope="module")
 def server(local_ray, scripted):
-    server = RolloutServer.remote(tool_config(scripted), 0)
+    server = RolloutServer.remote(rollout_settings(tool_config(scripted)).servers, 0)
     ray.get(server.__ray_ready__.remote(), timeout=120)
     yield server
     ray.kill(server)

@@ -30,6 +30,7 @@ from tests.support.models import SCRIPTS, script_row
 from tests.support.ranks import manager_and_two_ranks, scores
 from tests.test_contexts import teacher_forced
 from tests.test_tool_agent import GREEDY, tool_config
+from agentloop.settings import rollout_settings
 
 SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 AGENTS = "tests.support.external_agents"
@@ -43,7 +44,7 @@ def scripted(scripted_model):
 
 @pytest.fixture(scope="module")
 def server(local_ray, scripted):
-    server = RolloutServer.remote(tool_config(scripted), 0)
+    server = RolloutServer.remote(rollout_settings(tool_config(scripted)).servers, 0)
     ray.get(server.__ray_ready__.remote(), timeout=120)
     yield server
     ray.kill(server)

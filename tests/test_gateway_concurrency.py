@@ -19,6 +19,7 @@ from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
 from tests.support.config import small_config
 from tests.test_hf_engine import LOGPROB_TOLERANCE, teacher_forced_logprobs
+from agentloop.settings import rollout_settings
 
 SESSIONS, CALLS, NEW_TOKENS = 64, 3, 4
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True, "max_new_tokens": NEW_TOKENS}
@@ -35,7 +36,7 @@ def config(model_path):
 
 @pytest.fixture(scope="module")
 def servers(local_ray, config):
-    servers = [RolloutServer.remote(config, rank) for rank in range(2)]
+    servers = [RolloutServer.remote(rollout_settings(config).servers, rank) for rank in range(2)]
     ray.get([server.__ray_ready__.remote() for server in servers], timeout=300)
     yield servers
     for server in servers:

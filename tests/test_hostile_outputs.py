@@ -76,7 +76,7 @@ def test_replay_engine_keeps_the_engine_contract():
             assert inspect.iscoroutinefunction(getattr(ReplayEngine, member)), member
         elif isinstance(declared, property):
             assert isinstance(inspect.getattr_static(ReplayEngine, member), property), member
-    assert isinstance(inspect.getattr_static(ReplayEngine, "from_config"), classmethod)
+    assert isinstance(inspect.getattr_static(ReplayEngine, "from_settings"), classmethod)
 
 
 @pytest.mark.parametrize("format", ["hermes", "qwen3_coder"])

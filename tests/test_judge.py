@@ -173,7 +173,7 @@ def test_a_dead_judge_server_is_replaced_like_a_rollout_server(manager, judge_an
         assert time.monotonic() < deadline, "the killed judge server still answers 60 s after ray.kill"
         time.sleep(0.1)
     # a judge with no live server left names the judge's servers, not the policy's
-    lone = Judge.from_config(manager.config, [doomed])
+    lone = Judge.from_settings(manager.judge_settings, [doomed])
     with caplog.at_level(logging.WARNING, logger="agentloop.router.router"):
         with pytest.raises(JudgeError, match="every judge server has died; no request can be served"):
             asyncio.run(lone.chat(question(0)))

@@ -100,7 +100,7 @@ def test_a_rewritten_trajectory_is_scored_on_its_whole_response(manager, reward_
     window = rolled_out(ContextStrategy("sliding_window", functools.partial(sliding_window, window_turns=1)))
     appended = rolled_out(ContextStrategy("append"))
     assert len(window.all_segments()) == 2
-    judge = Judge.from_config(manager.config, manager.judges.servers)
+    judge = Judge.from_settings(manager.judge_settings, manager.judges.servers)
     with judge_session(judge, "rewritten"):
         asyncio.run(score_output(manager.config, policy_tokenizer, {"prompt": prompt}, window))
     tokenizer = AutoTokenizer.from_pretrained(reward_model_path)

@@ -23,6 +23,7 @@ from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.protocol import AgentLoopOutput
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
+from agentloop.settings import rollout_settings
 from tests.support.config import small_config
 from tests.support.thinking_model import (
     NON_ASCII_ARGUMENTS,
@@ -67,7 +68,7 @@ def tokenizer(config):
 
 @pytest.fixture(scope="module")
 def server(local_ray, config):
-    server = RolloutServer.remote(config, 0)
+    server = RolloutServer.remote(rollout_settings(config).servers, 0)
     ray.get(server.__ray_ready__.remote(), timeout=120)
     yield server
     ray.kill(server)

@@ -15,8 +15,8 @@ from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
 
 from agentloop.config import compose_config
-from agentloop.manager import default_agent_loop, sampling_params
 from agentloop.server.sglang_engine import launch_args
+from agentloop.settings import rollout_settings
 from tests.support.config import small_config
 from tests.support.ranks import two_ranks
 from trainer.algorithms import LOSS_AGG_MODES, aggregate_loss
@@ -169,32 +169,33 @@ def test_ranks_checkpoint_offload_and_pack_log_prob_micro_batches_by_tokens(rank
 
 
 def test_do_sample_false_decodes_greedily_and_multi_turn_enable_picks_tool_agent():
-    rollout = compose_config(["actor_rollout_ref.rollout.val_kwargs.temperature=0.7"]).actor_rollout_ref.rollout
-    assert sampling_params(rollout, validate=True)["temperature"] == 0.0, "val_kwargs.do_sample defaults to false"
-    assert sampling_params(rollout, validate=False)["temperature"] == 1.0
-    rollout = compose_config(
-        [
-            "actor_rollout_ref.rollout.val_kwargs.temperature=0.7",
-            "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-            "actor_rollout_ref.rollout.do_sample=false",
-        ]
-    ).actor_rollout_ref.rollout
-    assert (
-        sampling_params(rollout, validate=True)["temperature"],
-        sampling_params(rollout, validate=False)["temperature"],
-    ) == (0.7, 0.0)
-    assert default_agent_loop(compose_config().actor_rollout_ref.rollout) == "single_turn_agent"
-    assert (
-        default_agent_loop(
-            compose_config(["actor_rollout_ref.rollout.multi_turn.enable=true"]).actor_rollout_ref.rollout
+    rollout = rollout_settings(compose_config(["actor_rollout_ref.rollout.val_kwargs.temperature=0.7"]))
+    assert rollout.sampling_params(validate=True)["temperature"] == 0.0, "val_kwargs.do_sample defaults to false"
+    assert rollout.sampling_params(validate=False)["temperature"] == 1.0
+    rollout = rollout_settings(
+        compose_config(
+            [
+                "actor_rollout_ref.rollout.val_kwargs.temperature=0.7",
+                "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                "actor_rollout_ref.rollout.do_sample=false",
+            ]
         )
-        == "tool_agent"
     )
+    assert (
+        rollout.sampling_params(validate=True)["temperature"],
+        rollout.sampling_params(validate=False)["temperature"],
+    ) == (0.7, 0.0)
+
+    def default_agent_loop(*overrides: str) -> str:
+        return rollout_settings(compose_config(list(overrides))).agent.default_agent_loop
+
+    assert default_agent_loop() == "single_turn_agent"
+    assert default_agent_loop("actor_rollout_ref.rollout.multi_turn.enable=true") == "tool_agent"
     explicit = [
         "actor_rollout_ref.rollout.multi_turn.enable=true",
         "actor_rollout_ref.rollout.agent.default_agent_loop=env_agent",
     ]
-    assert default_agent_loop(compose_config(explicit).actor_rollout_ref.rollout) == "env_agent"
+    assert default_agent_loop(*explicit) == "env_agent"
 
 
 def test_prompt_key_names_the_column_of_chat_messages(tmp_path):
@@ -216,7 +217,7 @@ def test_verls_rollout_keys_set_the_sglang_launch_flags():
             "+actor_rollout_ref.rollout.engine_kwargs.sglang.enable_torch_compile=true",
         ]
     )
-    flags = launch_args(config, rank=1)
+    flags = launch_args(rollout_settings(config).servers, rank=1)
     assert flags[flags.index("--tp-size") + 1] == "2" and flags[flags.index("--mem-fraction-static") + 1] == "0.85"
     assert flags[flags.index("--attention-backend") + 1] == "triton" and "--enable-torch-compile" in flags
     with pytest.raises(ValueError, match="the hf engine has no tensor parallelism"):

@@ -20,6 +20,7 @@ from agentloop.server.launched import live_processes_in_group
 from agentloop.server.vllm_engine import VLLMEngine
 from tests.test_hf_engine import teacher_forced_logprobs
 from tests.support.config import small_config
+from agentloop.settings import rollout_settings
 
 PROMPT = list(range(3, 40))
 LOGPROB_TOLERANCE = 1e-4  # fp32 on both sides, as for the hf engine
@@ -42,7 +43,9 @@ def vllm_overrides() -> list[str]:
 
 @pytest.fixture(scope="module")
 def engine():
-    engine = VLLMEngine.from_config(small_config(*vllm_overrides(), "data.max_prompt_length=4000"), rank=0)
+    engine = VLLMEngine.from_settings(
+        rollout_settings(small_config(*vllm_overrides(), "data.max_prompt_length=4000")).servers, rank=0
+    )
     ENGINES.append(engine)
     yield engine
     run(engine.shutdown())
@@ -201,7 +204,7 @@ def test_a_server_that_dies_at_start_up_reports_its_log(tmp_path):
 
 def test_a_killed_server_fails_its_calls_without_hanging(model_path):
     config = small_config(*vllm_overrides())
-    engine = VLLMEngine.from_config(config, rank=0)
+    engine = VLLMEngine.from_settings(rollout_settings(config).servers, rank=0)
     try:
         assert run(engine.generate(PROMPT, {"max_new_tokens": 2}, "k0")).token_ids
         group = live_processes_in_group(engine.server.process.pid)

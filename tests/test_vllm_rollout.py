@@ -22,6 +22,7 @@ from tests.support.models import SCRIPTS
 from tests.test_judge import judge_answers as judge_answers  # noqa: F401  (a fixture)
 from tests.test_partial_rollouts import LENGTH, ROWS, check_tokens_of_two_policies, perturbed, pushed_mid_flight
 from tests.test_vllm_engine import assert_logprobs_match, vllm_overrides
+from agentloop.settings import rollout_settings
 
 PROMPT = list(range(3, 30))
 SAMPLED = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True}
@@ -109,7 +110,7 @@ def test_an_external_agent_through_the_gateway_on_vllm_is_exact(local_ray, scrip
     from tests.test_gateway import AGENTS, assert_exact, external
     from tests.test_tool_agent import tool_config
 
-    server = RolloutServer.remote(tool_config(scripted_model, *vllm_overrides()), 0)
+    server = RolloutServer.remote(rollout_settings(tool_config(scripted_model, *vllm_overrides())).servers, 0)
     try:
         ray.get(server.__ray_ready__.remote(), timeout=600)
         tokenizer = AutoTokenizer.from_pretrained(scripted_model.path)

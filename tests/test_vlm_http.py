@@ -25,6 +25,7 @@ from agentloop.server.sglang_engine import SGLangEngine
 from agentloop.server.sglang_requests import build_generate_request
 from tests.support.config import small_config
 from tests.support.sglang_contract import load_api_types
+from agentloop.settings import rollout_settings
 
 API_KEY = "k"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -89,7 +90,7 @@ def server(local_ray, vlm_path):
     config = small_config(
         f"actor_rollout_ref.model.path={vlm_path}", f"actor_rollout_ref.rollout.http.api_key={API_KEY}"
     )
-    server = RolloutServer.remote(config, 0)
+    server = RolloutServer.remote(rollout_settings(config).servers, 0)
     yield server
     ray.get(server.shutdown.remote(), timeout=60)
     ray.kill(server)

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from agentloop.config import check_known_keys, config_keys
 from agentloop.config_keys import ALWAYS_ON
+from agentloop.settings import judge_settings, rollout_settings
 from agentloop.streaming import ORDERS
 from trainer import algorithms
 from trainer.overlong import OverlongBuffer
@@ -29,9 +30,9 @@ def check_config(config: DictConfig) -> None:
     """Raise ``ValueError`` naming the first setting the trainer cannot run with (hydra's
     ``ConfigCompositionException`` for a key agentloop does not know)."""
     check_known_keys(config)
+    # the rollout side's sections, checked where they are read (agentloop.settings)
+    judge_settings(config, rollout_settings(config).servers)
     _check_verl_settings(config)
-    if config.actor_rollout_ref.rollout.mode != "async":
-        raise ValueError("actor_rollout_ref.rollout.mode must be 'async': rollouts run through AgentLoopManager")
     _check_estimator(config.algorithm)
     _check_async_training(config.async_training, int(config.data.train_batch_size))
     _check_dynamic_sampling(config)
@@ -162,11 +163,6 @@ def _check_dynamic_sampling(config: DictConfig) -> None:
 
 def _check_verl_settings(config: DictConfig) -> None:
     rollout = config.actor_rollout_ref.rollout
-    if rollout.name == "hf" and int(rollout.tensor_model_parallel_size) != 1:
-        raise ValueError(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: the hf engine "
-            "has no tensor parallelism (set 1, or rollout.name=vllm or sglang)"
-        )
     for name, section, key in (
         ("actor_rollout_ref.actor", config.actor_rollout_ref.actor, "ppo_max_token_len_per_gpu"),
         ("critic", config.critic, "ppo_max_token_len_per_gpu"),

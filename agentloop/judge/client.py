@@ -20,13 +20,13 @@ import uuid
 from typing import Any, Callable, Iterator
 
 import ray
-from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from agentloop.judge.front import JudgeFront
 from agentloop.judge.session import JudgeCall, JudgeError, JudgeUnparsable, last_call, record, serving
 from agentloop.protocol import TokenOutput
 from agentloop.router import Router
+from agentloop.settings import JudgeSettings
 
 
 @contextlib.contextmanager
@@ -51,23 +51,17 @@ class Judge:
     ``router_address()`` is verl's ``reward_router_address`` for the sample being scored (``agentloop.judge.front``).
     """
 
-    def __init__(self, config: DictConfig, servers: list[ray.actor.ActorHandle], tokenizer: Any) -> None:
-        settings = config.reward_model
-        self.kind = str(settings.kind)
-        self.timeout_s = float(settings.timeout_s)
+    def __init__(self, settings: JudgeSettings, servers: list[ray.actor.ActorHandle], tokenizer: Any) -> None:
+        self.kind = settings.kind
+        self.timeout_s = settings.timeout_s
         self.tokenizer = tokenizer
-        self.sampling = {
-            "max_new_tokens": int(settings.rollout.response_length),
-            "temperature": float(settings.rollout.temperature),
-            "top_p": float(settings.rollout.top_p),
-            "top_k": int(settings.rollout.top_k),
-        }
+        self.sampling = dict(settings.sampling)
         self.router = (
             Router(
                 servers,
                 request_timeout_s=self.timeout_s,
-                health_timeout_s=float(config.actor_rollout_ref.rollout.supervision.health_timeout_s),
-                role="judge server",
+                health_timeout_s=settings.servers.supervision.health_timeout_s,
+                role=settings.servers.role,
                 request_timeout_key="reward_model.timeout_s",
             )
             if self.kind == "generative"
@@ -76,14 +70,14 @@ class Judge:
         self.scorers = list(servers)  # a reward model's servers (the router holds a judge's)
         self._turn = itertools.count()
         # verl's reward_router_address (a reward model has none: its functions call score())
-        model_name = str(settings.model.path or config.actor_rollout_ref.model.path)
-        tool_format = str(config.actor_rollout_ref.rollout.multi_turn.format)
-        self.front = JudgeFront(self, model_name, tool_format) if self.router is not None else None
+        self.front = (
+            JudgeFront(self, settings.model_path, settings.servers.tool_format) if self.router is not None else None
+        )
 
     @classmethod
-    def from_config(cls, config: DictConfig, servers: list[ray.actor.ActorHandle]) -> Judge:
-        path = config.reward_model.model.path or config.actor_rollout_ref.model.path
-        return cls(config, servers, AutoTokenizer.from_pretrained(path))
+    def from_settings(cls, settings: JudgeSettings, servers: list[ray.actor.ActorHandle]) -> Judge:
+        """The judge of ``servers``, with its model's tokenizer."""
+        return cls(settings, servers, AutoTokenizer.from_pretrained(settings.model_path))
 
     async def router_address(self) -> str | None:
         """verl's ``reward_router_address`` for the sample being scored: ``host:port/samples/<token>``, whose

@@ -8,25 +8,24 @@ from typing import Any
 
 import ray
 import torch
-from omegaconf import DictConfig
 from transformers import AutoModelForSequenceClassification
 
 from agentloop.server.accounting import BusyClock, node_info
 from agentloop.server.hf_engine import resolve_device
+from agentloop.settings import ServerSettings
 
 
 @ray.remote
 class RewardModelServer:
     """``score(ids)``: the model's first logit at the last token of a rendered conversation."""
 
-    def __init__(self, config: DictConfig, rank: int) -> None:
-        rollout = config.actor_rollout_ref.rollout
-        torch.set_num_threads(max(1, int(rollout.resources_per_server.get("CPU", 1))))
+    def __init__(self, settings: ServerSettings, rank: int) -> None:
+        torch.set_num_threads(settings.cpus)
         self.rank = rank
-        self.device = resolve_device(str(rollout.hf.device))
+        self.device = resolve_device(settings.hf.device)
         self.model = (
             AutoModelForSequenceClassification.from_pretrained(
-                config.actor_rollout_ref.model.path, dtype=getattr(torch, str(rollout.dtype))
+                settings.model_path, dtype=getattr(torch, settings.dtype)
             )
             .to(self.device)
             .eval()

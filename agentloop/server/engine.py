@@ -2,7 +2,8 @@
 
 A ``RolloutServer`` hosts one engine and calls it only through this contract, from the actor's event
 loop. Adding a backend is one file with a class that satisfies ``Engine`` plus one entry in
-``ENGINES`` (or a dotted class path in ``actor_rollout_ref.rollout.name``).
+``ENGINES`` (or a dotted class path in ``actor_rollout_ref.rollout.name``); it is built from the servers'
+``ServerSettings`` (``agentloop.settings``).
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from typing import Mapping, Protocol, runtime_checkable
 
 import torch
 from hydra.utils import get_class
-from omegaconf import DictConfig
 
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
+from agentloop.settings import ServerSettings
 
 
 class EngineAsleep(RuntimeError):
@@ -41,8 +42,8 @@ class Engine(Protocol):
     http_url: str | None
 
     @classmethod
-    def from_config(cls, config: DictConfig, rank: int) -> Engine:
-        """Build the engine of data-parallel rank ``rank`` from the composed config."""
+    def from_settings(cls, settings: ServerSettings, rank: int) -> Engine:
+        """Build the engine of data-parallel rank ``rank`` from its servers' settings."""
 
     async def generate(
         self, prompt_ids: list[int], sampling_params: dict, request_id: str, images: list[ProcessedImage] | None = None
@@ -82,17 +83,17 @@ class Engine(Protocol):
         """Whether ``sleep`` released the KV cache and ``wake_up`` has not restored it."""
 
 
-def build_engine(config: DictConfig, rank: int) -> Engine:
-    """The engine named by ``actor_rollout_ref.rollout.name`` (a key of ``ENGINES`` or a dotted class path)."""
-    name = str(config.actor_rollout_ref.rollout.name)
+def build_engine(settings: ServerSettings, rank: int) -> Engine:
+    """The engine named by ``rollout.name`` (a key of ``ENGINES`` or a dotted class path)."""
+    name = settings.name
     path = ENGINES.get(name) or (name if "." in name else None)
     if path is None:
         raise ValueError(
-            f"actor_rollout_ref.rollout.name={name!r} is not a known backend; available: {sorted(ENGINES)} "
+            f"{settings.section}.name={name!r} is not a known backend; available: {sorted(ENGINES)} "
             "(or a dotted path to a class implementing agentloop.server.engine.Engine)"
         )
     try:
         cls = get_class(path)
     except Exception as error:
-        raise ValueError(f"actor_rollout_ref.rollout.name={name!r}: {path!r} cannot be imported: {error}") from error
-    return cls.from_config(config, rank)
+        raise ValueError(f"{settings.section}.name={name!r}: {path!r} cannot be imported: {error}") from error
+    return cls.from_settings(settings, rank)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import torch
-from omegaconf import DictConfig
 from transformers import GenerationConfig
 
 from agentloop.images import ProcessedImage
@@ -35,6 +34,7 @@ from agentloop.server.engine import EngineAsleep
 from agentloop.server.hf_batching import ContinuousBatchingConfig
 from agentloop.server.hf_state import EngineState, Request
 from agentloop.server.hf_vision import ImageLane
+from agentloop.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -101,18 +101,17 @@ class HFEngine:
         hf_self_test.check(self, start=self._start_batcher, stop=self._stop_batcher)  # a broken release fails here
 
     @classmethod
-    def from_config(cls, config: DictConfig, rank: int) -> HFEngine:
-        """``actor_rollout_ref.model.path`` with the ``rollout.hf`` cache sizing; rank r samples with seed + r."""
-        rollout = config.actor_rollout_ref.rollout
+    def from_settings(cls, settings: ServerSettings, rank: int) -> HFEngine:
+        """The servers' model with the ``rollout.hf`` cache sizing; rank r samples with seed + r."""
         return cls(
-            config.actor_rollout_ref.model.path,
-            device=rollout.hf.device,
-            dtype=rollout.dtype,
-            page_size=rollout.hf.page_size,
-            num_blocks=rollout.hf.num_blocks,
-            max_batch_tokens=rollout.hf.max_batch_tokens,
-            seed=rollout.seed + rank,
-            attention=rollout.hf.attention,
+            settings.model_path,
+            device=settings.hf.device,
+            dtype=settings.dtype,
+            page_size=settings.hf.page_size,
+            num_blocks=settings.hf.num_blocks,
+            max_batch_tokens=settings.hf.max_batch_tokens,
+            seed=settings.seed + rank,
+            attention=settings.hf.attention,
         )
 
     # ------------------------------------------------------------------ lifecycle

@@ -25,19 +25,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import aiohttp
-from omegaconf import DictConfig
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
-
-
-def attached_url(rollout: DictConfig, backend: str, rank: int) -> str | None:
-    """``rollout.<backend>.urls[rank]``: the running server this rank attaches to, or None to launch one."""
-    urls = list(rollout[backend].urls or [])
-    if urls and len(urls) < rollout.data_parallel_size:
-        raise ValueError(
-            f"rollout.{backend}.urls lists {len(urls)} server(s) for data_parallel_size={rollout.data_parallel_size}"
-        )
-    return urls[rank] if urls else None
 
 
 class InFlightCalls:

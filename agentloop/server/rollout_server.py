@@ -1,6 +1,6 @@
 """``RolloutServer``: the Ray actor that hosts one inference engine for one data-parallel rank.
 
-It builds the engine named by ``actor_rollout_ref.rollout.name`` (see ``engine.py``), sizes the
+It builds the engine its ``ServerSettings`` name (``rollout.name``, see ``engine.py``), sizes the
 process's CPU threads, unpacks pushed weights and serves the HTTP front.
 """
 
@@ -14,7 +14,6 @@ from typing import Any, AsyncIterator
 
 import ray
 import torch
-from omegaconf import DictConfig
 from ray.exceptions import RayTaskError
 
 from agentloop.allocator import keep_freed_memory
@@ -23,19 +22,19 @@ from agentloop.protocol import TokenOutput
 from agentloop.server.accounting import BusyClock, node_info
 from agentloop.server.engine import Engine, build_engine
 from agentloop.server.weights import PackedWeights
+from agentloop.settings import ServerSettings
 
 
 @ray.remote
 class RolloutServer:
     """One engine behind token-in/token-out ``generate`` plus weight, memory and abort controls."""
 
-    def __init__(self, config: DictConfig, rank: int) -> None:
-        cpus = int(config.actor_rollout_ref.rollout.resources_per_server.get("CPU", 1))
-        torch.set_num_threads(max(1, cpus))
+    def __init__(self, settings: ServerSettings, rank: int) -> None:
+        torch.set_num_threads(settings.cpus)
         keep_freed_memory()  # every engine step frees and reallocates tensors of the same sizes
         self.rank = rank
-        self.config = config
-        self.engine: Engine = build_engine(config, rank)
+        self.settings = settings
+        self.engine: Engine = build_engine(settings, rank)
         # What exists now lives as long as the actor: kept out of the cyclic collector's scans, the full
         # collections transformers runs at each restart of its batching loop (a weight update with requests in
         # flight, a sleep) take milliseconds instead of a quarter second each.
@@ -149,18 +148,17 @@ class RolloutServer:
         from agentloop.http_server import serve
         from agentloop.server.http import build_app
 
-        http = self.config.actor_rollout_ref.rollout.http
-        tokenizer = AutoTokenizer.from_pretrained(self.config.actor_rollout_ref.model.path)
+        http, model_path = self.settings.http, self.settings.model_path
         app = build_app(
             self,
-            tokenizer,
-            model_name=str(self.config.actor_rollout_ref.model.path),
-            tool_format=self.config.actor_rollout_ref.rollout.multi_turn.format,
+            AutoTokenizer.from_pretrained(model_path),
+            model_name=model_path,
+            tool_format=self.settings.tool_format,
             api_key=http.api_key,
-            max_body_bytes=int(http.max_body_bytes),
-            processor=load_processor(self.config.actor_rollout_ref.model.path),
+            max_body_bytes=http.max_body_bytes,
+            processor=load_processor(model_path),
         )
-        self.http_server, port = await serve(app, http.host, int(http.port) + self.rank if http.port else 0)
+        self.http_server, port = await serve(app, http.host, http.port + self.rank if http.port else 0)
         # a wildcard bind is reached through this node's address
         host = ray.util.get_node_ip_address() if http.host in ("0.0.0.0", "::") else http.host
         return f"http://{host}:{port}"

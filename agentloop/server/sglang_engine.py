@@ -27,25 +27,24 @@ import sys
 from typing import Any, AsyncIterator, Iterable, Mapping
 
 import torch
-from omegaconf import DictConfig
 from transformers import AutoConfig, GenerationConfig
 
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput, finish_reason_of, id_list, validate_sampling_params
 from agentloop.server.engine import EngineAsleep
-from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess, attached_url
+from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess
+from agentloop.settings import ServerSettings
 from agentloop.server.sglang_requests import build_generate_request, check_prompt_tokens, parse_generate_response
 
 
-def launch_args(config: DictConfig, rank: int) -> list[str]:
+def launch_args(settings: ServerSettings, rank: int) -> list[str]:
     """``sglang.launch_server`` flags for the server of ``rank``: ``rollout.sglang``'s settings (verl's
     ``tensor_model_parallel_size`` and ``gpu_memory_utilization`` reach them by interpolation), then each
     ``rollout.engine_kwargs.sglang`` entry as a flag (``attention_backend: triton`` -> ``--attention-backend
     triton``; true -> the bare flag, false or null -> left out), then ``sglang.extra_args``."""
-    rollout = config.actor_rollout_ref.rollout
-    settings = rollout.sglang
+    sglang = settings.sglang
     engine_flags: list[str] = []
-    for key, value in (rollout.get("engine_kwargs", {}).get("sglang") or {}).items():
+    for key, value in settings.engine_kwargs.get("sglang", {}).items():
         flag = "--" + str(key).replace("_", "-")
         if value is True:
             engine_flags.append(flag)
@@ -53,16 +52,16 @@ def launch_args(config: DictConfig, rank: int) -> list[str]:
             engine_flags += [flag, str(value)]
     return [
         "--mem-fraction-static",
-        str(settings.mem_fraction_static),
+        str(sglang.mem_fraction_static),
         "--tp-size",
-        str(settings.tensor_parallel_size),
+        str(sglang.tensor_parallel_size),
         "--dtype",
-        rollout.dtype,
+        settings.dtype,
         "--random-seed",
-        str(rollout.seed + rank),
-        *(["--enable-memory-saver"] if settings.enable_memory_saver else []),
+        str(settings.seed + rank),
+        *(["--enable-memory-saver"] if sglang.enable_memory_saver else []),
         *engine_flags,
-        *settings.extra_args,
+        *sglang.extra_args,
     ]
 
 
@@ -94,19 +93,17 @@ class SGLangEngine:
         self.server.wait_until_healthy("/health_generate", startup_timeout_s)
 
     @classmethod
-    def from_config(cls, config: DictConfig, rank: int) -> SGLangEngine:
+    def from_settings(cls, settings: ServerSettings, rank: int) -> SGLangEngine:
         """Launch SGLang for this rank from ``rollout.sglang`` (port + rank), or attach to ``urls[rank]``."""
-        rollout = config.actor_rollout_ref.rollout
-        settings = rollout.sglang
         return cls(
-            config.actor_rollout_ref.model.path,
-            url=attached_url(rollout, "sglang", rank),
-            api_key=settings.api_key,
-            launch_args=launch_args(config, rank),
-            startup_timeout_s=rollout.server_startup_timeout_s,
-            request_timeout_s=rollout.request_timeout_s,
-            port=int(settings.port) + rank,
-            tensor_parallel_size=int(settings.tensor_parallel_size),
+            settings.model_path,
+            url=settings.attached_url("sglang", rank),
+            api_key=settings.sglang.api_key,
+            launch_args=launch_args(settings, rank),
+            startup_timeout_s=settings.startup_timeout_s,
+            request_timeout_s=settings.request_timeout_s,
+            port=settings.sglang.port + rank,
+            tensor_parallel_size=settings.sglang.tensor_parallel_size,
         )
 
     # ------------------------------------------------------------------ process

@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterable, Mapping
 
 import torch
-from omegaconf import DictConfig
 
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput, validate_sampling_params
 from agentloop.server.engine import EngineAsleep
-from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess, attached_url
+from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess
+from agentloop.settings import ServerSettings
 
 PLUGIN_PATH = Path(__file__).with_name("vllm_plugin")
 WEIGHT_BACKEND = "agentloop_file"  # registered by vllm_plugin/agentloop_vllm_plugin.py
@@ -48,35 +48,29 @@ WEIGHT_BACKEND = "agentloop_file"  # registered by vllm_plugin/agentloop_vllm_pl
 VLLM_REQUEST_PREFIX = "generate-tokens-"
 
 
-def launch_args(config: DictConfig, rank: int) -> list[str]:
+def launch_args(settings: ServerSettings, rank: int) -> list[str]:
     """vLLM server flags for the server of ``rank``: the fixed ones the contract needs, verl's ``rollout.*`` keys that
     have a vLLM meaning, each ``rollout.engine_kwargs.vllm`` entry as a flag (``block_size: 32`` -> ``--block-size
     32``; true -> the bare flag, false -> ``--no-<flag>``, null -> left out), then ``rollout.vllm.extra_args``."""
-    rollout = config.actor_rollout_ref.rollout
     verl_flags = {
-        "tensor_parallel_size": rollout.tensor_model_parallel_size,
-        "max_num_batched_tokens": rollout.get("max_num_batched_tokens"),
-        "max_num_seqs": rollout.get("max_num_seqs"),
-        "enable_chunked_prefill": rollout.get("enable_chunked_prefill"),
-        "enable_prefix_caching": rollout.get("enable_prefix_caching"),
-        "enforce_eager": rollout.get("enforce_eager"),
-        "gpu_memory_utilization": rollout.gpu_memory_utilization if torch.cuda.is_available() else None,
+        **settings.vllm_flags,
+        "gpu_memory_utilization": settings.gpu_memory_utilization if torch.cuda.is_available() else None,
     }
     return [
         "--dtype",
-        str(rollout.dtype),
+        settings.dtype,
         "--seed",
-        str(int(rollout.seed) + rank),
+        str(settings.seed + rank),
         "--max-model-len",
-        str(rollout.max_model_len or int(rollout.prompt_length) + int(rollout.response_length)),
+        str(settings.context_length),
         "--weight-transfer-config",
         json.dumps({"backend": WEIGHT_BACKEND}),
         "--enable-scale-out",
         "--logprobs-mode",
         "processed_logprobs",
         "--enable-prompt-tokens-details",
-        *_flags({**verl_flags, **(rollout.get("engine_kwargs", {}).get("vllm") or {})}),
-        *[str(arg) for arg in rollout.vllm.extra_args],
+        *_flags({**verl_flags, **settings.engine_kwargs.get("vllm", {})}),
+        *settings.vllm.extra_args,
     ]
 
 
@@ -93,11 +87,9 @@ def _flags(settings: Mapping[str, Any]) -> list[str]:
     return flags
 
 
-def server_env(config: DictConfig) -> dict[str, str]:
+def server_env(settings: ServerSettings) -> dict[str, str]:
     """The environment of a launched vLLM server: the plug-in on its path, the dev-mode routes on, and on CPU the
     settings its CPU backend reads (each explained in ``config/ppo_trainer.yaml`` under ``rollout.vllm``)."""
-    rollout = config.actor_rollout_ref.rollout
-    settings = rollout.vllm
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_PATH), os.environ.get("PYTHONPATH")])),
@@ -106,11 +98,10 @@ def server_env(config: DictConfig) -> dict[str, str]:
         "AGENTLOOP_VLLM_EXIT_WITH_PARENT": "1",  # its engine core and workers too (see the plug-in)
     }
     if not torch.cuda.is_available():
-        threads = max(1, int(rollout.resources_per_server.get("CPU", 1)))
         env.update(
-            VLLM_CPU_KVCACHE_SPACE=str(settings.cpu_kvcache_space_gb),
-            VLLM_CPU_OMP_THREADS_BIND=str(settings.cpu_threads_bind),
-            OMP_NUM_THREADS=str(threads),
+            VLLM_CPU_KVCACHE_SPACE=f"{settings.vllm.cpu_kvcache_space_gb:g}",
+            VLLM_CPU_OMP_THREADS_BIND=settings.vllm.cpu_threads_bind,
+            OMP_NUM_THREADS=str(settings.cpus),
         )
     return env
 
@@ -163,21 +154,20 @@ class VLLMEngine:
         self._start_weight_transfer()
 
     @classmethod
-    def from_config(cls, config: DictConfig, rank: int) -> VLLMEngine:
+    def from_settings(cls, settings: ServerSettings, rank: int) -> VLLMEngine:
         """Launch vLLM for this rank from ``rollout.vllm`` (port + rank), or attach to ``urls[rank]``."""
-        rollout = config.actor_rollout_ref.rollout
-        settings = rollout.vllm
+        vllm = settings.vllm
         return cls(
-            config.actor_rollout_ref.model.path,
-            url=attached_url(rollout, "vllm", rank),
-            api_key=settings.api_key,
-            python=settings.python,
-            launch_args=launch_args(config, rank),
-            env=server_env(config),
-            startup_timeout_s=rollout.server_startup_timeout_s,
-            request_timeout_s=rollout.request_timeout_s,
-            port=int(settings.port) + rank if settings.port else 0,
-            weights_dir=settings.weights_dir,
+            settings.model_path,
+            url=settings.attached_url("vllm", rank),
+            api_key=vllm.api_key,
+            python=vllm.python,
+            launch_args=launch_args(settings, rank),
+            env=server_env(settings),
+            startup_timeout_s=settings.startup_timeout_s,
+            request_timeout_s=settings.request_timeout_s,
+            port=vllm.port + rank if vllm.port else 0,
+            weights_dir=vllm.weights_dir,
         )
 
     def _start_weight_transfer(self) -> None:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig
 from transformers import AttentionInterface
 
 from agentloop.server import hf_varlen
 from agentloop.server.hf_engine import HFEngine
+from agentloop.settings import ServerSettings
 
 
 def raising_attention(*args: Any, **kwargs: Any) -> Any:
@@ -29,6 +29,6 @@ def attention_with_a_wrong_scale(
 
 class RaisingAttentionEngine(HFEngine):
     @classmethod
-    def from_config(cls, config: DictConfig, rank: int) -> HFEngine:
+    def from_settings(cls, settings: ServerSettings, rank: int) -> HFEngine:
         AttentionInterface.register(hf_varlen.NAME, raising_attention)
-        return super().from_config(config, rank)
+        return super().from_settings(settings, rank)

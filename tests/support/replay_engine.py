@@ -16,11 +16,11 @@ from collections import Counter
 from typing import Mapping
 
 import torch
-from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from agentloop.protocol import TokenOutput, validate_sampling_params
 from tests.support.hostile_outputs import HostileOutput, hostile_outputs
+from agentloop.settings import ServerSettings
 
 CASE = re.compile(r"fuzz case (\d+)")
 LAST_TURN = "Done."
@@ -50,8 +50,8 @@ class ReplayEngine:
         self.sleeping = False
 
     @classmethod
-    def from_config(cls, config: DictConfig, rank: int) -> ReplayEngine:
-        return cls(config.actor_rollout_ref.model.path, hostile_outputs())
+    def from_settings(cls, settings: ServerSettings, rank: int) -> ReplayEngine:
+        return cls(settings.model_path, hostile_outputs())
 
     def script(self, prompt_ids: list[int], request_id: str) -> str:
         """The text of this session's next turn."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from omegaconf import DictConfig
 
 from tests.support.hostile_outputs import HostileOutput
 from tests.support.replay_engine import ReplayEngine, fuzz_prompt
+from agentloop.settings import ServerSettings
 
 QWEN3_CONFIG = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "qwen3" / "tokenizer_config.json"
 TOOLS_PATH = str(Path(__file__).with_name("thinking_tools.yaml"))
@@ -61,6 +61,6 @@ class ThinkingReplayEngine(ReplayEngine):
     last_turn = "\n</think>\n\nDone."
 
     @classmethod
-    def from_config(cls, config: DictConfig, rank: int) -> ThinkingReplayEngine:
+    def from_settings(cls, settings: ServerSettings, rank: int) -> ThinkingReplayEngine:
         cases = [HostileOutput("thinking", text, None) for text in TURNS.values()]
-        return cls(config.actor_rollout_ref.model.path, cases)
+        return cls(settings.model_path, cases)

@@ -1,0 +1,41 @@
+"""Typed settings per config section, read once at the edge from the composed config (hydra/OmegaConf stay the
+config system, verl's keys stay as they are): each component is handed its own section's settings, checked where
+they are read, so a bad value fails before anything starts, naming its key and the fix.
+
+- ``ServerSettings`` (``server.py``): a pool of rollout servers and their engines (``actor_rollout_ref.rollout``);
+- ``RolloutSettings`` (``rollout.py``): the manager, its workers and their loops' sampling;
+- ``JudgeSettings`` (``judge.py``): the judge's own (``reward_model.*``), its servers included;
+- ``Section`` (``reading.py``): the typed reader they are all built with.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from agentloop.settings.judge import JudgeSettings
+from agentloop.settings.reading import Section
+from agentloop.settings.rollout import ROLLOUT_KEY, AgentSettings, RolloutSettings
+from agentloop.settings.server import ServerSettings
+
+
+def rollout_settings(config: DictConfig) -> RolloutSettings:
+    """The policy's rollout settings of a composed config (``actor_rollout_ref.rollout``, ``.model.path``)."""
+    model_path = Section(config.actor_rollout_ref, "actor_rollout_ref").sub("model").str("path")
+    return RolloutSettings.from_section(Section(config.actor_rollout_ref.rollout, ROLLOUT_KEY), model_path)
+
+
+def judge_settings(config: DictConfig, policy: ServerSettings) -> JudgeSettings | None:
+    """The judge's settings of a composed config (``reward_model``), None when it is off; ``policy``: the policy's
+    servers, whose settings a judge's servers start from."""
+    return JudgeSettings.from_section(Section(config.get("reward_model"), "reward_model"), policy)
+
+
+__all__ = [
+    "AgentSettings",
+    "JudgeSettings",
+    "RolloutSettings",
+    "Section",
+    "ServerSettings",
+    "judge_settings",
+    "rollout_settings",
+]

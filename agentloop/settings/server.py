@@ -1,0 +1,251 @@
+"""``ServerSettings``: what a rollout server, its engine and its supervising pool need, typed and checked once.
+
+The policy's come from ``actor_rollout_ref.rollout`` (``ServerSettings.from_section``); a judge's are its own
+(``agentloop.settings.judge``). ``section`` is where the keys were read, so every message names the key to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentloop.settings.reading import Section
+
+ENGINE_NAMES = ("hf", "sglang", "vllm")  # or a dotted class path (agentloop.server.engine.ENGINES)
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+HF_ATTENTION = ("auto", "sdpa")
+
+
+@dataclass(frozen=True)
+class SupervisionSettings:
+    """``rollout.supervision``: when a server counts as dead, and how often it is replaced before it is given up."""
+
+    health_timeout_s: float = 60.0
+    max_restarts: int = 3
+    window_s: float = 600.0
+
+    @classmethod
+    def from_section(cls, section: Section) -> SupervisionSettings:
+        return cls(
+            section.float("health_timeout_s", positive=True),
+            section.int("max_restarts", minimum=0),
+            section.float("window_s", positive=True),
+        )
+
+
+@dataclass(frozen=True)
+class HTTPSettings:
+    """``rollout.http``: every server's HTTP front (off for a judge's servers)."""
+
+    enable: bool = True
+    host: str = "127.0.0.1"
+    port: int = 0
+    api_key: str | None = None
+    max_body_bytes: int = 33554432
+
+    @classmethod
+    def from_section(cls, section: Section) -> HTTPSettings:
+        return cls(
+            section.bool("enable"),
+            section.str("host"),
+            section.int("port", minimum=0),
+            section.optional_str("api_key"),
+            section.int("max_body_bytes", minimum=1),
+        )
+
+
+@dataclass(frozen=True)
+class HFSettings:
+    """``rollout.hf``: the hf engine's device and paged KV cache."""
+
+    device: str = "auto"
+    page_size: int = 16
+    num_blocks: int = 1024
+    max_batch_tokens: int = 2048
+    attention: str = "auto"
+
+    @classmethod
+    def from_section(cls, section: Section) -> HFSettings:
+        return cls(
+            section.str("device"),
+            section.int("page_size", minimum=1),
+            section.int("num_blocks", minimum=1),
+            section.int("max_batch_tokens", minimum=1),
+            section.str("attention", HF_ATTENTION),
+        )
+
+
+@dataclass(frozen=True)
+class SGLangSettings:
+    """``rollout.sglang``: a launched SGLang server per rank (port + rank), or attached ones (``urls``)."""
+
+    urls: tuple[str, ...] = ()
+    api_key: str | None = None
+    port: int = 30000
+    tensor_parallel_size: int = 1
+    mem_fraction_static: float = 0.6
+    enable_memory_saver: bool = True
+    extra_args: tuple[str, ...] = ()
+
+    @classmethod
+    def from_section(cls, section: Section) -> SGLangSettings:
+        return cls(
+            section.strings("urls"),
+            section.optional_str("api_key"),
+            section.int("port", minimum=0),
+            section.int("tensor_parallel_size", minimum=1),
+            section.float("mem_fraction_static", positive=True),
+            section.bool("enable_memory_saver"),
+            section.strings("extra_args"),
+        )
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """``rollout.vllm``: a launched vLLM server per rank (port + rank, 0: any free port), or attached ones."""
+
+    python: str | None = None
+    urls: tuple[str, ...] = ()
+    api_key: str | None = None
+    port: int = 0
+    weights_dir: str | None = "/dev/shm"
+    cpu_kvcache_space_gb: float = 1.0
+    cpu_threads_bind: str = "nobind"
+    extra_args: tuple[str, ...] = ()
+
+    @classmethod
+    def from_section(cls, section: Section) -> VLLMSettings:
+        return cls(
+            section.optional_str("python"),
+            section.strings("urls"),
+            section.optional_str("api_key"),
+            section.int("port", minimum=0),
+            section.optional_str("weights_dir"),
+            section.float("cpu_kvcache_space_gb", positive=True),
+            section.str("cpu_threads_bind"),
+            section.strings("extra_args"),
+        )
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """One pool of servers: which engine on which model, their resources, budgets and supervision.
+
+    ``role`` is what messages call the servers (``rollout server``, ``judge server``); ``section`` the config key
+    their settings were read from. ``vllm_flags`` holds verl's ``rollout.*`` keys that have a vLLM meaning (null:
+    vLLM's default); ``engine_kwargs`` the extra launch flags per backend.
+    """
+
+    model_path: str
+    section: str = "actor_rollout_ref.rollout"
+    role: str = "rollout server"
+    name: str = "hf"
+    dtype: str = "float32"
+    seed: int = 0
+    data_parallel_size: int = 1
+    resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    placement_strategy: str = "PACK"
+    startup_timeout_s: float = 300.0
+    request_timeout_s: float = 300.0
+    supervision: SupervisionSettings = SupervisionSettings()
+    prompt_length: int = 512
+    response_length: int = 256
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.6
+    vllm_flags: dict[str, Any] = field(default_factory=dict)
+    engine_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hf: HFSettings = HFSettings()
+    sglang: SGLangSettings = SGLangSettings()
+    vllm: VLLMSettings = VLLMSettings()
+    http: HTTPSettings = HTTPSettings()
+    tool_format: str = "hermes"
+
+    @classmethod
+    def from_section(cls, rollout: Section, model_path: str) -> ServerSettings:
+        """The policy's servers: ``rollout`` is ``actor_rollout_ref.rollout``, ``model_path`` the policy's model."""
+        name = rollout.str("name")
+        if name not in ENGINE_NAMES and "." not in name:
+            raise rollout.error(
+                "name",
+                "is not a known backend",
+                f"choose one of {list(ENGINE_NAMES)} or a dotted path to a class implementing "
+                "agentloop.server.engine.Engine",
+            )
+        if name == "hf" and rollout.int("tensor_model_parallel_size") != 1:
+            raise rollout.error(
+                "tensor_model_parallel_size",
+                "the hf engine has no tensor parallelism",
+                "set it to 1, or rollout.name=vllm or sglang",
+            )
+        return cls(
+            model_path=model_path,
+            section=rollout.key,
+            name=name,
+            dtype=rollout.str("dtype"),
+            seed=rollout.int("seed"),
+            data_parallel_size=rollout.int("data_parallel_size", minimum=1),
+            resources=resources_per_server(rollout),
+            placement_strategy=rollout.str("placement_strategy", PLACEMENT_STRATEGIES),
+            startup_timeout_s=rollout.float("server_startup_timeout_s", positive=True),
+            request_timeout_s=rollout.float("request_timeout_s", positive=True),
+            supervision=SupervisionSettings.from_section(rollout.sub("supervision")),
+            prompt_length=rollout.int("prompt_length", minimum=1),
+            response_length=rollout.int("response_length", minimum=1),
+            max_model_len=rollout.optional_int("max_model_len", minimum=1),
+            gpu_memory_utilization=rollout.float("gpu_memory_utilization", positive=True),
+            vllm_flags=_vllm_flags(rollout),
+            engine_kwargs={backend: rollout.sub("engine_kwargs").mapping(backend) for backend in ("sglang", "vllm")},
+            hf=HFSettings.from_section(rollout.sub("hf")),
+            sglang=SGLangSettings.from_section(rollout.sub("sglang")),
+            vllm=VLLMSettings.from_section(rollout.sub("vllm")),
+            http=HTTPSettings.from_section(rollout.sub("http")),
+            tool_format=rollout.sub("multi_turn").str("format"),
+        )
+
+    @property
+    def cpus(self) -> int:
+        """CPU threads a server's process uses (its ``resources_per_server.CPU``, at least 1)."""
+        return max(1, int(self.resources.get("CPU", 1)))
+
+    @property
+    def context_length(self) -> int:
+        """The longest context a turn may be sampled under: ``max_model_len``, else prompt + response length."""
+        return self.max_model_len or self.prompt_length + self.response_length
+
+    def attached_url(self, backend: str, rank: int) -> str | None:
+        """``<backend>.urls[rank]``: the running server this rank attaches to, or None to launch one."""
+        urls = getattr(self, backend).urls
+        if urls and len(urls) < self.data_parallel_size:
+            raise ValueError(
+                f"{self.section}.{backend}.urls lists {len(urls)} server(s) for "
+                f"data_parallel_size={self.data_parallel_size}; list one URL per server"
+            )
+        return urls[rank] if urls else None
+
+
+def resources_per_server(rollout: Section) -> dict[str, float]:
+    """``resources_per_server`` as a Ray bundle (zero entries left out)."""
+    resources = rollout.mapping("resources_per_server")
+    try:
+        return {str(key): float(value) for key, value in resources.items() if value}
+    except (TypeError, ValueError):
+        raise rollout.error(
+            "resources_per_server", "holds a value that is not a number", "write it as {CPU: 1, GPU: 0}"
+        ) from None
+
+
+def _vllm_flags(rollout: Section) -> dict[str, Any]:
+    """verl's ``rollout.*`` keys with a vLLM meaning, by vLLM's flag name (null: vLLM's default)."""
+    return {
+        "tensor_parallel_size": rollout.int("tensor_model_parallel_size", minimum=1),
+        **{
+            key: rollout.raw(key)
+            for key in (
+                "max_num_batched_tokens",
+                "max_num_seqs",
+                "enable_chunked_prefill",
+                "enable_prefix_caching",
+                "enforce_eager",
+            )
+        },
+    }
