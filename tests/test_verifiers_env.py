@@ -166,3 +166,15 @@ def test_a_tool_environment_runs_unedited_with_exact_tokens(tool_batch, scripted
     assert [call.result for turn in fields["turns"][0] for call in turn.calls] == ["5", "correct"]
     assert fields["reward_score"][0] == 1.0 and fields["reward_extra_info"][0]["verifiers/submitted_correct"] == 1.0
     assert fields["end_reason"][0] == "stop"
+
+
+def test_the_quick_start_environments_rows_round_trip_through_parquet(tmp_path):
+    import pyarrow.parquet as pq
+
+    from agentloop.rows import write_rows
+
+    rows = dataset_rows("examples.verifiers_arithmetic", {"train": 4}, n=4)
+    assert [message["role"] for message in rows[0]["prompt"]] == ["system", "user"]
+    assert json.loads(rows[0]["extra_info"]["verifiers"]["info"])["oai_tools"][0]["function"]["name"] == "calculator"
+    read = pq.read_table(write_rows(rows, str(tmp_path / "train.parquet"))).to_pylist()
+    assert [rollout_input(row) for row in read] == [rollout_input(row) for row in rows]

@@ -45,7 +45,9 @@ from typing import Any, Iterator
 from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.agent_loop.external_agent import ExternalAgentLoop, run_in_own_thread
 from agentloop.gateway import Session
+from agentloop.models.cache import cache_root
 from agentloop.protocol import AgentLoopOutput
+from agentloop.rows import write_rows_once
 
 # (env_id, env_args as JSON) -> the loaded environment, one per worker process
 _ENVIRONMENTS: dict[tuple[str, str], Any] = {}
@@ -129,7 +131,7 @@ def dataset_rows(
                     "index": index,
                     "verifiers": {
                         "env_id": env_id,
-                        "env_args": env_args or {},
+                        **({"env_args": env_args} if env_args else {}),  # (parquet cannot hold an empty struct)
                         "task": example.get("task"),
                         "info": info if info is None or isinstance(info, str) else json.dumps(info),
                     },
@@ -137,6 +139,16 @@ def dataset_rows(
             }
         )
     return rows
+
+
+def cached_dataset(env_id: str, split: str = "train", n: int = -1) -> str:
+    """A cached parquet of ``dataset_rows(env_id, n=n, split=split)`` (the environment's default arguments), written
+    on first use under ``$AGENTLOOP_CACHE/data/verifiers``: for ``data.train_files`` / ``val_files``
+    (``${agentloop_call:agentloop.agent_loop.verifiers_agent.cached_dataset,<env_id>,train}``). Delete it when the
+    environment's dataset changes."""
+    path = cache_root() / "data" / "verifiers" / env_id.replace("/", "--") / f"{split}-{n}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_rows_once(path, lambda: dataset_rows(env_id, n=int(n), split=split))
 
 
 async def rollout_and_score(env: Any, base_url: str, api_key: str, row: dict[str, Any]) -> Any:
