@@ -2,7 +2,8 @@
 in-process and over their own server on 127.0.0.1 (``create_app`` under uvicorn, reached by ``GenericEnvClient``), the
 opening observation after the row's prompt, each step's observation the template's delta, its reward the turn's; an
 environment that raises, hangs or returns a malformed observation ends its own trajectory (``env_error``, the failures
-counted by kind), and a server that died fails its sample with the client's error."""
+counted by kind), a server that dies mid-episode ends its trajectory so, and a server that died before the episode fails
+its sample with the client's error."""
 
 from __future__ import annotations
 
@@ -34,11 +35,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
-    """The counting environment's own server (its ``create_app``) under uvicorn on a free port, once healthy."""
+def start_server(app: str = "app") -> tuple[subprocess.Popen, str]:
+    """An environment's own server (its ``create_app``) under uvicorn on a free port, once healthy."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", f"{ENVS}:app", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "uvicorn", f"{ENVS}:{app}", "--host", "127.0.0.1", "--port", str(port)],
         env={**os.environ, "PYTHONPATH": ROOT},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -59,7 +60,8 @@ def start_server() -> tuple[subprocess.Popen, str]:
 
 
 def stop(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGKILL)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
     process.wait(30)
 
 
@@ -92,7 +94,15 @@ def env_row(env_kwargs: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def batch(local_ray, ok_model, server_url, dead_server_url):
+def dying_server_url():
+    """The URL of a server whose process exits on an episode's second step."""
+    process, url = start_server("dying_app")
+    yield url
+    stop(process)
+
+
+@pytest.fixture(scope="module")
+def batch(local_ray, ok_model, server_url, dead_server_url, dying_server_url):
     manager = AgentLoopManager(
         small_config(
             f"actor_rollout_ref.model.path={ok_model}",
@@ -111,6 +121,7 @@ def batch(local_ray, ok_model, server_url, dead_server_url):
             env_row(in_process("HangingEnvironment")),
             env_row(in_process("MalformedEnvironment")),
             env_row({"base_url": dead_server_url, "action_field": "message"}),
+            env_row({"base_url": dying_server_url, "action_field": "message"}),
         ]
         yield manager.generate_sequences(rows, validate=True)
     finally:
@@ -163,6 +174,16 @@ def test_a_dead_server_fails_its_sample_with_the_clients_error(batch, dead_serve
     assert fields["end_reason"][5] == "failed"
     assert f"Failed to connect to ws://{dead_server_url.removeprefix('http://')}/ws" in fields["failure"][5].error
     assert [fields["failure"][i] is None for i in range(5)] == [True] * 5
+
+
+def test_a_server_that_dies_mid_episode_ends_the_trajectory(batch):
+    fields = batch.non_tensor_batch
+    assert fields["failure"][6] is None and fields["end_reason"][6] == "env_error"
+    turns = fields["turns"][6]
+    # the first step was answered; the second lost its connection, and the retry found no server to reset
+    assert turns[0].env_reward == 1.0 and turns[0].env_retries == {}
+    retries = env_retries_by_kind(turns)
+    assert sum(retries.values()) == 2 and retries.get("ConnectionError") == 1, retries
 
 
 def test_bad_env_kwargs_name_the_key():

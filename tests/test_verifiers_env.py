@@ -50,7 +50,9 @@ def ok_manager(local_ray, ok_model):
 @pytest.fixture(scope="module")
 def ok_batch(ok_manager):
     rows = [verifiers_row(kind) for kind in ("counting", "raises", "hangs", "malformed", "counting")]
-    return ok_manager.generate_sequences(rows, validate=True)
+    long_row = verifiers_row("counting")
+    long_row["extra_info"]["verifiers"]["env_args"]["turns"] = 40  # more than data.max_response_length=128 holds
+    return ok_manager.generate_sequences([*rows, long_row], validate=True)
 
 
 def response(batch, i: int) -> tuple[list[int], list[int]]:
@@ -178,3 +180,13 @@ def test_the_quick_start_environments_rows_round_trip_through_parquet(tmp_path):
     assert json.loads(rows[0]["extra_info"]["verifiers"]["info"])["oai_tools"][0]["function"]["name"] == "calculator"
     read = pq.read_table(write_rows(rows, str(tmp_path / "train.parquet"))).to_pylist()
     assert [rollout_input(row) for row in read] == [rollout_input(row) for row in rows]
+
+
+def test_a_rollout_the_token_budget_stops_keeps_its_trajectory_and_is_scored(ok_batch):
+    fields = ok_batch.non_tensor_batch
+    assert fields["failure"][5] is None and fields["end_reason"][5] == "length"
+    turns = fields["turns"][5]
+    assert 3 < len(turns) < 40 and len(response(ok_batch, 5)[0]) <= 128
+    # the gateway refused the call past the budget; the environment's rubric scored the turns before it
+    assert fields["reward_score"][5] == 1.0 + 0.5 * len(turns)
+    assert [turn.env_reward for turn in turns] == [0.25 * n for n in range(1, len(turns) + 1)]

@@ -184,7 +184,7 @@ class VerifiersAgentLoop(ExternalAgentLoop):
         self.env_id, self.env_args = env_id, dict(env_args or {})
         self.timeout_s = float(timeout_s or settings.timeout_s)
         self.max_tokens_per_call = max_tokens_per_call or settings.get("max_tokens_per_call")
-        self.state: Any = None
+        self.state: Any = {}  # the rollout's verifiers State, once it returns
 
     def _environment(self, row: dict[str, Any]) -> Any:
         spec = (row.get("extra_info") or {}).get("verifiers") or {}

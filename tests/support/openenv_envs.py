@@ -4,11 +4,13 @@ the server app of the first (``create_app``; ``uvicorn tests.support.openenv_env
 - ``CountingEnvironment``: opens with ``say ok``, answers each action with ``count <n>``, rewards ``ok`` with 1 and
   anything else with 0, done after three steps;
 - ``RaisingEnvironment``, ``HangingEnvironment``, ``MalformedEnvironment``: open like it, then on a step raise, never
-  return, or return a reward that is not a number.
+  return, or return a reward that is not a number;
+- ``DyingEnvironment``: its server process dies on the episode's second step (``dying_app``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 from uuid import uuid4
@@ -65,4 +67,12 @@ class MalformedEnvironment(CountingEnvironment):
         return {"text": "count 1", "reward": "lots"}
 
 
+class DyingEnvironment(CountingEnvironment):
+    def step(self, action: SayAction, timeout_s: float | None = None, **kwargs: Any) -> CountObservation:  # type: ignore[override]
+        if self._state.step_count == 1:
+            os._exit(1)  # the whole server, mid-episode
+        return super().step(action)
+
+
 app = create_app(CountingEnvironment, SayAction, CountObservation, env_name="counting", max_concurrent_envs=16)
+dying_app = create_app(DyingEnvironment, SayAction, CountObservation, env_name="dying", max_concurrent_envs=16)
