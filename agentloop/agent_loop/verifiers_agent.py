@@ -143,9 +143,9 @@ def dataset_rows(
 
 def cached_dataset(env_id: str, split: str = "train", n: int = -1) -> str:
     """A cached parquet of ``dataset_rows(env_id, n=n, split=split)`` (the environment's default arguments), written
-    on first use under ``$AGENTLOOP_CACHE/data/verifiers``: for ``data.train_files`` / ``val_files``
-    (``${agentloop_call:agentloop.agent_loop.verifiers_agent.cached_dataset,<env_id>,train}``). Delete it when the
-    environment's dataset changes."""
+    on first use under ``$AGENTLOOP_CACHE/data/verifiers``; its path. A ``task.prepare`` step for ``data.train_files``
+    / ``val_files`` (``config/verifiers_grpo.yaml``). It is keyed by the environment's id, the split and ``n`` only:
+    delete it when the environment's dataset changes."""
     path = cache_root() / "data" / "verifiers" / env_id.replace("/", "--") / f"{split}-{n}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_rows_once(path, lambda: dataset_rows(env_id, n=int(n), split=split))
