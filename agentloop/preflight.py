@@ -24,8 +24,9 @@ from agentloop.tools.toolset import check_tool_config
 logger = logging.getLogger(__name__)
 
 # loops whose own reward parts (tool calc_reward, interaction score, env rewards) stand in when no reward
-# function applies (agentloop.rewards, rule 3), or whose program returns the reward (external_agent)
-LOOPS_WITH_REWARDS_OF_THEIR_OWN = {"tool_agent", "env_agent", "external_agent"}
+# function applies (agentloop.rewards, rule 3), or whose program returns the reward (external_agent; verifiers_agent:
+# the environment's rubric)
+LOOPS_WITH_REWARDS_OF_THEIR_OWN = {"tool_agent", "env_agent", "external_agent", "verifiers_agent"}
 
 
 def check_job(config: DictConfig, rows: dict[str, list[dict[str, Any]]]) -> None:

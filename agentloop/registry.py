@@ -22,6 +22,7 @@ BUILTIN_AGENT_LOOPS: dict[str, dict[str, Any]] = {
     "tool_agent": {"_target_": "agentloop.agent_loop.tool_agent.ToolAgentLoop"},
     "env_agent": {"_target_": "agentloop.agent_loop.env_agent.EnvAgentLoop"},
     "external_agent": {"_target_": "agentloop.agent_loop.external_agent.ExternalAgentLoop"},
+    "verifiers_agent": {"_target_": "agentloop.agent_loop.verifiers_agent.VerifiersAgentLoop"},
 }
 
 

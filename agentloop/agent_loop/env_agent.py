@@ -6,16 +6,19 @@ with ``done`` (the env says so), ``max_turns`` (``rollout.env.max_turns`` model 
 ``length`` (the next turn or observation would not fit in ``rollout.response_length``: it never
 overflows), ``context_length`` (a rewritten context would leave no room for a turn in ``rollout.max_model_len``),
 ``env_error`` (a step kept failing after ``max_env_retries_per_turn`` retries) or
-``aborted``; a step whose judge call fails (``agentloop.judge.JudgeError``) fails the sample. A failed step is retried after the env's ``recover()`` hook, or after ``reset()`` and a
-replay of the actions so far; a turn counts only once its step succeeds. Each turn's record keeps its step's
-``info["reward"]`` (``TurnRecord.env_reward``) and the state it answered: the env's ``state_key()`` hook when it has
-one, else a digest of the observation (``TurnRecord.state_key``, for GiGPO).
+``aborted``. A ``reset`` that fails or outlives ``step_timeout_s``, or a step whose judge call fails
+(``agentloop.judge.JudgeError``), fails the sample. A reset may return the episode's opening observation (shown after
+the row's prompt); an env's ``close()`` hook runs once the trajectory ends. A failed step is retried after the env's
+``recover()`` hook, or after ``reset()`` and a replay of the actions so far; a turn counts only once its step
+succeeds. Each turn's record keeps its step's ``info["reward"]`` (``TurnRecord.env_reward``) and the state it answered:
+the env's ``state_key()`` hook when it has one, else a digest of the observation (``TurnRecord.state_key``, for GiGPO).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 from typing import Any
 
 from hydra.utils import get_class
@@ -24,6 +27,8 @@ from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.envs import BaseEnv
 from agentloop.judge.session import JudgeError
 from agentloop.protocol import AgentLoopOutput, EndReason, RewardParts
+
+logger = logging.getLogger(__name__)
 
 
 async def _call(function: Any, *args: Any) -> Any:
@@ -70,9 +75,22 @@ class EnvAgentLoop(AgentLoopBase):
         return cls(**{**(settings.config or {}), **self.env_config, **kwargs})
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
-        settings = self.rollout.env
         env = self._build_env(row)
-        await _call(env.reset)
+        try:
+            return await self._run_episode(env, sampling_params, row)
+        finally:
+            if hasattr(env, "close"):  # (an env's session, a server's connection: released whatever the end)
+                await self._close(env)
+
+    async def _run_episode(self, env: BaseEnv, sampling_params: dict[str, Any], row: dict[str, Any]) -> AgentLoopOutput:
+        settings = self.rollout.env
+        timeout = float(settings.step_timeout_s)
+        try:
+            opening = await asyncio.wait_for(_call(env.reset), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the environment's reset ran past rollout.env.step_timeout_s={timeout:g}s") from None
+        if opening is not None:  # the episode's opening observation follows the row's prompt
+            row = {**row, "prompt": [*row["prompt"], env.format_observation(opening)]}
         trajectory = self.start_trajectory(row)
         budget = int(self.rollout.response_length)
         actions: list[str] = []
@@ -118,6 +136,13 @@ class EnvAgentLoop(AgentLoopBase):
                 "observation_tokens": float(sum(turn.observation_tokens for turn in trajectory.turns)),
             },
         )
+
+    async def _close(self, env: BaseEnv) -> None:
+        """The env's ``close()`` hook, bounded by ``step_timeout_s``; its failure is logged, the trajectory stands."""
+        try:
+            await asyncio.wait_for(_call(env.close), float(self.rollout.env.step_timeout_s))
+        except Exception as error:
+            logger.warning("closing environment %s failed: %s: %s", type(env).__name__, type(error).__name__, error)
 
     async def _step_with_retries(
         self, env: BaseEnv, text: str, actions: list[str], retries: dict[str, int]

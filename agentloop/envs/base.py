@@ -10,7 +10,9 @@ from agentloop.judge.session import current_judge
 class BaseEnv:
     """An environment stepped on each model turn.
 
-    Subclasses implement ``step``; ``reset`` starts (or restarts) an episode. When a step raises or
+    Subclasses implement ``step``; ``reset`` starts (or restarts) an episode, and may return the episode's opening
+    observation, which (on the first reset) follows the row's prompt as ``format_observation`` shows it. An env may
+    define ``close()``: called once its trajectory ends, however it ends. When a step raises or
     times out, the loop calls ``recover()`` if the env defines one, else ``reset()`` and replays the
     actions taken so far, then retries the step (``env.max_env_retries_per_turn`` times at most).
     An env may define ``state_key()``: a name (any value; compared as ``str``) for its current state, read after
@@ -30,8 +32,8 @@ class BaseEnv:
         """The judge of the sample this env serves (an ``agentloop.judge.Judge``; ``reward_model.*``)."""
         return current_judge()
 
-    def reset(self) -> None:
-        """Start the episode."""
+    def reset(self) -> Any:
+        """Start the episode; its opening observation, or None (the row's prompt opens it)."""
 
     def step(self, response_text: str) -> tuple[Any, bool, dict[str, Any]]:
         """Apply the model's turn: ``(observation, done, info)``; ``info["reward"]`` adds to the score."""
