@@ -78,7 +78,7 @@ class ExternalAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         gateway = await gateway_for(self.server_manager, self.tokenizer, self.config)
-        session = gateway.open(sampling_params, self.timeout_s, self.max_tokens_per_call)
+        session = gateway.open(sampling_params, self.timeout_s, self.max_tokens_per_call, self.processor)
         base_url = gateway.base_url(session)
         try:
             returned = await self._run_agent(base_url, session, row)

@@ -101,8 +101,11 @@ class Gateway:
         self._server, port = await serve(self.app(), host, int(self.settings.port))
         self.url = f"http://{host}:{port}"
 
-    def open(self, sampling_params: dict[str, Any], timeout_s: float, max_tokens_per_call: int | None) -> Session:
-        """A new session for the sample whose loop runs in this task (``Router.running_sample``)."""
+    def open(
+        self, sampling_params: dict[str, Any], timeout_s: float, max_tokens_per_call: int | None, processor: Any = None
+    ) -> Session:
+        """A new session for the sample whose loop runs in this task (``Router.running_sample``); ``processor``: the
+        policy's, for a vision-language model (its sessions take image parts), else None."""
         sample = Router.current_sample()
         if sample is None:
             raise RuntimeError("Gateway.open must be called from a sample's agent loop (within Router.running_sample)")
@@ -117,6 +120,7 @@ class Gateway:
             limits,
             self.tokenizer,
             self.template_kwargs,
+            processor,
         )
         self.sessions[session.id] = session
         return session
@@ -237,8 +241,18 @@ class Gateway:
     async def _complete(self, session: Session, call: ChatCall) -> Reply:
         """Record the call's context, generate the reply through the router and record it."""
         messages = call.messages
-        if any(isinstance(message.get("content"), list) for message in messages):
-            raise ValueError("the gateway takes text messages only: image content parts are not supported here")
+        urls = [
+            part["image_url"]["url"]
+            for message in messages
+            if isinstance(message.get("content"), list)
+            for part in message["content"]
+            if part.get("type") == "image_url"
+        ]
+        if urls and session.processor is None:
+            raise ValueError("image content parts need a vision-language policy: this session's model is text-only")
+        for url in urls:  # the worker reads no file and fetches no URL for a client
+            if not url.startswith("data:"):
+                raise ValueError(f"an image part's url must be a data: URI (base64), got {url[:60]!r}")
         async with session.lock:
             # a call that raises on the way (refused, unrenderable, cancelled by the session's close) leaves nothing
             with session.recording_call():
