@@ -3,10 +3,11 @@ LangGraph...). Each sample gets a session at its worker's gateway (``agentloop.g
 URL whose calls are recorded as the sample's trajectory, and the program runs against it:
 
 - a function (``rollout.agent.external.function``, a dotted path): ``async def agent(base_url, api_key, row) ->
-  float | None`` (or a plain ``def``), run in a thread of its own (``run_in_own_thread``);
+  float | None`` (or a plain ``def``), run in a thread of its own (``run_in_own_thread``); ``base_url`` is the
+  OpenAI base URL (``.../v1``), the ``anthropic`` SDK's is ``base_url.removesuffix("/v1")``;
 - or a command line (``rollout.agent.external.command``) run as a subprocess with ``OPENAI_BASE_URL`` and
-  ``OPENAI_API_KEY`` set and the row as JSON on stdin and in ``AGENTLOOP_ROW``; what it returns is the last line
-  of its stdout, when that is a number.
+  ``OPENAI_API_KEY`` set (and ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``) and the row as JSON on stdin and in
+  ``AGENTLOOP_ROW``; what it returns is the last line of its stdout, when that is a number.
 
 Its reward is what it returns; None (or no number) leaves it to the row's data-source reward function, applied to
 the final assistant message. The program is bounded by ``rollout.agent.external.timeout_s`` and killed when it runs
@@ -77,7 +78,7 @@ class ExternalAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         gateway = await gateway_for(self.server_manager, self.tokenizer, self.config)
-        session = gateway.open(sampling_params, self.timeout_s, self.max_tokens_per_call)
+        session = gateway.open(sampling_params, self.timeout_s, self.max_tokens_per_call, self.processor)
         base_url = gateway.base_url(session)
         try:
             returned = await self._run_agent(base_url, session, row)
@@ -110,7 +111,15 @@ class ExternalAgentLoop(AgentLoopBase):
     async def _run_command(self, base_url: str, api_key: str, row: dict[str, Any]) -> float | None:
         """The command in its own process group (killed whole on timeout or cancellation); its last stdout line."""
         row_json = json.dumps(row, default=lambda value: value.tolist() if hasattr(value, "tolist") else repr(value))
-        env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "AGENTLOOP_ROW": row_json}
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": api_key,
+            # the anthropic SDK appends /v1/messages to its base URL
+            "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
+            "ANTHROPIC_API_KEY": api_key,
+            "AGENTLOOP_ROW": row_json,
+        }
         process = await asyncio.create_subprocess_exec(
             *shlex.split(self.command),
             stdin=asyncio.subprocess.PIPE,

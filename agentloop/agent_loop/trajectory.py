@@ -301,22 +301,38 @@ class Trajectory:
         )
 
     def start_segment(
-        self, context_ids: list[int], messages: list[dict[str, Any]], rewritten_by: str, tools: list[dict] | None
+        self,
+        context_ids: list[int],
+        messages: list[dict[str, Any]],
+        rewritten_by: str,
+        tools: list[dict] | None,
+        images: list[ProcessedImage] | None = None,
     ) -> None:
         """Close the current segment and start one whose context is ``context_ids`` (``messages`` rendered with
-        ``tools``), for a loop whose next context is no extension of the current one (a text-only conversation).
+        ``tools``, showing ``images``, processed, in order: their pads already widened in ``context_ids``), for a loop
+        whose next context is no extension of the current one.
         A current segment with no response yet is replaced rather than closed: it would train on nothing. What the
         closed segment's turns are answered by (its ``closing_observation_ids``) is the messages after the new
         context's last assistant message (all of them when it has none)."""
         if self.response_ids:
             assistant = [index for index, message in enumerate(messages) if message.get("role") == "assistant"]
             answer = messages[assistant[-1] + 1 :] if assistant else messages
-            closing = self._appended_ids(answer, []) if answer else []
+            # the images the answer shows are the last of the new context's
+            shown = sum(
+                isinstance(part, dict) and part.get("type") == "image"
+                for message in answer
+                if isinstance(message.get("content"), list)
+                for part in message["content"]
+            )
+            answer_images = list(images or [])[len(images or []) - shown :] if shown else []
+            closing = self._appended_ids(answer, answer_images) if answer else []
             segment = dataclasses.replace(self._segment(), closing_observation_ids=closing)
             self.closed.append((segment, list(self.images)))
-        self.prompt_ids, self.images, self.rewritten_by, self.tools = list(context_ids), [], rewritten_by, tools
+        self.prompt_ids, self.rewritten_by, self.tools = list(context_ids), rewritten_by, tools
+        self.images = list(images or [])
         self.response_ids, self.response_mask, self.response_logprobs = [], [], []
         self.messages = [dict(message) for message in messages]
+        self._remember_images(self.messages, self.images)
         self.unanswered = None
 
     def add_observation(self, observation: Observation) -> None:

@@ -1,4 +1,5 @@
-"""The session gateway: OpenAI-compatible base URLs whose calls become exact-token trajectories (``external_agent``)."""
+"""The session gateway: base URLs speaking Chat Completions, Anthropic Messages and OpenAI Responses, whose calls become
+exact-token trajectories (``external_agent``)."""
 
 from agentloop.gateway.gateway import Gateway, gateway_for
 from agentloop.gateway.session import Session, SessionLimits

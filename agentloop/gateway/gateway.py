@@ -1,12 +1,17 @@
-"""The session gateway: an OpenAI-compatible base URL per session, ``http://HOST:PORT/sessions/<id>/v1``, served
-in an agent-loop worker's process over its router, so that an unmodified agent program (OpenAI SDK, Agents SDK,
-LangGraph...) produces trainable trajectories.
+"""The session gateway: a base URL per session, ``http://HOST:PORT/sessions/<id>/v1``, served in an agent-loop
+worker's process over its router, so that an unmodified agent program (OpenAI SDK, Agents SDK, LangGraph, the
+``anthropic`` SDK...) produces trainable trajectories.
 
-Routes per session: ``GET models`` and ``POST chat/completions`` (tools, ``tool_choice``, ``n=1``, streaming off
-or on). Every call goes through the router under the session's sample (sticky server, GRPO group affinity, policy
-versions, continuation across weight pushes), with the rollout's sampling params whatever the client asks: its
-``max_tokens`` can only lower the per-call cap. Unknown, finished or expired sessions get 404, a wrong key 401, bad
-requests 4xx (OpenAI's error shape), a call past the session's token budget 400 (``context_length_exceeded``).
+Routes per session, three APIs: ``GET models``; ``POST chat/completions`` (OpenAI's Chat Completions: tools,
+``tool_choice``, ``n=1``, streaming off or on); ``POST messages`` (Anthropic's Messages, ``anthropic_api``: the
+``anthropic`` SDK's base URL is the session's without ``/v1``); ``POST responses`` (OpenAI's Responses, the Agents
+SDK's default model, ``responses_api``). Each route translates its request into chat messages and tools, and every
+call, whichever API, goes the one way (``Gateway._answer``): recorded in the session (exact sampled ids for replies
+sent back, a new segment for rewritten history), through the router under the session's sample (sticky server, GRPO
+group affinity, policy versions, continuation across weight pushes), with the rollout's sampling params whatever the
+client asks: its ``max_tokens`` can only lower the per-call cap. Unknown, finished or expired sessions get 404, a
+wrong key 401 (the key as a bearer token or ``x-api-key``), bad requests 4xx, a call past the session's token budget
+400 (``context_length_exceeded``), each in its API's error shape.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from pydantic import ConfigDict
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.agent_loop.context import max_model_len
+from agentloop.gateway import anthropic_api, responses_api
+from agentloop.gateway.call import ChatCall, Reply
 from agentloop.gateway.session import Session, SessionLimits, SessionOver
 from agentloop.http_server import serve
 from agentloop.router import Router
@@ -94,8 +101,11 @@ class Gateway:
         self._server, port = await serve(self.app(), host, int(self.settings.port))
         self.url = f"http://{host}:{port}"
 
-    def open(self, sampling_params: dict[str, Any], timeout_s: float, max_tokens_per_call: int | None) -> Session:
-        """A new session for the sample whose loop runs in this task (``Router.running_sample``)."""
+    def open(
+        self, sampling_params: dict[str, Any], timeout_s: float, max_tokens_per_call: int | None, processor: Any = None
+    ) -> Session:
+        """A new session for the sample whose loop runs in this task (``Router.running_sample``); ``processor``: the
+        policy's, for a vision-language model (its sessions take image parts), else None."""
         sample = Router.current_sample()
         if sample is None:
             raise RuntimeError("Gateway.open must be called from a sample's agent loop (within Router.running_sample)")
@@ -110,12 +120,14 @@ class Gateway:
             limits,
             self.tokenizer,
             self.template_kwargs,
+            processor,
         )
         self.sessions[session.id] = session
         return session
 
     def base_url(self, session: Session) -> str:
-        """The OpenAI base URL of ``session`` (its ``api_key`` is the key)."""
+        """The OpenAI base URL of ``session`` (its ``api_key`` is the key); the ``anthropic`` SDK's is this without
+        ``/v1``."""
         return f"{self.url}/sessions/{session.id}/v1"
 
     async def close(self, session: Session, end: str = "stop") -> None:
@@ -138,18 +150,7 @@ class Gateway:
     def app(self) -> FastAPI:
         app = FastAPI(title="agentloop session gateway", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_middleware(BodyLimit, max_bytes=int(self.settings.max_body_bytes))
-
-        @app.exception_handler(GatewayError)
-        async def gateway_error(_: Request, error: GatewayError) -> JSONResponse:
-            return _error(error.status, str(error), error.code)
-
-        @app.exception_handler(ValueError)
-        async def bad_request(_: Request, error: ValueError) -> JSONResponse:
-            return _error(400, str(error), "invalid_request_error")
-
-        @app.exception_handler(RequestValidationError)
-        async def malformed(_: Request, error: RequestValidationError) -> JSONResponse:
-            return _error(422, f"malformed request: {error.errors()[:3]}", "invalid_request_error")
+        _answer_errors(app)
 
         @app.get("/sessions/{sid}/v1/models")
         async def models(sid: str, request: Request) -> dict[str, Any]:
@@ -164,18 +165,14 @@ class Gateway:
             session = self._session(sid, request)
             if body.n != 1:
                 raise ValueError("only n=1 is supported: a session is one trajectory")
-            call = asyncio.ensure_future(self._complete(session, body))
-            session.in_flight.add(call)
-            try:
-                completion = await call
-            except asyncio.CancelledError:
-                if not call.cancelled():
-                    raise  # this handler itself was cancelled (the client went away)
-                raise GatewayError(
-                    404, f"session {_short(sid)} ended while this call was in flight", "session_ended"
-                ) from None
-            finally:
-                session.in_flight.discard(call)
+            messages, tools = template_messages(body.messages), body.tools or None
+            call = ChatCall(
+                messages,
+                tools,
+                body.max_completion_tokens or body.max_tokens,
+                bool(tools) and body.tool_choice != "none",
+            )
+            completion = _chat_completion(await self._answer(session, call), body.model or self.model_name)
             if body.stream:
                 include_usage = bool((body.stream_options or {}).get("include_usage"))
                 return StreamingResponse(_as_events(completion, include_usage), media_type="text/event-stream")
@@ -183,7 +180,38 @@ class Gateway:
                 completion
             )  # (plain JSON already: FastAPI's own encoding of a returned dict costs more)
 
+        @app.post("/sessions/{sid}/v1/messages", response_model=None)
+        async def messages(sid: str, body: anthropic_api.MessagesBody, request: Request) -> Any:
+            reply = await self._answer(self._session(sid, request), anthropic_api.chat_call(body))
+            message = anthropic_api.message(reply, body.model or self.model_name)
+            if body.stream:
+                return StreamingResponse(anthropic_api.events(message), media_type="text/event-stream")
+            return JSONResponse(message)
+
+        @app.post("/sessions/{sid}/v1/responses", response_model=None)
+        async def responses(sid: str, body: responses_api.ResponsesBody, request: Request) -> Any:
+            reply = await self._answer(self._session(sid, request), responses_api.chat_call(body))
+            response = responses_api.response(reply, body, body.model or self.model_name)
+            if body.stream:
+                return StreamingResponse(responses_api.events(response), media_type="text/event-stream")
+            return JSONResponse(response)
+
         return app
+
+    async def _answer(self, session: Session, call: ChatCall) -> Reply:
+        """``call`` answered and recorded, as a task of the session's calls in flight (its close cancels it: 404)."""
+        task = asyncio.ensure_future(self._complete(session, call))
+        session.in_flight.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise  # the route's handler itself was cancelled (the client went away)
+            raise GatewayError(
+                404, f"session {_short(session.id)} ended while this call was in flight", "session_ended"
+            ) from None
+        finally:
+            session.in_flight.discard(task)
 
     def _session(self, sid: str, request: Request) -> Session:
         session = self.sessions.get(sid)
@@ -191,11 +219,17 @@ class Gateway:
             raise GatewayError(
                 404, f"no open session {_short(sid)} (unknown, or its agent finished)", "session_not_found"
             )
-        if not hmac.compare_digest(
-            request.headers.get("authorization", "").encode(), f"Bearer {session.api_key}".encode()
+        # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key
+        authorization = request.headers.get("authorization", "")
+        bearer = authorization.removeprefix("Bearer ") if authorization.startswith("Bearer ") else ""
+        if not any(
+            hmac.compare_digest(sent.encode(), session.api_key.encode())
+            for sent in (bearer, request.headers.get("x-api-key", ""))
         ):
             raise GatewayError(
-                401, "missing or wrong API key: use the session's key (OPENAI_API_KEY)", "invalid_api_key"
+                401,
+                "missing or wrong API key: use the session's key (OPENAI_API_KEY, ANTHROPIC_API_KEY)",
+                "invalid_api_key",
             )
         if session.end is not None:
             raise GatewayError(404, f"session {_short(sid)} is over ({session.end})", "session_ended")
@@ -204,20 +238,30 @@ class Gateway:
             raise GatewayError(404, f"session {_short(sid)} is past its deadline", "session_expired")
         return session
 
-    async def _complete(self, session: Session, body: SessionChatBody) -> dict[str, Any]:
-        """Record the call's context, generate the reply through the router and record it; the completion."""
-        messages, tools = template_messages(body.messages), body.tools or None
-        if any(isinstance(message.get("content"), list) for message in messages):
-            raise ValueError("the gateway takes text messages only: image content parts are not supported here")
+    async def _complete(self, session: Session, call: ChatCall) -> Reply:
+        """Record the call's context, generate the reply through the router and record it."""
+        messages = call.messages
+        urls = [
+            part["image_url"]["url"]
+            for message in messages
+            if isinstance(message.get("content"), list)
+            for part in message["content"]
+            if part.get("type") == "image_url"
+        ]
+        if urls and session.processor is None:
+            raise ValueError("image content parts need a vision-language policy: this session's model is text-only")
+        for url in urls:  # the worker reads no file and fetches no URL for a client
+            if not url.startswith("data:"):
+                raise ValueError(f"an image part's url must be a data: URI (base64), got {url[:60]!r}")
         async with session.lock:
             # a call that raises on the way (refused, unrenderable, cancelled by the session's close) leaves nothing
             with session.recording_call():
                 try:
-                    context = list(session.enter(messages, tools))
+                    context = list(session.enter(messages, call.tools))
                 except SessionOver as over:
                     raise GatewayError(400, str(over), "context_length_exceeded") from None
                 params = dict(session.sampling_params)
-                for cap in (session.limits.max_tokens_per_call, body.max_completion_tokens or body.max_tokens):
+                for cap in (session.limits.max_tokens_per_call, call.max_tokens):
                     if cap:
                         params["max_new_tokens"] = min(int(cap), int(params.get("max_new_tokens") or cap))
                 trajectory = session.trajectory
@@ -225,22 +269,27 @@ class Gateway:
                     output, _, end = await trajectory.generate_turn(
                         self.router, session.sample.request_id, params, session.limits.budget
                     )
-                parse = self.parse_tool_calls if tools and body.tool_choice != "none" else None
+                parse = self.parse_tool_calls if call.parse_tools else None
                 choice = completion_choice(output, context, self.tokenizer, parse, self.spell)
                 session.replied(messages, _as_sent_back(choice["message"]), output, end)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.model or self.model_name,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(context),
-                "completion_tokens": len(output.token_ids),
-                "total_tokens": len(context) + len(output.token_ids),
-            },
-            "prompt_token_ids": context,
-        }
+        return Reply(choice, context)
+
+
+def _chat_completion(reply: Reply, model: str) -> dict[str, Any]:
+    prompt_tokens, completion_tokens = reply.usage()
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [reply.choice],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+        "prompt_token_ids": reply.context,
+    }
 
 
 def _as_sent_back(message: dict[str, Any]) -> dict[str, Any]:
@@ -274,7 +323,40 @@ async def _as_events(completion: dict[str, Any], include_usage: bool) -> AsyncIt
     yield "data: [DONE]\n\n"
 
 
-def _error(status: int, message: str, code: str) -> JSONResponse:
+def _answer_errors(app: FastAPI) -> None:
+    """Errors in the shape of the API the request came in: Anthropic's on its Messages route, OpenAI's elsewhere. A
+    body that fails validation gets 400 naming the fields (as both APIs answer) on the Messages and Responses routes,
+    422 on the chat route (as it always has)."""
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, error: GatewayError) -> JSONResponse:
+        return _error(request, error.status, str(error), error.code)
+
+    @app.exception_handler(ValueError)
+    async def bad_request(request: Request, error: ValueError) -> JSONResponse:
+        return _error(request, 400, str(error), "invalid_request_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, error: RequestValidationError) -> JSONResponse:
+        if request.url.path.endswith("/chat/completions"):
+            return _error(request, 422, f"malformed request: {error.errors()[:3]}", "invalid_request_error")
+        return _error(request, 400, f"malformed request: {_named_fields(error)}", "invalid_request_error")
+
+
+def _named_fields(error: RequestValidationError) -> str:
+    """The first problems, each at its field's path (``messages.0.content``). A field that may be text or a list is
+    named once, for the list it was sent as (not also for "is not a string"), without pydantic's names of union types."""
+    problems = [problem for problem in error.errors() if problem["loc"][-1] != "str"] or error.errors()
+    return "; ".join(
+        ".".join(str(part) for part in problem["loc"][1:] if not (isinstance(part, str) and "[" in part))
+        + f": {problem['msg']}"
+        for problem in problems[:3]
+    )
+
+
+def _error(request: Request, status: int, message: str, code: str) -> JSONResponse:
+    if request.url.path.endswith("/v1/messages"):
+        return JSONResponse(status_code=status, content=anthropic_api.error_body(status, message))
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": code}})
 

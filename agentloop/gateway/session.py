@@ -22,8 +22,10 @@ from typing import Any, Iterator
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.agent_loop.trajectory import Trajectory
+from agentloop.images import ProcessedImage, expand_image_pads, process_images
 from agentloop.protocol import EndReason, TokenOutput, ToolCallRecord
 from agentloop.router import RunningSample
+from agentloop.server.http.chat import split_message_images
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class SessionOver(Exception):
 @dataclass
 class Session:
     """An open session: its unguessable id and key, the sample it serves (``sample``: the router's running sample,
-    re-entered by every call), the rollout's sampling params and limits, and what its calls recorded."""
+    re-entered by every call), the rollout's sampling params and limits, and what its calls recorded. With a
+    vision-language ``processor``, the image parts of its messages are the policy's images (None: text only)."""
 
     id: str
     api_key: str
@@ -60,6 +63,7 @@ class Session:
     limits: SessionLimits
     tokenizer: PreTrainedTokenizerBase
     template_kwargs: dict[str, Any]
+    processor: Any = None
     trajectory: Trajectory | None = None
     # the conversation as the client sees it: its messages and each reply as the gateway returned it
     conversation: list[dict[str, Any]] = field(default_factory=list)
@@ -97,7 +101,7 @@ class Session:
         template cannot render, whether they start the conversation or extend it. Called in ``recording_call``."""
         trajectory = self.trajectory
         if trajectory is None:
-            ids = self._render(messages, tools)
+            ids, shown, images = self._render(messages, tools)
             if len(ids) > self.limits.prompt_length:
                 self._over(
                     "length",
@@ -105,7 +109,14 @@ class Session:
                     f"prompt_length={self.limits.prompt_length}",
                 )
             self.trajectory = Trajectory(
-                self.tokenizer, messages, ids, tools, self.template_kwargs, max_model_len=self.limits.max_model_len
+                self.tokenizer,
+                shown,
+                ids,
+                tools,
+                self.template_kwargs,
+                self.processor,
+                images,
+                max_model_len=self.limits.max_model_len,
             )
             return ids
         added = self._extension(messages, tools)
@@ -120,14 +131,14 @@ class Session:
                     f"messages within rollout.response_length={self.limits.budget}",
                 )
             return trajectory.ids
-        ids = self._render(messages, tools)
+        ids, shown, images = self._render(messages, tools)
         if len(ids) >= self.limits.max_model_len:
             self._over(
                 "context_length",
                 f"the rewritten conversation is {len(ids)} tokens: no reply fits within "
                 f"max_model_len={self.limits.max_model_len}",
             )
-        trajectory.start_segment(ids, messages, rewritten_by="client", tools=tools)
+        trajectory.start_segment(ids, shown, rewritten_by="client", tools=tools, images=images)
         return ids
 
     def replied(
@@ -161,18 +172,29 @@ class Session:
             return None
         return messages[len(known) :]
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None
+    ) -> tuple[list[int], list[dict[str, Any]], list[ProcessedImage]]:
+        """The ids of a context of ``messages``, the messages as the template took them and the images they show:
+        with a vision-language processor, each image part a bare ``{"type": "image"}`` part, its image processed
+        and its pad widened to the image's tokens (ValueError for an image that cannot be read)."""
+        images: list[ProcessedImage] = []
+        if self.processor is not None:
+            messages, pictures = split_message_images(messages)
+            images = process_images(self.processor, pictures, "the call's messages")
         with _template_errors_as_bad_input():
-            return list(
-                self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=False,
-                    **self.template_kwargs,
-                )
+            ids = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                **self.template_kwargs,
             )
+        if images:
+            pad = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
+            ids = expand_image_pads(list(ids), images, pad, "the call's messages")
+        return list(ids), messages, images
 
     def _over(self, end: EndReason, message: str) -> None:
         self.end = end
