@@ -41,7 +41,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from agentloop.protocol import TurnRecord, env_retries_by_kind, tool_errors_by_kind, turn_scores
+from agentloop.protocol import TurnRecord
+from agentloop.turn_totals import env_retries_by_kind, tool_errors_by_kind, turn_scores
 from agentloop.rows import OUTPUT_COLUMNS  # what the rollout adds per sample; everything else is a row field
 
 if TYPE_CHECKING:  # the reading half (the viewer) runs without torch, tensordict and transformers

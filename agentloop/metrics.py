@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from agentloop.batch import RolloutBatch, trajectory_sizes
-from agentloop.protocol import env_retries_by_kind, tool_errors_by_kind, turn_scores
+from agentloop.turn_totals import env_retries_by_kind, tool_errors_by_kind, turn_scores
 from agentloop.router import RouterStats
 
 

@@ -1,15 +1,13 @@
-"""Records that cross process boundaries: what an engine returns and what an agent loop returns."""
+"""Records that cross process boundaries: what an engine returns and what an agent loop returns; nothing else (the
+engines' request checks are in ``agentloop.server.sampling``, the continuation of an interrupted turn in
+``agentloop.server.continued``, the turns' totals in ``agentloop.turn_totals``)."""
 
 from __future__ import annotations
 
-import math
-import traceback
-import numbers
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Literal
+from typing import Any, Literal
 
-from agentloop.policy_versions import VersionRuns, on_response
+from agentloop.policy_versions import on_response
 
 # Why one engine call stopped. ``interrupted``: new weights were loaded mid-request; the tokens so far
 # come back and the router continues the request under the new weights (loops never see it).
@@ -21,106 +19,12 @@ FinishReason = Literal["stop", "length", "abort", "interrupted"]
 # failed tool calls; ``env_error`` an env step kept failing; ``aborted`` the engine aborted the request;
 # ``context_length`` the next context (a context strategy's rewrite) would leave no room for a model turn within
 # rollout.max_model_len; ``failed`` the loop raised (the sample is kept, empty, and left out of training: see
-# ``failed_output``).
+# ``agentloop.worker.failed_output``).
 # ``AgentLoopOutput.end_reason`` holds it (an engine call's FinishReason says ``abort`` where this says ``aborted``);
 # the metrics ``multi_turn/finish_reason/*`` and the dumps' ``finish_reason`` column report it under verl's name.
 EndReason = Literal[
     "stop", "done", "length", "context_length", "max_turns", "tool_error_budget", "env_error", "aborted", "failed"
 ]
-
-
-def finish_reason_of(
-    tokens: list[int], stop_ids: list[int], max_new_tokens: int, otherwise: FinishReason
-) -> FinishReason:
-    """Why a call that was cut short (aborted, interrupted) ended: ``stop`` if its last token is one of
-    ``stop_ids``, ``length`` if it has ``max_new_tokens``, else ``otherwise``. A call cut right after the token
-    that ended it is over: it must not be continued past its stop token or its budget."""
-    if tokens and tokens[-1] in stop_ids:
-        return "stop"
-    return "length" if len(tokens) >= max_new_tokens else otherwise
-
-
-def end_after(finish_reason: FinishReason) -> EndReason | None:
-    """The end a model turn forces on its trajectory: an aborted or length-capped turn ends it, a stop does not."""
-    return {"abort": "aborted", "length": "length"}.get(finish_reason)
-
-
-# Sampling keys every engine accepts; anything else is rejected so a typo never silently samples wrong.
-SAMPLING_DEFAULTS: dict[str, Any] = {
-    "max_new_tokens": 128,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": -1,
-    "stop_token_ids": None,
-    "ignore_eos": False,
-}
-
-
-def validate_sampling_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Fill defaults and reject unknown keys, wrong types or out-of-range values, naming the valid ones."""
-    if not isinstance(params, dict):
-        raise ValueError(f"sampling params must be a mapping, got {type(params).__name__}")
-    unknown = sorted(set(params) - set(SAMPLING_DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown sampling parameter(s) {unknown}; valid keys are {sorted(SAMPLING_DEFAULTS)}")
-    merged = {**SAMPLING_DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
-    for key in ("max_new_tokens", "top_k"):
-        merged[key] = _number(merged, key, int)
-    for key in ("temperature", "top_p"):
-        merged[key] = _number(merged, key, float)
-    if merged["max_new_tokens"] < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {merged['max_new_tokens']}")
-    if not 0 <= merged["temperature"] < math.inf:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {merged['temperature']}")
-    if not 0 < merged["top_p"] <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {merged['top_p']}")
-    if merged["top_k"] == 0 or merged["top_k"] < -1:
-        raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {merged['top_k']}")
-    stop = merged["stop_token_ids"]
-    if stop is not None and not (isinstance(stop, list) and all(_is_int(token) for token in stop)):
-        raise ValueError(f"stop_token_ids must be a list of token ids, got {stop!r}")
-    if not isinstance(merged["ignore_eos"], bool):
-        raise ValueError(f"ignore_eos must be true or false, got {merged['ignore_eos']!r}")
-    return merged
-
-
-def validate_prompt(prompt_ids: Any, max_new_tokens: int, vocab_size: int, max_model_len: int) -> list[int]:
-    """Reject a prompt an engine must never see: empty, not token ids, ids outside the vocabulary, or too long
-    to generate ``max_new_tokens`` after it within ``max_model_len`` tokens. One bad request fails alone."""
-    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
-        raise ValueError(
-            "prompt_ids is empty" if isinstance(prompt_ids, (list, tuple)) else "prompt_ids must be a list of token ids"
-        )
-    # plain ints first: the check against numbers.Integral costs more per token than the rest of a request
-    if not all(type(token) is int for token in prompt_ids) and not all(_is_int(token) for token in prompt_ids):
-        raise ValueError("prompt_ids must be a list of integer token ids")
-    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
-        outside = [token for token in prompt_ids if not 0 <= token < vocab_size]
-        raise ValueError(f"token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})")
-    if len(prompt_ids) + max_new_tokens > max_model_len:
-        raise ValueError(
-            f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds this engine's "
-            f"limit of {max_model_len} tokens; shorten the prompt or lower max_new_tokens"
-        )
-    return list(prompt_ids)
-
-
-def id_list(value: int | list[int] | None) -> list[int]:
-    """A config's token id field (one id, a list of them, or none) as a list."""
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _number(params: dict[str, Any], key: str, kind: type) -> Any:
-    value = params[key]
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or (kind is int and value != int(value)):
-        raise ValueError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    return kind(value)
 
 
 @dataclass
@@ -141,36 +45,6 @@ class TokenOutput:
     # verl's TokenOutput fields that loops written for verl read; not produced by these engines
     num_preempted: int | None = None
     routed_experts: Any = None
-
-
-async def generate_continued(
-    generate: Callable[[list[int], dict[str, Any]], Awaitable[TokenOutput]],
-    prompt_ids: list[int],
-    sampling_params: dict[str, Any],
-) -> tuple[TokenOutput, VersionRuns, int]:
-    """One turn through ``generate(ids, params)``, continued after each interruption by new weights: resubmitted
-    with the tokens it has, for the tokens it has left, until it ends. Returns the whole turn, its tokens'
-    policy versions and how many times it was interrupted."""
-    budget = int(sampling_params.get("max_new_tokens", SAMPLING_DEFAULTS["max_new_tokens"]))
-    tokens: list[int] = []
-    log_probs: list[float] = []
-    versions = VersionRuns()
-    interruptions = 0
-    while True:
-        output = await generate(prompt_ids + tokens, {**sampling_params, "max_new_tokens": budget - len(tokens)})
-        tokens += output.token_ids
-        log_probs += output.log_probs
-        versions.add(output.policy_version, len(output.token_ids))
-        if output.finish_reason != "interrupted":
-            break
-        interruptions += 1
-        if len(tokens) >= budget:  # interrupted right after its last token
-            output.finish_reason = "length"
-            break
-    whole = TokenOutput(
-        tokens, log_probs, output.finish_reason, output.cached_tokens, policy_version=output.policy_version
-    )
-    return whole, versions, interruptions
 
 
 @dataclass
@@ -221,21 +95,6 @@ class TurnRecord:
     def tool_latency_s(self) -> float:
         """The seconds its tools took: its calls run in parallel."""
         return max((call.latency_s for call in self.calls), default=0.0)
-
-
-def tool_errors_by_kind(turns: list[TurnRecord]) -> dict[str, int]:
-    """How many of these turns' tool calls failed, by kind."""
-    return dict(Counter(call.error for turn in turns for call in turn.calls if call.error is not None))
-
-
-def env_retries_by_kind(turns: list[TurnRecord]) -> dict[str, int]:
-    """How many of these turns' env steps failed, by kind."""
-    return dict(sum((Counter(turn.env_retries) for turn in turns), Counter()))
-
-
-def turn_scores(turns: list[TurnRecord]) -> list[float]:
-    """The interaction's score of each turn it answered, in order."""
-    return [turn.interaction_score for turn in turns if turn.interaction_score is not None]
 
 
 @dataclass
@@ -408,17 +267,3 @@ BATCH_FIELDS = (
     "judge_calls",
     "rollout_log_probs_missing",
 )
-
-
-def failed_output(error: BaseException, pad_token_id: int) -> AgentLoopOutput:
-    """The sample of a loop that raised: one pad token of prompt, no response (nothing to train on, no
-    reward), end reason ``failed`` and the error with its traceback in ``failure``."""
-    return AgentLoopOutput(
-        prompt_ids=[pad_token_id],
-        response_ids=[],
-        response_mask=[],
-        response_logprobs=[],
-        num_turns=1,
-        end_reason="failed",
-        failure=Failure(f"{type(error).__name__}: {error}", "".join(traceback.format_exception(error))),
-    )

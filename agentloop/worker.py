@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from agentloop.judge import Judge, judge_session
 from agentloop.batch import RolloutBatch, object_array
 from agentloop.models.loading import load_processor, structure
 from agentloop.postprocess import check_reward_has_a_token, pad_outputs
-from agentloop.protocol import BATCH_FIELDS, AgentLoopOutput, failed_output
+from agentloop.protocol import BATCH_FIELDS, AgentLoopOutput, Failure
 from agentloop.registry import build_agent_loop
 from agentloop.rewards import score_output
 from agentloop.router import Router, RouterStats
@@ -182,3 +183,17 @@ class AgentLoopWorker:
                 error,
             )
             return failed_output(error, self._pad_id)
+
+
+def failed_output(error: BaseException, pad_token_id: int) -> AgentLoopOutput:
+    """The sample of a loop that raised: one pad token of prompt, no response (nothing to train on, no
+    reward), end reason ``failed`` and the error with its traceback in ``failure``."""
+    return AgentLoopOutput(
+        prompt_ids=[pad_token_id],
+        response_ids=[],
+        response_mask=[],
+        response_logprobs=[],
+        num_turns=1,
+        end_reason="failed",
+        failure=Failure(f"{type(error).__name__}: {error}", "".join(traceback.format_exception(error))),
+    )

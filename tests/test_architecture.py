@@ -50,6 +50,7 @@ LAYERS = [
     ],
     [
         "agentloop.protocol",
+        "agentloop.turn_totals",
         "agentloop.policy_versions",
         "agentloop.batch",
         "agentloop.rows",

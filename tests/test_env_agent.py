@@ -11,7 +11,7 @@ from agentloop import AgentLoopManager
 from agentloop.agent_loop.env_agent import EnvAgentLoop
 from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta, state_digest
-from agentloop.protocol import env_retries_by_kind, turn_scores
+from agentloop.turn_totals import env_retries_by_kind, turn_scores
 from agentloop.rewards import score_output
 from agentloop.router import Router
 from tests.support.config import small_config

@@ -26,7 +26,8 @@ from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.dumps import mask_runs
 from agentloop.dumps import write_rollout_dump
-from agentloop.protocol import AgentLoopOutput, tool_errors_by_kind
+from agentloop.protocol import AgentLoopOutput
+from agentloop.turn_totals import tool_errors_by_kind
 from agentloop.router import Router
 from agentloop.server.engine import Engine
 from agentloop.tools.parsers import get_parser

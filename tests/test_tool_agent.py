@@ -13,7 +13,7 @@ from agentloop import AgentLoopManager
 from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.dumps import mask_runs
-from agentloop.protocol import tool_errors_by_kind
+from agentloop.turn_totals import tool_errors_by_kind
 from agentloop.rewards import score_output
 from agentloop.router import Router
 from tests.support.config import small_config

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from agentloop.agent_loop.base import AgentLoopBase
-from agentloop.protocol import AgentLoopOutput, TurnRecord, end_after
+from agentloop.agent_loop.trajectory import end_after
+from agentloop.protocol import AgentLoopOutput, TurnRecord
 
 
 class SingleTurnAgentLoop(AgentLoopBase):

@@ -28,13 +28,18 @@ from transformers import PreTrainedTokenizerBase
 
 from agentloop.images import ProcessedImage, expand_image_pads, image_inputs, process_images, split_images
 from agentloop.agent_loop.context import ContextStrategy
-from agentloop.protocol import AgentLoopOutput, EndReason, Segment, TokenOutput, TurnRecord, end_after
+from agentloop.protocol import AgentLoopOutput, EndReason, FinishReason, Segment, TokenOutput, TurnRecord
 
 logger = logging.getLogger(__name__)
 
 _BASE = [{"role": "user", "content": "base"}, {"role": "assistant", "content": "base"}]
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 SANITY_CHECK_MODES = ("strict", "ignore_strippable", "disable")
+
+
+def end_after(finish_reason: FinishReason) -> EndReason | None:
+    """The end a model turn forces on its trajectory: an aborted or length-capped turn ends it, a stop does not."""
+    return {"abort": "aborted", "length": "length"}.get(finish_reason)
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], **kwargs: Any) -> list[int]:

@@ -4,7 +4,7 @@ Its parts, each in its own module: ``placement`` (which server a session's reque
 turns ready in one pass of the event loop go to a server in one Ray call), ``versions`` (each token's policy
 version, taken per sample) and ``stats``. Here they meet in ``generate``, which also keeps a turn going
 whatever its server does: a turn that new weights interrupted is resubmitted with the tokens it has
-(``generate_continued``); a server that dies, or stops answering the router's probes for
+(``agentloop.server.continued``); a server that dies, or stops answering the router's probes for
 ``health_timeout_s``, is skipped from then on and the turns waiting on it are re-homed and run again
 elsewhere; a turn with no answer within ``request_timeout_s`` is aborted and fails.
 """
@@ -22,7 +22,8 @@ import ray
 from ray.exceptions import RayActorError
 
 from agentloop.images import ProcessedImage
-from agentloop.protocol import TokenOutput, generate_continued
+from agentloop.protocol import TokenOutput
+from agentloop.server.continued import generate_continued
 from agentloop.router.batching import CallBatcher, settle
 from agentloop.router.placement import Placement, ServerSlot
 from agentloop.router.stats import RouterStats

@@ -21,14 +21,8 @@ from transformers import GenerationConfig
 
 from agentloop.images import ProcessedImage
 from agentloop.models.loading import is_vision_language, model_class, vision_token_ids
-from agentloop.protocol import (
-    FinishReason,
-    TokenOutput,
-    finish_reason_of,
-    id_list,
-    validate_prompt,
-    validate_sampling_params,
-)
+from agentloop.protocol import FinishReason, TokenOutput
+from agentloop.server.sampling import finish_reason_of, id_list, validate_prompt, validate_sampling_params
 from agentloop.server import hf_batching, hf_self_test, hf_varlen
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.hf_batching import ContinuousBatchingConfig

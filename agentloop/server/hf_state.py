@@ -7,7 +7,8 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
-from agentloop.protocol import FinishReason, TokenOutput, finish_reason_of
+from agentloop.protocol import FinishReason, TokenOutput
+from agentloop.server.sampling import finish_reason_of
 from agentloop.server.hf_batching import GenerationOutput, RequestStatus
 
 

@@ -30,7 +30,8 @@ import torch
 from transformers import AutoConfig, GenerationConfig
 
 from agentloop.images import ProcessedImage
-from agentloop.protocol import TokenOutput, finish_reason_of, id_list, validate_sampling_params
+from agentloop.protocol import TokenOutput
+from agentloop.server.sampling import finish_reason_of, id_list, validate_sampling_params
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess
 from agentloop.settings import ServerSettings

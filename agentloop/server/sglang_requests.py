@@ -14,7 +14,8 @@ import base64
 from typing import Any
 
 from agentloop.images import ProcessedImage
-from agentloop.protocol import TokenOutput, validate_sampling_params
+from agentloop.protocol import TokenOutput
+from agentloop.server.sampling import validate_sampling_params
 
 # Sent on every request: ids in and out, stop tokens kept, so the trajectory holds exactly what was sampled.
 FIXED_SAMPLING = {"skip_special_tokens": False, "no_stop_trim": True}

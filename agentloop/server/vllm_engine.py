@@ -37,7 +37,8 @@ from typing import Any, AsyncIterator, Iterable, Mapping
 import torch
 
 from agentloop.images import ProcessedImage
-from agentloop.protocol import TokenOutput, validate_sampling_params
+from agentloop.protocol import TokenOutput
+from agentloop.server.sampling import validate_sampling_params
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess
 from agentloop.settings import ServerSettings

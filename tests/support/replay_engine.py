@@ -18,7 +18,8 @@ from typing import Mapping
 import torch
 from transformers import AutoTokenizer
 
-from agentloop.protocol import TokenOutput, validate_sampling_params
+from agentloop.protocol import TokenOutput
+from agentloop.server.sampling import validate_sampling_params
 from tests.support.hostile_outputs import HostileOutput, hostile_outputs
 from agentloop.settings import ServerSettings
 

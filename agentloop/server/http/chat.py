@@ -22,7 +22,8 @@ from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from agentloop.images import ProcessedImage, split_images
-from agentloop.protocol import TokenOutput, generate_continued
+from agentloop.protocol import TokenOutput
+from agentloop.server.continued import generate_continued
 from agentloop.server.http.native import Admission, ServerImages, weight_versions_json
 from agentloop.tools.parsers import Parser, get_parser
 from agentloop.tools.reasoning import prompt_opens_reasoning, split_reasoning

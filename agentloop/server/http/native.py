@@ -27,7 +27,8 @@ from transformers import PreTrainedTokenizerBase
 
 from agentloop.images import ProcessedImage, expand_image_pads, load_image, process_images
 from agentloop.policy_versions import VersionRuns
-from agentloop.protocol import SAMPLING_DEFAULTS, TokenOutput
+from agentloop.protocol import TokenOutput
+from agentloop.server.sampling import SAMPLING_DEFAULTS
 
 # SGLang sampling keys accepted here; the text-only ones have no effect on token ids.
 TEXT_ONLY_KEYS = {"skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"}
