@@ -140,9 +140,12 @@ def reward_model_text(tokenizer: Any, response: list[int]) -> str:
     return text.replace(tokenizer.eos_token, "") if tokenizer.eos_token else text
 
 
-async def score_output(config: DictConfig, tokenizer: Any, row: dict[str, Any], output: AgentLoopOutput) -> None:
+async def score_output(
+    config: DictConfig, tokenizer: Any, row: dict[str, Any], output: AgentLoopOutput, solution_str: str | None = None
+) -> None:
     """Set ``output.reward_score`` and ``reward_source`` (and, from a reward function, ``reward_extra_info``) for a
-    finished sample, by the rule in this module's docstring."""
+    finished sample, by the rule in this module's docstring. ``solution_str``: the text a reward function scores
+    instead of the decoded response (``external_agent``: the program's final assistant message)."""
     parts = output.reward_parts.by_source()
     if output.reward_score is not None:  # (a loop that scored with a reward function itself says so)
         output.reward_source = output.reward_source or "agent_loop"
@@ -164,7 +167,7 @@ async def score_output(config: DictConfig, tokenizer: Any, row: dict[str, Any], 
         function,
         float((config.get("custom_reward_function") or {}).get("timeout_s") or 60),
         data_source=row.get("data_source"),
-        solution_str=tokenizer.decode(response, skip_special_tokens=True),
+        solution_str=tokenizer.decode(response, skip_special_tokens=True) if solution_str is None else solution_str,
         ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
         extra_info={**(row.get("extra_info") or {}), "num_turns": output.num_turns, "rollout_reward_scores": parts},
         **await judge_arguments(function, judge),

@@ -22,6 +22,7 @@ from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.dumps import mask_runs
 from agentloop.postprocess import pad_outputs
 from agentloop.preflight import check_job
+from agentloop.rewards import score_output
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
 from tests.support.config import small_config
@@ -29,7 +30,7 @@ from tests.support.external_agents import SCHEMAS
 from tests.support.models import SCRIPTS, script_row
 from tests.support.ranks import manager_and_two_ranks, scores
 from tests.test_contexts import teacher_forced
-from tests.test_tool_agent import GREEDY, tool_config
+from tests.test_tool_agent import GREEDY, run_loop, tool_config
 from agentloop.settings import rollout_settings
 
 SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
@@ -156,6 +157,21 @@ def test_without_a_returned_reward_the_data_source_scores_the_final_assistant_me
         row=row,
     )
     assert output.reward_score == 1.0 and output.reward_source == "reward_function"
+
+
+def test_an_external_agents_reward_function_gets_the_arguments_a_tool_loops_gets(server, tokenizer, scripted):
+    # one reward call for every loop: the external agent's (on its final message) takes the rule's arguments too
+    reward = f"+custom_reward_function.by_data_source.arith={AGENTS}.recording_reward"
+    fields = {"data_source": "arith", "reward_model": {"ground_truth": 5}, "extra_info": {"index": 3}}
+    external_output = external(
+        server, tokenizer, scripted, reward, function=f"{AGENTS}.scripted_openai", row=script_row("multi", **fields)
+    )
+    tool_output = run_loop(server, tokenizer, scripted, "multi", reward, **fields)
+    asyncio.run(score_output(tool_config(scripted, reward), tokenizer, script_row("multi", **fields), tool_output))
+    assert external_output.reward_source == tool_output.reward_source == "reward_function"
+    assert external_output.reward_extra_info == tool_output.reward_extra_info
+    assert external_output.reward_extra_info["extra_info"] == ["index", "num_turns", "rollout_reward_scores"]
+    assert external_output.reward_extra_info["ground_truth"] == 5
 
 
 def test_the_token_budget_ends_the_session_with_length_and_keeps_the_trajectory(server, tokenizer, scripted, model):

@@ -9,8 +9,8 @@ URL whose calls are recorded as the sample's trajectory, and the program runs ag
   ``OPENAI_API_KEY`` set (and ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``) and the row as JSON on stdin and in
   ``AGENTLOOP_ROW``; what it returns is the last line of its stdout, when that is a number.
 
-Its reward is what it returns; None (or no number) leaves it to the row's data-source reward function, applied to
-the final assistant message. The program is bounded by ``rollout.agent.external.timeout_s`` and killed when it runs
+Its reward is what it returns; None (or no number) leaves it to the rule every sample is scored by
+(``agentloop.rewards.score_output``, with the same arguments), a reward function scoring the final assistant message. The program is bounded by ``rollout.agent.external.timeout_s`` and killed when it runs
 past it or the rollout stops; past the deadline, exiting non-zero, raising, or making no model call fails the sample
 (a command's stderr tail is kept in the failure). Once the session's token budget is spent the gateway refuses the
 next call and the trajectory ends with ``length`` (or ``context_length``), whatever the program does then.
@@ -34,7 +34,7 @@ from hydra.utils import get_method
 from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.gateway import Session, gateway_for
 from agentloop.protocol import AgentLoopOutput, EndReason
-from agentloop.rewards import call_reward_function, reward_function_for
+from agentloop.rewards import score_output
 
 STDERR_TAIL_CHARS = 2000
 
@@ -163,25 +163,10 @@ class ExternalAgentLoop(AgentLoopBase):
         )
         if returned is not None:
             output.reward_score = returned
-        else:
-            await self._score_final_reply(session, row, output)
+        else:  # the reward rule every loop's sample is scored by, on the program's final answer
+            final = session.conversation[-1].get("content") or ""
+            await score_output(self.config, self.tokenizer, row, output, solution_str=final)
         return output
-
-    async def _score_final_reply(self, session: Session, row: dict[str, Any], output: AgentLoopOutput) -> None:
-        """The row's data-source reward function on the final assistant message (none: the reward stays unset)."""
-        function = reward_function_for(self.config, row.get("data_source"))
-        if function is None:
-            return
-        final = session.conversation[-1].get("content") or ""
-        output.reward_score, output.reward_extra_info = await call_reward_function(
-            function,
-            float((self.config.get("custom_reward_function") or {}).get("timeout_s") or 60),
-            data_source=row.get("data_source"),
-            solution_str=final,
-            ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
-            extra_info={**(row.get("extra_info") or {}), "num_turns": output.num_turns},
-        )
-        output.reward_source = "reward_function"
 
 
 async def run_in_own_thread(function: Callable[..., Any], *args: Any) -> Any:
