@@ -8,8 +8,9 @@ Loops are built per sample with ``hydra.utils.instantiate``.
 from __future__ import annotations
 
 import functools
+import inspect
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 from hydra.utils import get_class, instantiate
@@ -73,9 +74,15 @@ def check_agent_names(names: set[str], specs: dict[str, dict[str, Any]]) -> None
         )
 
 
-def build_agent_loop(spec: dict[str, Any], **dependencies: Any) -> Any:
-    """Instantiate one agent loop from its spec, handing it the worker's router, tokenizer and config."""
+def build_agent_loop(
+    spec: dict[str, Any], offered: dict[str, Callable[[], Any]] | None = None, **dependencies: Any
+) -> Any:
+    """Instantiate one agent loop from its spec, handing it the worker's router, tokenizer and config, and each of
+    ``offered`` (name -> what makes it: the worker's gateway) that its constructor names as a parameter."""
     target = spec["_target_"]
+    for name, make in (offered or {}).items():
+        if name in _parameters(target):
+            dependencies[name] = make()
     if not isinstance(target, str):
         # A decorated class travels by value; hydra would re-import it by name, which a worker may not manage.
         return target(**dependencies)
@@ -83,6 +90,12 @@ def build_agent_loop(spec: dict[str, Any], **dependencies: Any) -> Any:
         return _scalar_spec_factory(tuple(sorted(spec.items())))(**dependencies)
     # _partial_ because hydra's own first parameter is named `config`, like the dependency we pass.
     return instantiate(spec, _partial_=True)(**dependencies)
+
+
+@functools.lru_cache(maxsize=64)
+def _parameters(target: type | str) -> frozenset[str]:
+    """The names a loop class's constructor takes (looked up once per class: loops are built per sample)."""
+    return frozenset(inspect.signature(get_class(target) if isinstance(target, str) else target).parameters)
 
 
 @functools.lru_cache(maxsize=64)

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from agentloop.agent_loop.base import DictConfigWrap
 from agentloop.judge import Judge, judge_session
 from agentloop.batch import RolloutBatch, object_array
+from agentloop.gateway import Gateway
 from agentloop.models.loading import load_processor, structure
 from agentloop.postprocess import check_reward_has_a_token, pad_outputs
 from agentloop.protocol import BATCH_FIELDS, AgentLoopOutput, Failure
@@ -60,6 +61,18 @@ class AgentLoopWorker:
         self._groups: dict[int, asyncio.Task] = {}  # streamed groups in flight
         self._finished: list[tuple[int, RolloutBatch | Exception]] = []
         self._group_done = asyncio.Event()
+        self._gateway: Gateway | None = None  # made when a loop first asks for it (external_agent)
+
+    def gateway(self) -> Gateway:
+        """This worker's session gateway, over its router (made on first use; it serves from its first session)."""
+        if self._gateway is None:
+            self._gateway = Gateway(self.router, self.tokenizer, self.config)
+        return self._gateway
+
+    def shutdown(self) -> None:
+        """Stop what this worker serves (the gateway): its pool is shutting it down."""
+        if self._gateway is not None:
+            self._gateway.stop()
 
     async def generate_sequences(
         self, rows: list[dict[str, Any]], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
@@ -166,6 +179,7 @@ class AgentLoopWorker:
                     processor=self.processor,
                     dataset_cls=None,
                     dataset_config=DictConfigWrap(self.config.data),
+                    offered={"gateway": self.gateway},
                 )
                 output = await loop.run(dict(sampling_params), **row)
                 await score_output(self.config, self.tokenizer, row, output)

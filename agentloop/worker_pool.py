@@ -197,6 +197,9 @@ class WorkerPool:
                 self.call_on(worker, "replace_judge", rank, server)
 
     def shutdown(self) -> None:
+        """Shut every worker down (``AgentLoopWorker.shutdown``, waited for up to ``STOP_TIMEOUT_S``), then stop it."""
+        stopping = [self.call_on(worker, "shutdown") for worker in self.handles]
+        wait(stopping, STOP_TIMEOUT_S)
         for worker in self.handles:
             if isinstance(worker, InDriverWorker):
                 worker.stop()

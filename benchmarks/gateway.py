@@ -6,7 +6,7 @@ through gateway sessions.
 One ``hf`` server on one CPU thread, the routers and the gateway in this process (as in an agent-loop worker), the
 tiny default model, every turn exactly ``--tokens`` new tokens (``ignore_eos``). (a) ``router.generate`` of the turn's
 context ids, rendered beforehand; (b) the same conversation posted to ``/chat/completions`` of a session opened by
-``gateway_for`` + ``Gateway.open`` (an ``httpx`` client on a keep-alive connection): the gateway renders the messages,
+``Gateway.start`` + ``Gateway.open`` (an ``httpx`` client on a keep-alive connection): the gateway renders the messages,
 records the call, generates through its own router and answers in OpenAI's shape. Pairs alternate which path goes
 first (the second of a pair finds the prompt in the engine's prefix cache). Single-turn: ``--calls`` pairs of one call
 each. Multi-turn: conversations of ``--turns`` calls, each adding a user message after the reply (the gateway appends
@@ -39,7 +39,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.config import compose_config
 from agentloop.preparation import prepare
-from agentloop.gateway import Gateway, Session, gateway_for
+from agentloop.gateway import Gateway, Session
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
 from agentloop.settings import rollout_settings
@@ -189,7 +189,8 @@ def ms(seconds: list[float]) -> float:
 
 async def paths(servers: list[ray.actor.ActorHandle], tokenizer, config, params: dict[str, Any], clients: int) -> Paths:
     """The two paths over ``servers``, each with its own router: what the gateway's router does is the gateway's."""
-    gateway = await gateway_for(Router(servers), tokenizer, config)
+    gateway = Gateway(Router(servers), tokenizer, config)
+    await gateway.start()
     return Paths(Router(servers), gateway, tokenizer, params, clients)
 
 

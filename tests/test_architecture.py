@@ -36,7 +36,10 @@ LAYERS = [
         "agentloop.judge",
         "agentloop.judge.pool",
     ],
-    ["agentloop.agent_loop", "agentloop.gateway", "agentloop.judge.client", "agentloop.judge.front"],
+    # the session gateway serves the loops' trajectories over HTTP; the loop that uses it (external_agent) is handed
+    # its worker's, and imports nothing of it
+    ["agentloop.gateway"],
+    ["agentloop.agent_loop", "agentloop.judge.client", "agentloop.judge.front"],
     ["agentloop.router"],
     ["agentloop.server", "agentloop.judge.reward_model_server"],
     [

@@ -20,11 +20,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agentloop.agent_loop.external_agent import ExternalAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.dumps import mask_runs
+from agentloop.gateway import Gateway
 from agentloop.postprocess import pad_outputs
 from agentloop.preflight import check_job
 from agentloop.rewards import score_output
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
+from agentloop.worker import AgentLoopWorker
 from tests.support.config import small_config
 from tests.support.external_agents import SCHEMAS
 from tests.support.models import SCRIPTS, script_row
@@ -35,6 +37,7 @@ from agentloop.settings import rollout_settings
 
 SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 AGENTS = "tests.support.external_agents"
+EXTERNAL = "agentloop.agent_loop.external_agent.ExternalAgentLoop"
 AGENTS_YAML = str(Path(__file__).parent / "support" / "external_agents.yaml")
 
 
@@ -63,10 +66,9 @@ def model(scripted):
 
 async def run_external(server, tokenizer, scripted, *overrides, sampling=GREEDY, row=None, after=None, **loop_kwargs):
     """One ExternalAgentLoop in this process over the real server; ``after(gateway_url)`` runs once it is done."""
-    router = Router([server])
-    loop = ExternalAgentLoop(
-        server_manager=router, tokenizer=tokenizer, config=tool_config(scripted, *overrides), **loop_kwargs
-    )
+    router, config = Router([server]), tool_config(scripted, *overrides)
+    gateway = Gateway(router, tokenizer, config)
+    loop = ExternalAgentLoop(server_manager=router, tokenizer=tokenizer, config=config, gateway=gateway, **loop_kwargs)
     row = {**(row or script_row("multi")), "request_id": f"external-{id(loop)}"}
     with Router.running_sample(row["request_id"]):
         try:
@@ -74,6 +76,7 @@ async def run_external(server, tokenizer, scripted, *overrides, sampling=GREEDY,
         finally:
             if after is not None:
                 await after()
+            gateway.stop()
 
 
 def external(server, tokenizer, scripted, *overrides, **kwargs):
@@ -172,6 +175,30 @@ def test_an_external_agents_reward_function_gets_the_arguments_a_tool_loops_gets
     assert external_output.reward_extra_info == tool_output.reward_extra_info
     assert external_output.reward_extra_info["extra_info"] == ["index", "num_turns", "rollout_reward_scores"]
     assert external_output.reward_extra_info["ground_truth"] == 5
+
+
+def test_the_worker_makes_its_gateway_for_the_first_external_agent_and_stops_it_at_shutdown(server, scripted):
+    loops = {"external_agent": {"_target_": EXTERNAL, "function": f"{AGENTS}.scripted_openai"}}
+    row = {**script_row("multi"), "agent_name": "external_agent", "request_id": "owned-0", "index": 0, "uid": "u"}
+
+    async def run() -> None:
+        worker = AgentLoopWorker(tool_config(scripted), [server])
+        assert worker._gateway is None  # no loop has asked for it yet
+        batch, _ = await worker.generate_sequences([row], GREEDY, loops)
+        assert batch.non_tensor_batch["end_reason"][0] == "stop" and worker.gateway() is worker._gateway
+        url = worker.gateway().url
+        async with httpx.AsyncClient(timeout=10) as http:
+            assert (await http.get(f"{url}/sessions/none/v1/models")).status_code == 404  # serving
+            worker.shutdown()
+            for _ in range(100):  # uvicorn notices should_exit within a tick (0.1 s)
+                try:
+                    await http.get(f"{url}/sessions/none/v1/models")
+                except httpx.ConnectError:
+                    return
+                await asyncio.sleep(0.05)
+        raise AssertionError(f"the gateway at {url} still serves after its worker's shutdown")
+
+    asyncio.run(run())
 
 
 def test_the_token_budget_ends_the_session_with_length_and_keeps_the_trajectory(server, tokenizer, scripted, model):

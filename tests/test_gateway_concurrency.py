@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentloop.agent_loop.trajectory import observation_delta
-from agentloop.gateway import Gateway, Session, gateway_for
+from agentloop.gateway import Gateway, Session
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
 from tests.support.config import small_config
@@ -71,8 +71,12 @@ def test_64_concurrent_sessions_on_two_servers_record_exactly_their_own_calls(se
     router = Router(servers)
 
     async def run_all() -> list[tuple[Session, list[Any]]]:
-        gateway = await gateway_for(router, tokenizer, config)
-        return await asyncio.gather(*(agent(gateway, index) for index in range(SESSIONS)))
+        gateway = Gateway(router, tokenizer, config)
+        await gateway.start()
+        try:
+            return await asyncio.gather(*(agent(gateway, index) for index in range(SESSIONS)))
+        finally:
+            gateway.stop()
 
     results = asyncio.run(run_all())
     assert {router.server_of(f"sample-{index}") for index in range(SESSIONS)} == {0, 1}

@@ -20,6 +20,7 @@ from transformers import AutoModelForImageTextToText
 
 from agentloop.agent_loop.external_agent import ExternalAgentLoop
 from agentloop.models.loading import load_processor, vision_token_ids
+from agentloop.gateway import Gateway
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
 from agentloop.settings import rollout_settings
@@ -133,16 +134,21 @@ def teacher_forced(model, segment) -> torch.Tensor:
 def test_images_in_each_api_are_recorded_with_the_segments_images(server, config, processor, model, program):
     async def run():
         router = Router([server])
+        gateway = Gateway(router, processor.tokenizer, config)
         loop = ExternalAgentLoop(
             server_manager=router,
             tokenizer=processor.tokenizer,
             processor=processor,
             config=config,
             function=f"{__name__}.{program}",
+            gateway=gateway,
         )
         row = {"prompt": [{"role": "user", "content": "unused"}], "request_id": f"vision-{program}"}
-        with Router.running_sample(row["request_id"]):
-            return await loop.run(dict(SAMPLED), **row)
+        try:
+            with Router.running_sample(row["request_id"]):
+                return await loop.run(dict(SAMPLED), **row)
+        finally:
+            gateway.stop()
 
     output = asyncio.run(run())
     assert output.reward_score == 1.0 and output.metrics["gateway_calls"] == 3, (

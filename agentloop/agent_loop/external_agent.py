@@ -1,6 +1,7 @@
 """``external_agent``: train an agent program that was not written for agentloop (OpenAI SDK, Agents SDK,
-LangGraph...). Each sample gets a session at its worker's gateway (``agentloop.gateway``), an OpenAI-compatible base
-URL whose calls are recorded as the sample's trajectory, and the program runs against it:
+LangGraph...). Each sample gets a session at its worker's gateway (``agentloop.gateway``, which the worker hands the
+loop as ``gateway``), an OpenAI-compatible base URL whose calls are recorded as the sample's trajectory, and the
+program runs against it:
 
 - a function (``rollout.agent.external.function``, a dotted path): ``async def agent(base_url, api_key, row) ->
   float | None`` (or a plain ``def``), run in a thread of its own (``run_in_own_thread``); ``base_url`` is the
@@ -27,12 +28,11 @@ import os
 import shlex
 import signal
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from hydra.utils import get_method
 
 from agentloop.agent_loop.base import AgentLoopBase
-from agentloop.gateway import Session, gateway_for
 from agentloop.protocol import AgentLoopOutput, EndReason
 from agentloop.rewards import score_output
 
@@ -58,8 +58,23 @@ def agent_program(function: str | None, command: str | None) -> Callable[..., An
         ) from error
 
 
+class SessionGateway(Protocol):
+    """What the loop needs of its worker's gateway (``agentloop.gateway.Gateway``, a layer above the loops)."""
+
+    async def start(self) -> None: ...
+
+    def open(
+        self, sampling_params: dict[str, Any], timeout_s: float, max_tokens_per_call: int | None, processor: Any = None
+    ) -> Any: ...
+
+    def base_url(self, session: Any) -> str: ...
+
+    async def close(self, session: Any, end: str = "stop") -> None: ...
+
+
 class ExternalAgentLoop(AgentLoopBase):
-    """Runs a user's agent program against a gateway session; the session's calls are the trajectory."""
+    """Runs a user's agent program against a session of ``gateway`` (its worker's); the session's calls are the
+    trajectory."""
 
     def __init__(
         self,
@@ -67,9 +82,11 @@ class ExternalAgentLoop(AgentLoopBase):
         command: str | None = None,
         timeout_s: float | None = None,
         max_tokens_per_call: int | None = None,
+        gateway: SessionGateway | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.gateway = gateway
         settings = self.rollout.agent.external
         self.function, self.command = function or settings.function, command or settings.command
         self.agent = agent_program(self.function, self.command)
@@ -77,7 +94,10 @@ class ExternalAgentLoop(AgentLoopBase):
         self.max_tokens_per_call = max_tokens_per_call or settings.get("max_tokens_per_call")
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
-        gateway = await gateway_for(self.server_manager, self.tokenizer, self.config)
+        gateway = self.gateway
+        if gateway is None:
+            raise ValueError(f"{type(self).__name__} needs gateway= (an agent-loop worker hands it its own)")
+        await gateway.start()
         session = gateway.open(sampling_params, self.timeout_s, self.max_tokens_per_call, self.processor)
         base_url = gateway.base_url(session)
         try:
@@ -91,7 +111,7 @@ class ExternalAgentLoop(AgentLoopBase):
             await gateway.close(session)
         return await self._output(session, row, returned)
 
-    async def _run_agent(self, base_url: str, session: Session, row: dict[str, Any]) -> float | None:
+    async def _run_agent(self, base_url: str, session: Any, row: dict[str, Any]) -> float | None:
         """Run the program to its end within ``timeout_s``; what it returned (None: nothing usable)."""
         try:
             if self.function:
@@ -143,7 +163,7 @@ class ExternalAgentLoop(AgentLoopBase):
         lines = stdout.decode(errors="replace").strip().splitlines()
         return _as_reward(lines[-1]) if lines else None
 
-    async def _output(self, session: Session, row: dict[str, Any], returned: float | None) -> AgentLoopOutput:
+    async def _output(self, session: Any, row: dict[str, Any], returned: float | None) -> AgentLoopOutput:
         trajectory = session.trajectory
         if trajectory is None or not trajectory.turns:
             raise RuntimeError("the external agent made no model call through its session's base URL (OPENAI_BASE_URL)")

@@ -43,8 +43,7 @@ import threading
 from typing import Any, Iterator
 
 from agentloop.agent_loop.base import AgentLoopBase
-from agentloop.agent_loop.external_agent import ExternalAgentLoop, run_in_own_thread
-from agentloop.gateway import Session
+from agentloop.agent_loop.external_agent import ExternalAgentLoop, SessionGateway, run_in_own_thread
 from agentloop.models.cache import cache_root
 from agentloop.protocol import AgentLoopOutput
 from agentloop.rows import write_rows_once
@@ -177,9 +176,11 @@ class VerifiersAgentLoop(ExternalAgentLoop):
         env_args: dict[str, Any] | None = None,
         timeout_s: float | None = None,
         max_tokens_per_call: int | None = None,
+        gateway: SessionGateway | None = None,
         **kwargs: Any,
     ) -> None:
         AgentLoopBase.__init__(self, **kwargs)  # (ExternalAgentLoop's own asks for a program; the env is the program)
+        self.gateway = gateway  # the worker's, where ExternalAgentLoop.run opens the sample's session
         settings = self.rollout.agent.external
         self.env_id, self.env_args = env_id, dict(env_args or {})
         self.timeout_s = float(timeout_s or settings.timeout_s)
@@ -196,7 +197,7 @@ class VerifiersAgentLoop(ExternalAgentLoop):
             )
         return load_verifiers_env(env_id, self.env_args if self.env_id else spec.get("env_args"))
 
-    async def _run_agent(self, base_url: str, session: Session, row: dict[str, Any]) -> float | None:
+    async def _run_agent(self, base_url: str, session: Any, row: dict[str, Any]) -> float | None:
         """Run the environment's rollout within ``timeout_s``; its rubric's reward (None: no rubric score)."""
         env = await asyncio.to_thread(self._environment, row)
         try:
@@ -216,7 +217,7 @@ class VerifiersAgentLoop(ExternalAgentLoop):
         reward = self.state.get("reward")
         return None if reward is None else float(reward)
 
-    async def _output(self, session: Session, row: dict[str, Any], returned: float | None) -> AgentLoopOutput:
+    async def _output(self, session: Any, row: dict[str, Any], returned: float | None) -> AgentLoopOutput:
         output = await super()._output(session, row, returned)
         if returned is not None:
             output.reward_extra_info = {

@@ -23,9 +23,9 @@ import json
 import secrets
 import time
 import uuid
-import weakref
 from typing import Any, AsyncIterator
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -67,7 +67,9 @@ class GatewayError(Exception):
 
 
 class Gateway:
-    """Sessions of one router, served on one port; ``open`` a session per sample, ``close`` it when its agent is done."""
+    """Sessions of one router, served on one port; ``open`` a session per sample, ``close`` it when its agent is done.
+    An agent-loop worker owns one (``AgentLoopWorker.gateway``), made when a loop first asks for it and stopped with
+    the worker."""
 
     def __init__(self, router: Router, tokenizer: PreTrainedTokenizerBase, config: DictConfig) -> None:
         self.router = router
@@ -89,6 +91,7 @@ class Gateway:
         self.sessions: dict[str, Session] = {}
         self.url = ""
         self._started: asyncio.Task | None = None
+        self._server: uvicorn.Server | None = None
 
     async def start(self) -> None:
         """Serve on ``rollout.agent.gateway.host``/``port`` (once; later calls wait for the first)."""
@@ -100,6 +103,12 @@ class Gateway:
         host = str(self.settings.host)
         self._server, port = await serve(self.app(), host, int(self.settings.port))
         self.url = f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        """Stop serving (its worker is shutting down; the loops whose sessions are open are cancelled with it)."""
+        self.sessions.clear()
+        if self._server is not None:
+            self._server.should_exit = True
 
     def open(
         self, sampling_params: dict[str, Any], timeout_s: float, max_tokens_per_call: int | None, processor: Any = None
@@ -363,16 +372,3 @@ def _error(request: Request, status: int, message: str, code: str) -> JSONRespon
 
 def _short(sid: str) -> str:
     return f"{sid[:6]}..." if len(sid) > 6 else sid
-
-
-# one gateway per router (per worker process), started by the first external agent's session
-_GATEWAYS: weakref.WeakKeyDictionary[Router, Gateway] = weakref.WeakKeyDictionary()
-
-
-async def gateway_for(router: Router, tokenizer: PreTrainedTokenizerBase, config: DictConfig) -> Gateway:
-    """The gateway serving sessions over ``router``, started on first use on the running event loop."""
-    gateway = _GATEWAYS.get(router)
-    if gateway is None:
-        gateway = _GATEWAYS[router] = Gateway(router, tokenizer, config)
-    await gateway.start()
-    return gateway
