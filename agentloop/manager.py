@@ -81,6 +81,12 @@ class AgentLoopManager:
 
     # ------------------------------------------------------------------ rollout
 
+    def servers_idle_share_from_now(self) -> Callable[[], float]:
+        """A clock of the servers' idleness from now: it returns their mean share of the time since it was made with
+        nothing to generate (``ServerPool.idle_share_since``)."""
+        start, busy = time.perf_counter(), self.pool.busy_s()
+        return lambda: self.pool.idle_share_since(busy, start)
+
     def generate_sequences(self, rows: list[dict[str, Any]], validate: bool = False) -> RolloutBatch:
         """Roll out every row (``rollout.n`` times each, ``val_kwargs.n`` when validating) into one padded batch.
 

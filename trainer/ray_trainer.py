@@ -1,8 +1,9 @@
 """The trainer of ``python -m trainer.main_ppo``: ``RayPPOTrainer`` owns the rollout manager and the FSDP ranks.
 
-One step (``RayPPOTrainer.step``, then ``learn``): rows → ``AgentLoopManager.generate_sequences`` (rollouts,
-rewards in ``rm_scores``; with ``algorithm.filter_groups``, more generation batches until enough groups with a
-signal) → servers sleep (``rollout.free_cache_engine``) → plan where the old log-probs come
+One step (``RayPPOTrainer.step``, then ``learn``): the run's rollout source (``trainer.rollout_source``, chosen once
+as it fits: synchronous, or a stream of groups generated ahead for an async run) gives the batch: rows →
+``AgentLoopManager.generate_sequences`` (rollouts, rewards in ``rm_scores``; with ``algorithm.filter_groups``, more
+generation batches until enough groups with a signal) → servers sleep (``rollout.free_cache_engine``) → plan where the old log-probs come
 from (``StepPlan``) → score: old log-probs (unless the one update step scores them itself), reference
 log-probs, overlong penalty and KL in the reward if asked, rollout correction (``algorithm.rollout_correction``) →
 advantages (GRPO, or GAE on the critic's values) → overlong filtering if asked → updates: critic, then policy → full
@@ -12,7 +13,6 @@ Checkpoints every ``trainer.save_freq`` steps; ``trainer.resume_mode=auto`` cont
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 import warnings
@@ -35,19 +35,19 @@ from agentloop.cluster import start_ray
 from agentloop.metrics import spread
 from agentloop.preflight import check_job
 from agentloop.preparation import check_paths
-from agentloop.streaming import GroupStream
 from agentloop.tools.toolset import load_tool_set
 from agentloop.waiting import wait_for
 from trainer import algorithms, checkpoint
 from trainer.config_checks import check_config, warn_ignored_keys, world_size
 from trainer.data import BatchSampler, load_dataset
-from trainer.dynamic_sampling import GroupFilter, group_uids, trainable_groups
+from trainer.dynamic_sampling import GroupFilter
 from trainer.fsdp_workers import join_workers, launch_workers, needs_reference, push_weights, rank_gpus
 from trainer.micro_batches import split_trajectories, trajectory_sizes
 from trainer.async_training import async_settings, staleness_metrics
 from trainer.overlong import OverlongBuffer, mask_length_ended
 from trainer.rollout_correction import RolloutCorrection, correct_batch, old_log_probs_in_update
 from trainer.rollout_dump import RolloutDumps
+from trainer.rollout_source import RolloutSource, StreamedRollouts, SynchronousRollouts
 from trainer.tracking import Tracking, plot, summarize
 from trainer.trainable import EXTREMES
 
@@ -94,8 +94,7 @@ class RayPPOTrainer:
         self.max_staleness, self.partial_rollout, self.correction = async_settings(
             config, RolloutCorrection.from_config(config)
         )
-        self.stream: GroupStream | None = None  # the rollouts running ahead of training, while an async run fits
-        self.handed_out = 0  # batches the sampler handed out to synchronous steps since the fit (or resume) began
+        self.rollouts: RolloutSource | None = None  # this run's (chosen as it fits)
         self.dumps = (
             RolloutDumps(config.trainer.rollout_data_dir, self.tokenizer) if config.trainer.rollout_data_dir else None
         )
@@ -175,55 +174,21 @@ class RayPPOTrainer:
         push_weights(self.workers, self.manager, float(self.config.trainer.step_timeout_s), version)
         return time.perf_counter() - start
 
-    def step(self, step: int, batches: Iterator[list[int]]) -> dict[str, float]:
-        """One rollout of the next of ``batches`` (with dynamic sampling, of as many as it takes), update and weight
-        push; returns the step's metrics."""
-        start, busy = time.perf_counter(), self.manager.pool.busy_s()
-        if self.group_filter is None:
-            rollout, sampling = self.manager.generate_sequences(self._draw(batches)), {}
-        else:
-            rollout, sampling = self._sample_dynamically(step, batches)
-        gen = time.perf_counter() - start
-        if self.config.actor_rollout_ref.rollout.free_cache_engine:
-            self.manager.sleep()
-        metrics = self.learn(step, rollout, start, gen) if rollout is not None else self._skip(step, start, gen)
-        return {**metrics, **sampling, "perf/idle_share/servers": self.manager.pool.idle_share_since(busy, start)}
+    def step(self, step: int) -> dict[str, float]:
+        """The run's next rollout (``self.rollouts``), update and weight push; returns the step's metrics."""
+        start, servers_idle_share = time.perf_counter(), self.manager.servers_idle_share_from_now()
+        rollout, waited_s, sampling = self.rollouts.next(step)
+        metrics = (
+            self.learn(step, rollout, start, waited_s) if rollout is not None else self._skip(step, start, waited_s)
+        )
+        return {**metrics, **sampling, "perf/idle_share/servers": servers_idle_share()}
 
-    def _draw(self, batches: Iterator[list[int]]) -> list[dict[str, Any]]:
-        """The rows of the sampler's next batch (counted: the checkpoint's data state continues after it)."""
-        self.handed_out += 1
-        return [self.rows[index] for index in next(batches)]
-
-    def _sample_dynamically(
-        self, step: int, batches: Iterator[list[int]]
-    ) -> tuple[RolloutBatch | None, dict[str, float]]:
-        """Dynamic sampling, synchronously: generation batches, each without its groups whose metric does not vary,
-        until they hold ``data.train_batch_size`` groups (the first that many are kept, as verl does) or
-        ``max_num_gen_batches`` were made (then the groups there are: as many as split over the ranks); None when no
-        group is left to train."""
-        wanted, limit = int(self.config.data.train_batch_size), self.group_filter.max_num_gen_batches
-        kept: list[RolloutBatch] = []
-        groups = made = dropped = 0
-        while groups < wanted:
-            if 0 < limit <= made:
-                warnings.warn(
-                    f"step {step}: after {made} generation batches (algorithm.filter_groups.max_num_gen_batches={limit}), "
-                    f"{groups} of the {wanted} groups a batch holds have a {self.group_filter.metric} that varies: training on those",
-                    stacklevel=2,
-                )
-                break
-            informative, groups_dropped = self.group_filter.keep(self.manager.generate_sequences(self._draw(batches)))
-            made, dropped = made + 1, dropped + groups_dropped
-            if informative is not None:
-                kept.append(informative)
-                groups += len(group_uids(informative))
-        rollout, surplus = trainable_groups(RolloutBatch.concat(kept), wanted, self.world_size) if kept else (None, 0)
-        return rollout, {
-            "dynamic_sampling/generation_batches": made,
-            "dynamic_sampling/dropped_groups": dropped,
-            "dynamic_sampling/surplus_groups": surplus,  # groups with a signal beyond the batch (or the ranks' split)
-            "dynamic_sampling/kept_groups": len(group_uids(rollout)) if rollout is not None else 0,
-        }
+    def _rollout_source(self, batches: Iterator[list[int]], version: int) -> RolloutSource:
+        """Synchronous steps, or, with ``async_training.max_staleness``, a stream of groups generated ahead."""
+        common = (self.config, self.manager, self.rows, self.sampler, batches, self.group_filter, self.world_size)
+        if not self.max_staleness:
+            return SynchronousRollouts(*common)
+        return StreamedRollouts(*common, self.max_staleness, self.partial_rollout, version)
 
     def _skip(self, step: int, start: float, waited_s: float) -> dict[str, float]:
         """A step that dynamic sampling left nothing to train: the policy stays as it is, and is pushed as version
@@ -233,7 +198,7 @@ class RayPPOTrainer:
             "this step",
             stacklevel=2,
         )
-        push_s, waited_s = self._push(step, waited_s)
+        push_s, waited_s = self.rollouts.push(step, self._push_weights, waited_s)
         return {"timing_s/gen": waited_s, "timing_s/weight_push": push_s, "timing_s/step": time.perf_counter() - start}
 
     def learn(self, step: int, rollout: RolloutBatch, start: float, waited_s: float) -> dict[str, float]:
@@ -248,13 +213,14 @@ class RayPPOTrainer:
         metrics = self.overlong.shape(rollout) if self.overlong is not None else {}
         plan = self._plan(step, rollout)
         batch = rollout.batch.clone()
-        rewards = self._score(plan, batch, metrics)
-        self._advantages(rollout, batch, rewards, metrics)
+        rewards, scoring = self._score(plan, batch)
+        metrics.update(scoring)
+        metrics.update(self._advantages(rollout, batch, rewards))
         if self.config.algorithm.overlong_filtering:  # after the advantages: the group statistics still count them
             metrics.update(mask_length_ended(rollout, batch))
-        self._update(plan, batch, metrics)
+        metrics.update(self._update(plan, batch))
         timing = {"gen": waited_s, "train": time.perf_counter() - start - waited_s}  # train: scoring passes and updates
-        timing["weight_push"], waited_s = self._push(step, waited_s)
+        timing["weight_push"], waited_s = self.rollouts.push(step, self._push_weights, waited_s)
         if self.dumps is not None:
             arrays = {
                 key: batch[key]
@@ -291,32 +257,33 @@ class RayPPOTrainer:
         )  # else no rollout_corr/*
         return StepPlan(old_log_probs, logged, trains_actor)
 
-    def _score(self, plan: StepPlan, batch: TensorDict, metrics: dict[str, float]) -> torch.Tensor:
+    def _score(self, plan: StepPlan, batch: TensorDict) -> tuple[torch.Tensor, dict[str, float]]:
         """The old log-probs (unless the update scores them), the reference's, the KL penalty in the reward and
-        the decoupled rollout correction; returns the token rewards."""
+        the decoupled rollout correction; returns the token rewards and the metrics of the penalty and correction."""
         if plan.old_log_probs == "rollout":  # bypass mode: two policies, the rollout's log-probs are the old ones
             batch["old_log_probs"] = batch["rollout_log_probs"]
         elif plan.old_log_probs == "scored":
             batch["old_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch))
         if needs_reference(self.config):
             batch["ref_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch, reference=True))
-        rewards = batch["rm_scores"]
+        rewards, metrics = batch["rm_scores"], {}
         if self.config.algorithm.use_kl_in_reward:
-            rewards = rewards - self._kl_in_reward(batch, metrics)
+            penalty, metrics = self._kl_in_reward(batch)
+            rewards = rewards - penalty
         # (bypass mode corrects on the ranks, against the current policy; an update that scores the old log-probs
         # corrects with them, row by row)
         if plan.old_log_probs == "scored" and plan.corrects:
             metrics.update(correct_batch(batch, self.correction))  # importance weights; rejection narrows the mask
-        return rewards
+        return rewards, metrics
 
-    def _kl_in_reward(self, batch: TensorDict, metrics: dict[str, float]) -> torch.Tensor:
-        """``algorithm.kl_penalty`` of the old log-probs to the reference's, times the current coefficient, which
-        then moves if ``kl_ctrl.type=adaptive``."""
+    def _kl_in_reward(self, batch: TensorDict) -> tuple[torch.Tensor, dict[str, float]]:
+        """``algorithm.kl_penalty`` of the old log-probs to the reference's, times the current coefficient (which
+        then moves if ``kl_ctrl.type=adaptive``), and its metrics."""
         algorithm, mask = self.config.algorithm, batch["response_mask"].float()
         kl = algorithms.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], algorithm.kl_penalty) * mask
         penalty = self.kl_coef * kl
         observed_kl = float(algorithms.masked_mean(kl, mask, dim=-1).mean())  # per sequence, then over the batch
-        metrics.update({"actor/reward_kl_penalty": observed_kl, "actor/reward_kl_penalty_coeff": self.kl_coef})
+        metrics = {"actor/reward_kl_penalty": observed_kl, "actor/reward_kl_penalty_coeff": self.kl_coef}
         control = algorithm.kl_ctrl
         if control.type == "adaptive":
             self.kl_coef = algorithms.adaptive_kl_coef(
@@ -326,14 +293,13 @@ class RayPPOTrainer:
                 float(control.horizon),
                 len(trajectory_sizes(batch)),
             )
-        return penalty
+        return penalty, metrics
 
-    def _advantages(
-        self, rollout: RolloutBatch, batch: TensorDict, rewards: torch.Tensor, metrics: dict[str, float]
-    ) -> None:
+    def _advantages(self, rollout: RolloutBatch, batch: TensorDict, rewards: torch.Tensor) -> dict[str, float]:
         """``algorithm.adv_estimator``: GRPO's group-normalised outcome advantages (one per trajectory, on all its rows);
-        or, on the token rewards with each turn's own reward on its last model token (``turn_token_rewards``), GAE on
-        the critic's values (along each trajectory's segments), turn-level GRPO or GiGPO (one advantage per turn)."""
+                or, on the token rewards with each turn's own reward on its last model token (``turn_token_rewards``), GAE on
+                the critic's values (along each trajectory's segments), turn-level GRPO or GiGPO (one advantage per turn). Returns
+        the critic's metrics (GAE)."""
         algorithm, mask, segment_index = self.config.algorithm, batch["response_mask"].float(), batch["segment_index"]
         estimator, gamma, by_std = (
             algorithm.adv_estimator,
@@ -344,16 +310,18 @@ class RayPPOTrainer:
             batch["advantages"], _ = algorithms.grpo_outcome_advantage(
                 rewards, mask, grpo_groups(rollout), by_std, segment_index=segment_index
             )
-            return
+            return {}
         rewards = algorithms.turn_token_rewards(rewards, batch["turn_rewards"], mask, segment_index)
         if estimator == "gae":
             batch["values"] = torch.cat(self._on_ranks("compute_values", batch))
             batch["advantages"], batch["returns"] = algorithms.gae_advantage_return(
                 rewards, batch["values"], mask, gamma, float(algorithm.lam), segment_index
             )
-            metrics["critic/values/mean"] = float(algorithms.masked_mean(batch["values"], mask))
-            metrics["critic/returns/mean"] = float(algorithms.masked_mean(batch["returns"], mask))
-        elif estimator == "turn_grpo":
+            return {
+                "critic/values/mean": float(algorithms.masked_mean(batch["values"], mask)),
+                "critic/returns/mean": float(algorithms.masked_mean(batch["returns"], mask)),
+            }
+        if estimator == "turn_grpo":
             batch["advantages"], _ = algorithms.turn_grpo_advantage(
                 rewards,
                 batch["turn_index"],
@@ -379,9 +347,11 @@ class RayPPOTrainer:
                 episode_normalize=str(gigpo.episode_normalize),
                 first_turn_step_advantage=bool(gigpo.first_turn_step_advantage),
             )
+        return {}
 
-    def _update(self, plan: StepPlan, batch: TensorDict, metrics: dict[str, float]) -> None:
-        """The critic's update (GAE), then the policy's (from step ``critic_warmup`` on)."""
+    def _update(self, plan: StepPlan, batch: TensorDict) -> dict[str, float]:
+        """The critic's update (GAE), then the policy's (from step ``critic_warmup`` on); their metrics."""
+        metrics: dict[str, float] = {}
         if self.config.algorithm.adv_estimator == "gae":
             metrics.update(_mean_over_ranks(self._on_ranks("update_critic", batch)))
         if plan.old_log_probs == "update":
@@ -393,27 +363,7 @@ class RayPPOTrainer:
             metrics.update(_mean_over_ranks([update for update, _ in updates]))
         elif plan.trains_actor:
             metrics.update(_mean_over_ranks(self._on_ranks("update_policy", batch, correction=self.correction)))
-
-    def _push(self, step: int, waited_s: float) -> tuple[float, float]:
-        """Push the new weights (version ``step``) to the servers and wake them; returns the push's seconds and
-        ``waited_s`` plus the ranks' wait for the servers to drain (an async run without partial rollouts)."""
-        config = self.config
-        if self.stream is None:
-            push_s = self._push_weights(step)
-        else:  # interrupting the requests in flight (partial rollouts), or once none is in flight
-            push_start = time.perf_counter()
-            with (
-                contextlib.nullcontext()
-                if self.partial_rollout
-                else self.stream.drained(float(config.actor_rollout_ref.rollout.generate_timeout_s))
-            ):
-                waited_s += time.perf_counter() - push_start
-                self._push_weights(step)
-            self.stream.set_version(step)
-            push_s = time.perf_counter() - push_start
-        if config.actor_rollout_ref.rollout.free_cache_engine and self.stream is None:
-            self.manager.wake_up()
-        return push_s, waited_s
+        return metrics
 
     def validate(self) -> dict[str, float]:
         """Score ``data.val_files`` with ``rollout.val_kwargs``: mean score (per trajectory) overall and per data source."""
@@ -446,11 +396,7 @@ class RayPPOTrainer:
         """Where the data continues: past the batches handed out (a synchronous step may take several: dynamic
         sampling), with the rows of those that were not trained yet (an async run's stream generates ahead) to replay
         first."""
-        if self.stream is None:
-            return self.sampler.state(self.handed_out)
-        handed_out, rows = self.stream.untrained_rows()
-        position = {id(row): index for index, row in enumerate(self.rows)}
-        return self.sampler.state(handed_out, [position[id(row)] for row in rows])
+        return self.rollouts.data_state()
 
     def resume(self) -> int:
         """Restore the checkpoint ``trainer.resume_mode`` points at; return its step (0: start fresh)."""
@@ -481,32 +427,13 @@ class RayPPOTrainer:
             if self.val_rows and trainer.val_before_train and done == 0:
                 tracking.log({**startup, **self._validate_showing(progress)}, step=0)
                 startup = {}
-            self.handed_out = 0
             # dynamic sampling draws rows beyond one batch per step: on into later epochs as far as it takes
             batches = self.sampler.batches(None if self.group_filter is not None else self.total_steps - done)
-            if self.max_staleness:
-                steps = ([self.rows[i] for i in indices] for indices in batches)
-                groups = int(self.config.data.train_batch_size)  # one GRPO group per row
-                buffer = int(self.config.async_training.buffer_groups or (1 + self.max_staleness) * groups)
-                keep, max_dropped = None, 0
-                if (
-                    self.group_filter is not None
-                ):  # groups dropped as they finish, up to max_num_gen_batches batches' worth a step
-                    keep, max_dropped = self.group_filter.keeps, max(0, self.group_filter.max_num_gen_batches) * groups
-                self.stream = self.manager.stream(
-                    steps,
-                    groups,
-                    self.max_staleness,
-                    buffer,
-                    version=done,
-                    keep=keep,
-                    max_dropped=max_dropped,
-                    order=str(self.config.async_training.group_order),
-                )
+            self.rollouts = self._rollout_source(batches, done)
             for step in range(done + 1, self.total_steps + 1):
                 metrics = {
                     **startup,
-                    **(self.step(step, batches) if self.stream is None else self._learn_streamed(step)),
+                    **self.step(step),
                 }
                 startup = {}
                 last = step == self.total_steps
@@ -519,8 +446,8 @@ class RayPPOTrainer:
                     self.save_checkpoint(step)
                 progress.update(1)
         finally:
-            if self.stream is not None:
-                self.stream.stop()
+            if self.rollouts is not None:
+                self.rollouts.stop()
             progress.close()
             tracking.close()
             if self.dumps is not None:
@@ -528,27 +455,6 @@ class RayPPOTrainer:
         if tracking.history:
             summarize(tracking.history, plot(tracking.history, self.output_dir / "training_curves.png"))
         return tracking.history
-
-    def _learn_streamed(self, step: int) -> dict[str, float]:
-        """An async step: train on the first groups the stream finished (none older than the staleness bound; with
-        dynamic sampling, none whose metric does not vary)."""
-        start, busy = time.perf_counter(), self.manager.pool.busy_s()
-        rollout = self.stream.take(
-            step - 1 - self.max_staleness, float(self.config.actor_rollout_ref.rollout.generate_timeout_s)
-        )
-        waited_s, sampling = time.perf_counter() - start, {}
-        if (
-            self.group_filter is not None
-        ):  # a batch short of groups (the drop limit) trains as many as split over the ranks
-            rollout, surplus = trainable_groups(rollout, int(self.config.data.train_batch_size), self.world_size)
-            sampling = {
-                "dynamic_sampling/surplus_groups": surplus,
-                "dynamic_sampling/kept_groups": len(group_uids(rollout)) if rollout is not None else 0,
-            }
-        metrics = (
-            self.learn(step, rollout, start, waited_s) if rollout is not None else self._skip(step, start, waited_s)
-        )
-        return {**metrics, **sampling, "perf/idle_share/servers": self.manager.pool.idle_share_since(busy, start)}
 
     def _validate_showing(self, progress: tqdm) -> dict[str, float]:
         progress.set_description(f"validating on {len(self.val_rows)} rows")
