@@ -43,7 +43,6 @@ from typing import Any, Callable
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from agentloop.judge.session import active_judge
 from agentloop.protocol import AgentLoopOutput
 from agentloop.reward_score import default_compute_score, has_scorer
 
@@ -141,16 +140,21 @@ def reward_model_text(tokenizer: Any, response: list[int]) -> str:
 
 
 async def score_output(
-    config: DictConfig, tokenizer: Any, row: dict[str, Any], output: AgentLoopOutput, solution_str: str | None = None
+    config: DictConfig,
+    tokenizer: Any,
+    row: dict[str, Any],
+    output: AgentLoopOutput,
+    judge: Any = None,
+    solution_str: str | None = None,
 ) -> None:
     """Set ``output.reward_score`` and ``reward_source`` (and, from a reward function, ``reward_extra_info``) for a
-    finished sample, by the rule in this module's docstring. ``solution_str``: the text a reward function scores
-    instead of the decoded response (``external_agent``: the program's final assistant message)."""
+    finished sample, by the rule in this module's docstring. ``judge``: the worker's ``agentloop.judge.Judge``
+    (``reward_model.enable``; None: no judge). ``solution_str``: the text a reward function scores instead of the
+    decoded response (``external_agent``: the program's final assistant message)."""
     parts = output.reward_parts.by_source()
     if output.reward_score is not None:  # (a loop that scored with a reward function itself says so)
         output.reward_source = output.reward_source or "agent_loop"
         return
-    judge = active_judge()
     reward_model = judge is not None and judge.kind == "discriminative"
     function = reward_function_for(config, row.get("data_source"), builtin=not reward_model)
     # every turn and observation once, each segment's response cut to the batch's response length as the batch holds it

@@ -179,10 +179,10 @@ class AgentLoopWorker:
                     processor=self.processor,
                     dataset_cls=None,
                     dataset_config=DictConfigWrap(self.config.data),
-                    offered={"gateway": self.gateway},
+                    offered={"gateway": self.gateway, "judge": lambda: self.judge},
                 )
                 output = await loop.run(dict(sampling_params), **row)
-                await score_output(self.config, self.tokenizer, row, output)
+                await score_output(self.config, self.tokenizer, row, output, self.judge)
                 check_reward_has_a_token(output)  # a reward the batch would drop fails its sample instead
                 return output
         except (

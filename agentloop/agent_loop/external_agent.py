@@ -11,9 +11,10 @@ program runs against it:
   ``AGENTLOOP_ROW``; what it returns is the last line of its stdout, when that is a number.
 
 Its reward is what it returns; None (or no number) leaves it to the rule every sample is scored by
-(``agentloop.rewards.score_output``, with the same arguments), a reward function scoring the final assistant message. The program is bounded by ``rollout.agent.external.timeout_s`` and killed when it runs
-past it or the rollout stops; past the deadline, exiting non-zero, raising, or making no model call fails the sample
-(a command's stderr tail is kept in the failure). Once the session's token budget is spent the gateway refuses the
+(``agentloop.rewards.score_output``, with the same arguments), a reward function scoring the final assistant
+message. The program is bounded by ``rollout.agent.external.timeout_s`` and killed when it runs past it or the
+rollout stops; past the deadline, exiting non-zero, raising, or making no model call fails the sample (a command's
+stderr tail is kept in the failure). Once the session's token budget is spent the gateway refuses the
 next call and the trajectory ends with ``length`` (or ``context_length``), whatever the program does then.
 A registry entry may set ``function``, ``command``, ``timeout_s`` or ``max_tokens_per_call`` for its loop alone.
 """
@@ -83,9 +84,11 @@ class ExternalAgentLoop(AgentLoopBase):
         timeout_s: float | None = None,
         max_tokens_per_call: int | None = None,
         gateway: SessionGateway | None = None,
+        judge: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.judge = judge  # the worker's (reward_model.enable), for the reward function, as every sample's gets it
         self.gateway = gateway
         settings = self.rollout.agent.external
         self.function, self.command = function or settings.function, command or settings.command
@@ -185,7 +188,7 @@ class ExternalAgentLoop(AgentLoopBase):
             output.reward_score = returned
         else:  # the reward rule every loop's sample is scored by, on the program's final answer
             final = session.conversation[-1].get("content") or ""
-            await score_output(self.config, self.tokenizer, row, output, solution_str=final)
+            await score_output(self.config, self.tokenizer, row, output, self.judge, solution_str=final)
         return output
 
 

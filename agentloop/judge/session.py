@@ -1,5 +1,4 @@
-"""The running sample's judge and the record of its calls: what environments, interactions and reward functions
-reach the judge by, below the router (``agentloop.judge.client`` holds the ``Judge`` itself).
+"""The running sample's judge and the record of its calls: what environments and interactions reach the judge by, below the router (``agentloop.judge.client`` holds the ``Judge`` itself).
 
 The worker serves a judge for each sample's asyncio task (``serving``; ``agentloop.judge.client.judge_session``);
 ``current_judge()`` is that judge, and every call it makes for the sample is recorded there as a ``JudgeCall``.
@@ -46,14 +45,10 @@ _current: ContextVar[Any] = ContextVar("agentloop_judge", default=None)
 _calls: ContextVar[list[JudgeCall] | None] = ContextVar("agentloop_judge_calls", default=None)
 
 
-def active_judge() -> Any:
-    """The ``agentloop.judge.Judge`` of the running sample, or None when no judge is served."""
-    return _current.get()
-
-
 def current_judge() -> Any:
-    """The ``agentloop.judge.Judge`` of the running sample (reward functions, environments and interactions call it)."""
-    judge = active_judge()
+    """The ``agentloop.judge.Judge`` of the running sample, for its environments and interactions (the worker hands
+    it to the reward step itself: ``agentloop.rewards.score_output``)."""
+    judge = _current.get()
     if judge is None:
         raise RuntimeError("no judge is served: set reward_model.enable=true (and reward_model.model.path)")
     return judge
