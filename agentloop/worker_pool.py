@@ -73,9 +73,12 @@ class InDriverWorker:
         return asyncio.run_coroutine_threadsafe(call(), self._loop)
 
     def stop(self) -> None:
-        """Cancel every task on the loop (agent loops, MCP sessions, health checks), then stop the loop's thread."""
+        """Shut the worker down (``AgentLoopWorker.shutdown``), cancel every task on the loop (agent loops, MCP
+        sessions, health checks), then stop the loop's thread."""
 
         async def cancel_all() -> None:
+            if self._worker is not None:
+                self._worker.shutdown()
             tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
             for task in tasks:
                 task.cancel()
@@ -197,9 +200,10 @@ class WorkerPool:
                 self.call_on(worker, "replace_judge", rank, server)
 
     def shutdown(self) -> None:
-        """Shut every worker down (``AgentLoopWorker.shutdown``, waited for up to ``STOP_TIMEOUT_S``), then stop it."""
-        stopping = [self.call_on(worker, "shutdown") for worker in self.handles]
-        wait(stopping, STOP_TIMEOUT_S)
+        """Shut every worker down (``AgentLoopWorker.shutdown``; an actor's waited for up to ``STOP_TIMEOUT_S``), then
+        stop it."""
+        actors = [worker for worker in self.handles if not isinstance(worker, InDriverWorker)]
+        wait([self.call_on(worker, "shutdown") for worker in actors], STOP_TIMEOUT_S)
         for worker in self.handles:
             if isinstance(worker, InDriverWorker):
                 worker.stop()
