@@ -182,7 +182,8 @@ def test_the_worker_makes_its_gateway_for_the_first_external_agent_and_stops_it_
     row = {**script_row("multi"), "agent_name": "external_agent", "request_id": "owned-0", "index": 0, "uid": "u"}
 
     async def run() -> None:
-        worker = AgentLoopWorker(tool_config(scripted), [server])
+        config = tool_config(scripted)
+        worker = AgentLoopWorker(config, rollout_settings(config), None, [server])
         assert worker._gateway is None  # no loop has asked for it yet
         batch, _ = await worker.generate_sequences([row], GREEDY, loops)
         assert batch.non_tensor_batch["end_reason"][0] == "stop" and worker.gateway() is worker._gateway

@@ -22,7 +22,7 @@ from agentloop import AgentLoopManager
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.dumps import mask_runs
 from agentloop.envs.openenv_env import OpenEnvEnv
-from agentloop.protocol import env_retries_by_kind
+from agentloop.turn_totals import env_retries_by_kind
 from tests.support.config import small_config
 
 ENVS = "tests.support.openenv_envs"

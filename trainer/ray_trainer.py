@@ -47,7 +47,7 @@ from trainer.async_training import async_settings, staleness_metrics
 from trainer.overlong import OverlongBuffer, mask_length_ended
 from trainer.rollout_correction import RolloutCorrection, correct_batch, old_log_probs_in_update
 from trainer.rollout_dump import RolloutDumps
-from trainer.rollout_source import RolloutSource, StreamedRollouts, SynchronousRollouts
+from trainer.rollout_source import RolloutSource, StepShape, StreamedRollouts, StreamShape, SynchronousRollouts
 from trainer.tracking import Tracking, plot, summarize
 from trainer.trainable import EXTREMES
 
@@ -185,10 +185,23 @@ class RayPPOTrainer:
 
     def _rollout_source(self, batches: Iterator[list[int]], version: int) -> RolloutSource:
         """Synchronous steps, or, with ``async_training.max_staleness``, a stream of groups generated ahead."""
-        common = (self.config, self.manager, self.rows, self.sampler, batches, self.group_filter, self.world_size)
+        config = self.config
+        steps = StepShape(
+            int(config.data.train_batch_size),
+            self.world_size,
+            float(config.actor_rollout_ref.rollout.generate_timeout_s),
+        )
+        common = (steps, self.manager, self.rows, self.sampler, batches, self.group_filter)
         if not self.max_staleness:
-            return SynchronousRollouts(*common)
-        return StreamedRollouts(*common, self.max_staleness, self.partial_rollout, version)
+            return SynchronousRollouts(*common, bool(config.actor_rollout_ref.rollout.free_cache_engine))
+        buffer = config.async_training.buffer_groups
+        stream = StreamShape(
+            self.max_staleness,
+            self.partial_rollout,
+            int(buffer) if buffer else None,
+            str(config.async_training.group_order),
+        )
+        return StreamedRollouts(*common, stream, version)
 
     def _skip(self, step: int, start: float, waited_s: float) -> dict[str, float]:
         """A step that dynamic sampling left nothing to train: the policy stays as it is, and is pushed as version

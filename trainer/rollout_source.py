@@ -8,9 +8,8 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
-
-from omegaconf import DictConfig
 
 from agentloop import AgentLoopManager
 from agentloop.batch import RolloutBatch
@@ -19,6 +18,28 @@ from trainer.dynamic_sampling import GroupFilter, group_uids, trainable_groups
 
 # what pushes the weights of policy version ``step`` to every server
 PushWeights = Callable[[int], object]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What every step's rollout holds: ``groups`` GRPO groups (``data.train_batch_size``, one per row), split over
+    ``world_size`` ranks, within ``generate_timeout_s`` (``rollout.generate_timeout_s``)."""
+
+    groups: int
+    world_size: int
+    generate_timeout_s: float
+
+
+@dataclass(frozen=True)
+class StreamShape:
+    """An async run's stream (``async_training.*``): how stale a trained group may be, whether weight pushes
+    interrupt the requests in flight, how many groups run ahead (None: ``(1 + max_staleness) * groups``) and in
+    which order finished groups are taken."""
+
+    max_staleness: int
+    partial_rollout: bool
+    buffer_groups: int | None
+    group_order: str
 
 
 class RolloutSource(Protocol):
@@ -49,18 +70,17 @@ class SynchronousRollouts:
 
     def __init__(
         self,
-        config: DictConfig,
+        steps: StepShape,
         manager: AgentLoopManager,
         rows: list[dict[str, Any]],
         sampler: BatchSampler,
         batches: Iterator[list[int]],
         group_filter: GroupFilter | None,
-        world_size: int,
+        free_cache_engine: bool,
     ) -> None:
-        self.config, self.manager, self.rows, self.sampler, self.batches = config, manager, rows, sampler, batches
-        self.group_filter, self.world_size = group_filter, world_size
+        self.steps, self.manager, self.rows, self.sampler, self.batches = steps, manager, rows, sampler, batches
+        self.group_filter, self.free_cache_engine = group_filter, free_cache_engine
         self.handed_out = 0  # batches the sampler handed out since the fit (or resume) began
-        self.free_cache_engine = bool(config.actor_rollout_ref.rollout.free_cache_engine)
 
     def next(self, step: int) -> tuple[RolloutBatch | None, float, dict[str, float]]:
         start = time.perf_counter()
@@ -97,7 +117,7 @@ class SynchronousRollouts:
         until they hold ``data.train_batch_size`` groups (the first that many are kept, as verl does) or
         ``max_num_gen_batches`` were made (then the groups there are: as many as split over the ranks); None when no
         group is left to train."""
-        wanted, limit = int(self.config.data.train_batch_size), self.group_filter.max_num_gen_batches
+        wanted, limit = self.steps.groups, self.group_filter.max_num_gen_batches
         kept: list[RolloutBatch] = []
         groups = made = dropped = 0
         while groups < wanted:
@@ -113,7 +133,9 @@ class SynchronousRollouts:
             if informative is not None:
                 kept.append(informative)
                 groups += len(group_uids(informative))
-        rollout, surplus = trainable_groups(RolloutBatch.concat(kept), wanted, self.world_size) if kept else (None, 0)
+        rollout, surplus = (
+            trainable_groups(RolloutBatch.concat(kept), wanted, self.steps.world_size) if kept else (None, 0)
+        )
         return rollout, {
             "dynamic_sampling/generation_batches": made,
             "dynamic_sampling/dropped_groups": dropped,
@@ -129,28 +151,20 @@ class StreamedRollouts:
 
     def __init__(
         self,
-        config: DictConfig,
+        steps: StepShape,
         manager: AgentLoopManager,
         rows: list[dict[str, Any]],
         sampler: BatchSampler,
         batches: Iterator[list[int]],
         group_filter: GroupFilter | None,
-        world_size: int,
-        max_staleness: int,
-        partial_rollout: bool,
+        stream: StreamShape,
         version: int,
     ) -> None:
-        self.config, self.rows, self.sampler, self.group_filter, self.world_size = (
-            config,
-            rows,
-            sampler,
-            group_filter,
-            world_size,
-        )
-        self.max_staleness, self.partial_rollout = max_staleness, partial_rollout
-        self.timeout_s = float(config.actor_rollout_ref.rollout.generate_timeout_s)
-        groups = int(config.data.train_batch_size)  # one GRPO group per row
-        buffer = int(config.async_training.buffer_groups or (1 + max_staleness) * groups)
+        self.steps, self.rows, self.sampler, self.group_filter = steps, rows, sampler, group_filter
+        self.max_staleness, self.partial_rollout = stream.max_staleness, stream.partial_rollout
+        self.timeout_s = steps.generate_timeout_s
+        max_staleness, groups = stream.max_staleness, steps.groups
+        buffer = int(stream.buffer_groups or (1 + max_staleness) * groups)
         keep, max_dropped = None, 0
         if group_filter is not None:  # groups dropped as they finish, up to max_num_gen_batches batches' worth a step
             keep, max_dropped = group_filter.keeps, max(0, group_filter.max_num_gen_batches) * groups
@@ -162,7 +176,7 @@ class StreamedRollouts:
             version=version,
             keep=keep,
             max_dropped=max_dropped,
-            order=str(config.async_training.group_order),
+            order=stream.group_order,
         )
 
     def next(self, step: int) -> tuple[RolloutBatch | None, float, dict[str, float]]:
@@ -170,7 +184,7 @@ class StreamedRollouts:
         rollout = self.stream.take(step - 1 - self.max_staleness, self.timeout_s)
         waited_s, sampling = time.perf_counter() - start, {}
         if self.group_filter is not None:  # a batch short of groups (the drop limit) trains as many as split over ranks
-            rollout, surplus = trainable_groups(rollout, int(self.config.data.train_batch_size), self.world_size)
+            rollout, surplus = trainable_groups(rollout, self.steps.groups, self.steps.world_size)
             sampling = {
                 "dynamic_sampling/surplus_groups": surplus,
                 "dynamic_sampling/kept_groups": len(group_uids(rollout)) if rollout is not None else 0,
