@@ -86,12 +86,14 @@ def measure(steps: int, setting: str, neighbour: str | None) -> float:
     elif neighbour == "twin":  # the same warm start, started together, long enough to outlast the measured one
         other = subprocess.Popen(command[:4] + [str(steps * 3)] + command[5:], env=env, stdout=subprocess.DEVNULL)
     try:
-        output = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600, check=True).stdout
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     finally:
         if other is not None:
             other.kill()
             other.wait()
-    line = next(line for line in output.splitlines() if line.startswith("steps/s"))
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n{done.stderr[-2000:]}")
+    line = next(line for line in done.stdout.splitlines() if line.startswith("steps/s"))
     print(f"  ({setting}) {neighbour or 'alone':5s} {line}", flush=True)
     return float(line.split()[1])
 
