@@ -66,17 +66,23 @@ def run(coroutine):
     return asyncio.run(and_close())
 
 
-async def running_in_the_server(engine, timeout: float = 60.0) -> None:
-    """Until vLLM's scheduler runs a request and has decoded a little: counting our own calls in flight is not
+async def running_in_the_server(engine, request: asyncio.Task, timeout: float = 180.0) -> None:
+    """Until vLLM's scheduler runs ``request`` and has decoded a little: counting our own calls in flight is not
     enough on a loaded machine, where a request may reach the server only after a pause meant to interrupt it."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while asyncio.get_running_loop().time() < deadline:
-        metrics = await asyncio.to_thread(requests.get, engine.url + "/metrics", timeout=10)
-        if re.search(r"^vllm:num_requests_running\{[^}]*\} [1-9]", metrics.text, re.MULTILINE):
+    metrics = ""
+    while asyncio.get_running_loop().time() < deadline and not request.done():
+        metrics = (await asyncio.to_thread(requests.get, engine.url + "/metrics", timeout=10)).text
+        if re.search(r"^vllm:num_requests_running\{[^}]*\} [1-9]", metrics, re.MULTILINE):
             await asyncio.sleep(0.2)
             return
         await asyncio.sleep(0.05)
-    raise TimeoutError(f"no request ran in the vLLM server at {engine.url} within {timeout} s")
+    outcome = f"it ended first: {request.result() if not request.exception() else request.exception()!r}"
+    requests_lines = [line for line in metrics.splitlines() if line.startswith("vllm:num_requests")]
+    raise AssertionError(
+        f"the vLLM server at {engine.url} never reported the request running within {timeout} s "
+        f"({outcome if request.done() else 'still in flight'}); its gauges: {requests_lines}"
+    )
 
 
 def assert_logprobs_match(model, prompt, output, temperature=1.0):
@@ -138,7 +144,7 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(engine):
 def test_abort_returns_partial_with_reason(engine):
     async def scenario():
         task = asyncio.create_task(engine.generate(PROMPT, {"max_new_tokens": 3000, "ignore_eos": True}, "long"))
-        await running_in_the_server(engine)
+        await running_in_the_server(engine, task)
         assert await engine.abort("long") == 1
         return await asyncio.wait_for(task, timeout=30)
 
@@ -159,7 +165,7 @@ def test_weights_update_with_requests_in_flight_and_from_disk(engine, model_path
 
     async def update_during_a_request():
         long = asyncio.create_task(engine.generate(PROMPT, {"max_new_tokens": 3000, "ignore_eos": True}, "long-w"))
-        await running_in_the_server(engine)
+        await running_in_the_server(engine, long)
         assert await engine.update_weights(perturbed) == len(perturbed)
         return await asyncio.wait_for(long, timeout=30)
 
