@@ -19,7 +19,9 @@ async def serve(app: ASGIApp, host: str, port: int, timeout_s: float = 30.0) -> 
     # wait for the client's delayed ACK, about 40 ms per request
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, proxy_headers=False, lifespan="off")
+    )
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     deadline = time.monotonic() + timeout_s
     while not server.started:

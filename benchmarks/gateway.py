@@ -19,16 +19,21 @@ carry the engine's noise, which on a shared machine is larger than the overhead.
 ``Gateway._complete``: client, uvicorn, FastAPI, JSON both ways).
 
 Then ``--sessions`` conversations of ``--session-calls`` calls at once on two servers, through the gateway and
-directly through one router, ``--repeats`` times interleaved: calls/s of each (medians) and b/a; every session's
-recorded trajectory is checked to be its own conversation exactly (no tokens of another session).
+directly through one router, ``--repeats`` times interleaved: calls/s of each (medians) and b/a, and this process's
+CPU milliseconds per call; every session's recorded trajectory is checked to be its own conversation exactly (no
+tokens of another session). (a) includes no HTTP client; (b) includes its client, in this process: ``--client httpx``
+(the OpenAI SDK's) costs this process about as much per call as the gateway's whole server side, so ``--client raw``
+(a minimal keep-alive HTTP/1.1 client) measures the gateway's own cost, as with an agent in its own process.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json as _json
 import statistics
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -56,16 +61,69 @@ def conversation_texts(tag: str, calls: int) -> list[str]:
     return [f"conversation {tag}, question {k}: what comes next?" for k in range(calls)]
 
 
+class RawResponse:
+    """What ``RawClient.post`` returns: the status and the JSON body."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status, self.body = status, body
+
+    def raise_for_status(self) -> None:
+        if self.status != 200:
+            raise RuntimeError(f"HTTP {self.status}: {self.body[:200]!r}")
+
+    def json(self) -> Any:
+        return _json.loads(self.body)
+
+
+class RawClient:
+    """The least an HTTP/1.1 client can do (one keep-alive connection, a request written in one piece, a response
+    read by its ``Content-Length``): with it the gateway arm measures the gateway, not ``httpx``'s per-call work,
+    which is the agent's (in its own process for a command) and at 64 sessions costs this process as much as the
+    gateway's whole server side."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def post(self, url: str, headers: dict[str, str], json: Any) -> RawResponse:
+        parts = urllib.parse.urlsplit(url)
+        if self.streams is None:
+            self.streams = await asyncio.open_connection(parts.hostname, parts.port)
+        reader, writer = self.streams
+        body = _json.dumps(json).encode()
+        head = "".join(f"{key}: {value}\r\n" for key, value in headers.items())
+        writer.write(
+            f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n{head}Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        lines = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout)).decode().split("\r\n")
+        fields = dict(line.lower().split(": ", 1) for line in lines[1:] if line)
+        return RawResponse(int(lines[0].split()[1]), await reader.readexactly(int(fields["content-length"])))
+
+    async def aclose(self) -> None:
+        if self.streams is not None:
+            self.streams[1].close()
+
+
 class Paths:
     """The two ways to run a conversation (one user message per call), each returning every call's seconds."""
 
     def __init__(
-        self, router: Router, gateway: Gateway, tokenizer: PreTrainedTokenizerBase, params: dict[str, Any], clients: int
+        self,
+        router: Router,
+        gateway: Gateway,
+        tokenizer: PreTrainedTokenizerBase,
+        params: dict[str, Any],
+        clients: int,
+        client: str,
     ) -> None:
         self.router, self.gateway, self.tokenizer, self.params = router, gateway, tokenizer, params
         # a client per session at once, as each agent has its own: one client's pool of many connections costs
         # httpcore time quadratic in them (at 64 sessions it, not the gateway, would be measured)
-        self.idle_clients = [httpx.AsyncClient(timeout=120) for _ in range(clients)]
+        self.idle_clients = [
+            httpx.AsyncClient(timeout=120) if client == "httpx" else RawClient(timeout=120) for _ in range(clients)
+        ]
         self.sessions: list[tuple[Session, list[str], list[dict[str, Any]]]] = []  # kept for the leakage check
 
     async def direct(self, tag: str, texts: list[str]) -> list[float]:
@@ -176,27 +234,30 @@ async def paired(
 
 async def concurrent(
     run: Callable[[str, list[str]], Awaitable[list[float]]], tag: str, sessions: int, calls: int
-) -> float:
-    """Calls per second of ``sessions`` conversations of ``calls`` calls run at once."""
-    start = time.perf_counter()
+) -> tuple[float, float]:
+    """Calls per second of ``sessions`` conversations of ``calls`` calls run at once, and this process's CPU
+    milliseconds per call (steadier than the rate on a loaded machine: the engines' share of the cores varies)."""
+    start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(run(f"{tag}-{i}", conversation_texts(f"{tag}-{i}", calls)) for i in range(sessions)))
-    return sessions * calls / (time.perf_counter() - start)
+    return sessions * calls / (time.perf_counter() - start), 1000 * (time.process_time() - cpu) / (sessions * calls)
 
 
 def ms(seconds: list[float]) -> float:
     return 1000 * statistics.median(seconds)
 
 
-async def paths(servers: list[ray.actor.ActorHandle], tokenizer, config, params: dict[str, Any], clients: int) -> Paths:
+async def paths(
+    servers: list[ray.actor.ActorHandle], tokenizer, config, params: dict[str, Any], clients: int, client: str
+) -> Paths:
     """The two paths over ``servers``, each with its own router: what the gateway's router does is the gateway's."""
     gateway = Gateway(Router(servers), tokenizer, config)
     await gateway.start()
-    return Paths(Router(servers), gateway, tokenizer, params, clients)
+    return Paths(Router(servers), gateway, tokenizer, params, clients, client)
 
 
 async def measure(args: argparse.Namespace, servers: list[ray.actor.ActorHandle], tokenizer, config) -> None:
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True, "max_new_tokens": args.tokens}
-    one = await paths(servers[:1], tokenizer, config, params, clients=1)
+    one = await paths(servers[:1], tokenizer, config, params, clients=1, client=args.client)
     complete, generate = Clock(one.gateway, "_complete"), Clock(one.gateway.router, "generate")
 
     await paired(4, 2, one.direct, one.through_gateway, "warm-up")
@@ -223,20 +284,20 @@ async def measure(args: argparse.Namespace, servers: list[ray.actor.ActorHandle]
         )
     await asyncio.gather(*(client.aclose() for client in one.idle_clients))
 
-    both = await paths(servers, tokenizer, config, params, clients=args.sessions)
+    both = await paths(servers, tokenizer, config, params, clients=args.sessions, client=args.client)
     await concurrent(both.direct, "warm-up-direct", args.sessions, 1)
     await concurrent(both.through_gateway, "warm-up-gateway", args.sessions, 1)  # (each client's connection opens)
-    direct_rates, gateway_rates = [], []
+    direct_runs, gateway_runs = [], []
     for repeat in range(args.repeats):
-        direct_rates.append(await concurrent(both.direct, f"direct-{repeat}", args.sessions, args.session_calls))
+        direct_runs.append(await concurrent(both.direct, f"direct-{repeat}", args.sessions, args.session_calls))
         both.sessions.clear()
-        gateway_rates.append(
+        gateway_runs.append(
             await concurrent(both.through_gateway, f"gateway-{repeat}", args.sessions, args.session_calls)
         )
         check_own_trajectories(tokenizer, both.sessions)
     await asyncio.gather(*(client.aclose() for client in both.idle_clients))
 
-    print(f"one hf server, {THREADS} thread; {args.tokens} new tokens per call; medians (ms)")
+    print(f"one hf server, {THREADS} thread; {args.tokens} new tokens per call; {args.client} client; medians (ms)")
     print(
         f"{'calls':<40} {'n':>3} {'(a) direct':>10} {'(b) gateway':>11} {'b-a':>6} {'pairs':>6} {'own':>6} {'handler':>8} "
         f"{'HTTP':>6}"
@@ -250,11 +311,14 @@ async def measure(args: argparse.Namespace, servers: list[ray.actor.ActorHandle]
         "generate, the overhead without the engine's noise, of which handler: Gateway._complete less the generate, and "
         "HTTP: the client's time less Gateway._complete"
     )
-    direct_rate, gateway_rate = statistics.median(direct_rates), statistics.median(gateway_rates)
+    (direct_rate, direct_cpu), (gateway_rate, gateway_cpu) = (
+        [statistics.median(column) for column in zip(*runs)] for runs in (direct_runs, gateway_runs)
+    )
     print(
         f"{args.sessions} sessions x {args.session_calls} calls at once, two servers ({args.repeats} repeats, medians): "
         f"(a) direct {direct_rate:.1f} calls/s, (b) gateway {gateway_rate:.1f} calls/s, b/a {gateway_rate / direct_rate:.3f}; "
-        f"{len(both.sessions)} sessions' trajectories checked after each repeat: each exactly its own"
+        f"{len(both.sessions)} sessions' trajectories checked after each repeat: each exactly its own; "
+        f"this process's CPU per call: (a) {direct_cpu:.2f} ms, (b) {gateway_cpu:.2f} ms (its client's included)"
     )
 
 
@@ -266,6 +330,12 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--session-calls", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--client",
+        choices=("httpx", "raw"),
+        default="httpx",
+        help="the gateway arm's HTTP client: httpx (as the OpenAI SDK's), or raw (a minimal keep-alive HTTP/1.1 client)",
+    )
     args = parser.parse_args()
     config = compose_config(
         [

@@ -23,14 +23,14 @@ import json
 import secrets
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from omegaconf import DictConfig
-from pydantic import ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.agent_loop.context import max_model_len
@@ -47,6 +47,8 @@ from agentloop.tools.parsers import get_parser
 # How long ``Gateway.close`` waits for the calls it cancelled to unwind (they stop at once: the router aborts their
 # requests without waiting for the engine); a bound, so that a session's end never hangs.
 CLOSE_WAIT_S = 10.0
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 class SessionChatBody(ChatBody):
@@ -161,17 +163,21 @@ class Gateway:
         app.add_middleware(BodyLimit, max_bytes=int(self.settings.max_body_bytes))
         _answer_errors(app)
 
-        @app.get("/sessions/{sid}/v1/models")
-        async def models(sid: str, request: Request) -> dict[str, Any]:
-            self._session(sid, request)
-            return {
-                "object": "list",
-                "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentloop"}],
-            }
+        # plain Starlette routes of the bare request: FastAPI's parameter and body handling (the JSON decoded to
+        # objects, then validated through its dependency machinery, cookies parsed) cost as much again as the rest
+        # of a call's server side; the body is validated by ``_body``, and the app's error handlers still answer
+        async def models(request: Request) -> Response:
+            self._session(request)
+            return JSONResponse(
+                {
+                    "object": "list",
+                    "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentloop"}],
+                }
+            )
 
-        @app.post("/sessions/{sid}/v1/chat/completions", response_model=None)
-        async def chat_completions(sid: str, body: SessionChatBody, request: Request) -> Any:
-            session = self._session(sid, request)
+        async def chat_completions(request: Request) -> Response:
+            body = _body(SessionChatBody, await request.body())
+            session = self._session(request)
             if body.n != 1:
                 raise ValueError("only n=1 is supported: a session is one trajectory")
             messages, tools = template_messages(body.messages), body.tools or None
@@ -185,26 +191,31 @@ class Gateway:
             if body.stream:
                 include_usage = bool((body.stream_options or {}).get("include_usage"))
                 return StreamingResponse(_as_events(completion, include_usage), media_type="text/event-stream")
-            return JSONResponse(
-                completion
-            )  # (plain JSON already: FastAPI's own encoding of a returned dict costs more)
+            return JSONResponse(completion)
 
-        @app.post("/sessions/{sid}/v1/messages", response_model=None)
-        async def messages(sid: str, body: anthropic_api.MessagesBody, request: Request) -> Any:
-            reply = await self._answer(self._session(sid, request), anthropic_api.chat_call(body))
+        async def messages(request: Request) -> Response:
+            body = _body(anthropic_api.MessagesBody, await request.body())
+            reply = await self._answer(self._session(request), anthropic_api.chat_call(body))
             message = anthropic_api.message(reply, body.model or self.model_name)
             if body.stream:
                 return StreamingResponse(anthropic_api.events(message), media_type="text/event-stream")
             return JSONResponse(message)
 
-        @app.post("/sessions/{sid}/v1/responses", response_model=None)
-        async def responses(sid: str, body: responses_api.ResponsesBody, request: Request) -> Any:
-            reply = await self._answer(self._session(sid, request), responses_api.chat_call(body))
+        async def responses(request: Request) -> Response:
+            body = _body(responses_api.ResponsesBody, await request.body())
+            reply = await self._answer(self._session(request), responses_api.chat_call(body))
             response = responses_api.response(reply, body, body.model or self.model_name)
             if body.stream:
                 return StreamingResponse(responses_api.events(response), media_type="text/event-stream")
             return JSONResponse(response)
 
+        for path, route, method in (
+            ("models", models, "GET"),
+            ("chat/completions", chat_completions, "POST"),
+            ("messages", messages, "POST"),
+            ("responses", responses, "POST"),
+        ):
+            app.add_route(f"/sessions/{{sid}}/v1/{path}", route, methods=[method])
         return app
 
     async def _answer(self, session: Session, call: ChatCall) -> Reply:
@@ -222,7 +233,8 @@ class Gateway:
         finally:
             session.in_flight.discard(task)
 
-    def _session(self, sid: str, request: Request) -> Session:
+    def _session(self, request: Request) -> Session:
+        sid = request.path_params["sid"]
         session = self.sessions.get(sid)
         if session is None:
             raise GatewayError(
@@ -282,6 +294,16 @@ class Gateway:
                 choice = completion_choice(output, context, self.tokenizer, parse, self.spell)
                 session.replied(messages, _as_sent_back(choice["message"]), output, end)
         return Reply(choice, context)
+
+
+def _body(model: type[BodyT], raw: bytes) -> BodyT:
+    """A request's body as ``model``, parsed by pydantic straight from its bytes; its errors as FastAPI reports a
+    body's (each under ``body``), so that the error handlers answer as for any route."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        problems = error.errors(include_url=False)
+        raise RequestValidationError([{**problem, "loc": ("body", *problem["loc"])} for problem in problems]) from None
 
 
 def _chat_completion(reply: Reply, model: str) -> dict[str, Any]:
