@@ -229,12 +229,10 @@ NOT_CONVERTED_YET = {
     "agentloop/gateway/gateway.py": {"actor_rollout_ref", "data"},
     "agentloop/rewards.py": {"actor_rollout_ref"},
     "trainer/async_training.py": {"actor_rollout_ref", "async_training"},
-    "trainer/checkpoint.py": {"trainer"},
     "trainer/dynamic_sampling.py": {"algorithm"},
     "trainer/fsdp_workers.py": {"actor_rollout_ref", "algorithm", "critic", "trainer"},
     "trainer/overlong.py": {"data", "reward_model"},
     "trainer/rollout_correction.py": {"actor_rollout_ref", "algorithm"},
-    "trainer/tracking.py": {"trainer"},
 }
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tests.support.config import small_config
+from trainer.settings import RunSettings
 from trainer.tracking import Tracking
 
 
@@ -15,11 +16,11 @@ def test_resume_trims_lines_after_the_checkpoint_and_continues_the_wandb_run(tmp
     monkeypatch.setenv("WANDB_MODE", "offline")
     config = small_config("trainer.logger=[wandb]", "trainer.experiment_name=tracking-test")
 
-    first = Tracking(config, tmp_path)
+    first = Tracking(RunSettings.from_config(config), tmp_path)
     for step in (1, 2, 3):  # killed after logging step 3, with its last checkpoint at step 2
         first.log({"critic/score/mean": step / 10}, step)
     first.close()
-    resumed = Tracking(config, tmp_path, resume_step=2)
+    resumed = Tracking(RunSettings.from_config(config), tmp_path, resume_step=2)
     resumed.log({"critic/score/mean": 0.35}, 3)
     resumed.close()
 
@@ -29,7 +30,7 @@ def test_resume_trims_lines_after_the_checkpoint_and_continues_the_wandb_run(tmp
     assert first.wandb.id == resumed.wandb.id == run_id
     assert len(list((tmp_path / "wandb").rglob(f"run-{run_id}.wandb"))) == 2  # one offline record per process
 
-    fresh = Tracking(config, tmp_path)  # resume disabled: a new run, and a new record
+    fresh = Tracking(RunSettings.from_config(config), tmp_path)  # resume disabled: a new run, and a new record
     fresh.close()
     assert fresh.wandb.id != run_id and (tmp_path / "metrics.jsonl").read_text() == ""
     assert wandb.run is None
@@ -37,4 +38,11 @@ def test_resume_trims_lines_after_the_checkpoint_and_continues_the_wandb_run(tmp
 
 def test_unknown_logger_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"unknown backends \['mlflow'\]; choose from"):
-        Tracking(small_config("trainer.logger=[console,mlflow]"), tmp_path)
+        RunSettings.from_config(small_config("trainer.logger=[console,mlflow]"))
+
+
+def test_run_settings_refuse_a_bad_resume_mode_naming_the_key_and_the_choices():
+    with pytest.raises(ValueError, match=r"trainer\.resume_mode='sometimes': is not a known choice; choose one of"):
+        RunSettings.from_config(small_config("trainer.resume_mode=sometimes"))
+    run = RunSettings.from_config(small_config("trainer.logger=[console]", "trainer.project_name=p"))
+    assert (run.logger, run.project_name, run.resume_mode) == (("console",), "p", "auto")

@@ -9,8 +9,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
+
+from trainer.settings import RunSettings
 
 LATEST = "latest_checkpointed_iteration.txt"
 WORKERS = "workers"  # the FSDP ranks' sharded state inside global_step_N/
@@ -52,22 +53,19 @@ def save_checkpoint(
     return directory
 
 
-def checkpoint_to_resume(config: DictConfig, output_dir: Path) -> Path | None:
+def checkpoint_to_resume(run: RunSettings, output_dir: Path) -> Path | None:
     """The ``global_step_N`` directory ``trainer.resume_mode`` points at; None: start fresh."""
-    mode = config.trainer.resume_mode
-    if mode == "disable":
+    if run.resume_mode == "disable":
         return None
-    if mode == "resume_path":
-        directory = Path(config.trainer.resume_from_path or "")
+    if run.resume_mode == "resume_path":
+        directory = Path(run.resume_from_path or "")
         if not (directory / STATE).exists():
             raise FileNotFoundError(
                 f"trainer.resume_from_path={str(directory)!r} is not a global_step_N checkpoint directory"
             )
         return directory
-    if mode == "auto":
-        latest = output_dir / LATEST
-        return output_dir / f"global_step_{latest.read_text().strip()}" if latest.exists() else None
-    raise ValueError(f"trainer.resume_mode={mode!r}; choose auto, disable or resume_path")
+    latest = output_dir / LATEST  # auto: the settings admit no other mode
+    return output_dir / f"global_step_{latest.read_text().strip()}" if latest.exists() else None
 
 
 def read_trainer_state(directory: Path) -> dict[str, Any]:

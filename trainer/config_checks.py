@@ -15,6 +15,7 @@ from agentloop.streaming import ORDERS
 from trainer import algorithms
 from trainer.overlong import OverlongBuffer
 from trainer.rollout_correction import RolloutCorrection
+from trainer.settings import RunSettings
 
 
 class IgnoredKeysWarning(UserWarning):
@@ -32,6 +33,7 @@ def check_config(config: DictConfig) -> None:
     check_known_keys(config)
     # the rollout side's sections, checked where they are read (agentloop.settings)
     judge_settings(config, rollout_settings(config).servers)
+    RunSettings.from_config(config)  # the trainer's own sections, likewise (trainer.settings)
     _check_verl_settings(config)
     _check_estimator(config.algorithm)
     _check_async_training(config.async_training, int(config.data.train_batch_size))

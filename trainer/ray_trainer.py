@@ -48,6 +48,7 @@ from trainer.overlong import OverlongBuffer, mask_length_ended
 from trainer.rollout_correction import RolloutCorrection, correct_batch, old_log_probs_in_update
 from trainer.rollout_dump import RolloutDumps
 from trainer.rollout_source import RolloutSource, StepShape, StreamedRollouts, StreamShape, SynchronousRollouts
+from trainer.settings import RunSettings
 from trainer.tracking import Tracking, plot, summarize
 from trainer.trainable import EXTREMES
 
@@ -89,6 +90,7 @@ class RayPPOTrainer:
         start_ray(config)  # unless a caller started it (``main_ppo.run`` does, beside the imports)
         rank_gpus(config, self.world_size)  # a trainer.device the cluster lacks fails here, before any server starts
         self.output_dir = Path(config.trainer.default_local_dir)
+        self.run_settings = RunSettings.from_config(config)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
         self.max_staleness, self.partial_rollout, self.correction = async_settings(
@@ -413,7 +415,7 @@ class RayPPOTrainer:
 
     def resume(self) -> int:
         """Restore the checkpoint ``trainer.resume_mode`` points at; return its step (0: start fresh)."""
-        directory = checkpoint.checkpoint_to_resume(self.config, self.output_dir)
+        directory = checkpoint.checkpoint_to_resume(self.run_settings, self.output_dir)
         if directory is None:
             return 0
         state = checkpoint.read_trainer_state(directory)
@@ -434,7 +436,7 @@ class RayPPOTrainer:
         if self.dumps is not None:
             self.dumps.drop_after(done)
         progress = tqdm(total=self.total_steps, initial=done, desc="training steps", dynamic_ncols=True)
-        tracking = Tracking(self.config, self.output_dir, progress.write, resume_step=done)
+        tracking = Tracking(self.run_settings, self.output_dir, progress.write, done, run_config=self.config)
         try:
             startup = {"timing_s/startup": self.startup_s}  # on the first line this run logs
             if self.val_rows and trainer.val_before_train and done == 0:

@@ -15,19 +15,22 @@ from typing import Any, Callable
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-BACKENDS = ("console", "tensorboard", "wandb")
+from trainer.settings import RunSettings
 
 
 class Tracking:
     """Fan out each step's metrics; ``resume_step`` drops JSONL lines a killed run logged after its last checkpoint."""
 
     def __init__(
-        self, config: DictConfig, directory: Path, print_line: Callable[[str], None] = print, resume_step: int = 0
+        self,
+        run: RunSettings,
+        directory: Path,
+        print_line: Callable[[str], None] = print,
+        resume_step: int = 0,
+        run_config: DictConfig | None = None,
     ) -> None:
-        loggers = list(config.trainer.logger)
-        unknown = sorted(set(loggers) - set(BACKENDS))
-        if unknown:
-            raise ValueError(f"trainer.logger names unknown backends {unknown}; choose from {list(BACKENDS)}")
+        """``run_config``: the composed config, recorded whole with a wandb run (only ``run`` is read)."""
+        loggers = run.logger
         self.print_line = print_line if "console" in loggers else None
         self.path = directory / "metrics.jsonl"
         kept = [line for line in _read_jsonl(self.path) if line.get("step", 0) <= resume_step] if resume_step else []
@@ -52,12 +55,12 @@ class Tracking:
             run_id = id_file.read_text().strip() if resume_step and id_file.exists() else secrets.token_hex(4)
             id_file.write_text(run_id)
             self.wandb = wandb.init(
-                project=config.trainer.project_name,
-                name=config.trainer.experiment_name,
+                project=run.project_name,
+                name=run.experiment_name,
                 id=run_id,
                 resume="allow",
                 dir=str(directory),
-                config=OmegaConf.to_container(config, resolve=True),
+                config=OmegaConf.to_container(run_config, resolve=True) if run_config is not None else {},
             )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
