@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 import yaml
-from agents import Agent, FunctionTool, MaxTurnsExceeded, OpenAIChatCompletionsModel, RunConfig, Runner
+from agents import Agent, MaxTurnsExceeded, OpenAIChatCompletionsModel, RunConfig, Runner
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.errors import GraphRecursionError
@@ -36,7 +36,7 @@ from agentloop.batch import trajectory_sizes
 from agentloop.dumps import mask_runs
 from agentloop.tools.parsers import parse_hermes
 from examples.external_agents import arithmetic_tools
-from tests.support.external_agents import SCHEMAS
+from tests.support.external_agents import SCHEMAS, agents_sdk_tool
 from tests.support.models import SCRIPTS, script_row
 from tests.test_tool_agent import tool_config
 
@@ -77,21 +77,6 @@ class WithoutStrict(httpx.AsyncBaseTransport):
         return await self.transport.handle_async_request(sent)
 
 
-def function_tool_of(schema: dict[str, Any]) -> FunctionTool:
-    function = schema["function"]
-
-    async def invoke(_: Any, arguments: str) -> str:
-        return tool_result(function["name"], json.loads(arguments))
-
-    return FunctionTool(
-        name=function["name"],
-        description=function["description"],
-        params_json_schema=function["parameters"],
-        on_invoke_tool=invoke,
-        strict_json_schema=False,
-    )
-
-
 async def scripted_agents_sdk(base_url: str, api_key: str, row: dict[str, Any]) -> None:
     client = AsyncOpenAI(
         base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx.AsyncClient(transport=WithoutStrict())
@@ -99,7 +84,7 @@ async def scripted_agents_sdk(base_url: str, api_key: str, row: dict[str, Any]) 
     solver = Agent(
         name="scripted",
         model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
-        tools=[function_tool_of(schema) for schema in SCHEMAS],
+        tools=[agents_sdk_tool(schema, tool_result) for schema in SCHEMAS],
     )
     with contextlib.suppress(MaxTurnsExceeded):  # a sampled run may call tools on and on
         await Runner.run(solver, list(row["prompt"]), max_turns=4, run_config=RunConfig(tracing_disabled=True))

@@ -7,13 +7,12 @@ a program rewrites starts a new segment, and malformed requests get 400 in each 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
-from agents import Agent, FunctionTool, MaxTurnsExceeded, ModelBehaviorError, RunConfig, Runner
+from agents import Agent, MaxTurnsExceeded, ModelBehaviorError, RunConfig, Runner
 from agents.models.openai_provider import OpenAIProvider
 from agents.models.openai_responses import OpenAIResponsesModel
 from openai import AsyncOpenAI
@@ -21,7 +20,7 @@ from openai import AsyncOpenAI
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.dumps import mask_runs
 from examples.external_agents.arithmetic_tools import calculator
-from tests.support.external_agents import SCHEMAS
+from tests.support.external_agents import SCHEMAS, agents_sdk_tool
 from tests.support.models import SCRIPTS, script_row
 from tests import test_gateway
 from tests.test_gateway import SAMPLED, assert_exact, external
@@ -73,27 +72,12 @@ async def anthropic_agent(base_url: str, api_key: str, row: dict[str, Any]) -> f
     return 0.0
 
 
-def function_tool(schema: dict[str, Any]) -> FunctionTool:
-    function = schema["function"]
-
-    async def invoke(_: Any, arguments: str) -> str:
-        return tool_result(function["name"], json.loads(arguments))
-
-    return FunctionTool(
-        name=function["name"],
-        description=function["description"],
-        params_json_schema=function["parameters"],
-        on_invoke_tool=invoke,
-        strict_json_schema=False,
-    )
-
-
 async def agents_sdk_agent(base_url: str, api_key: str, row: dict[str, Any]) -> float:
     """An Agents-SDK agent with no model named: the provider's default, the Responses model. Its reward: whether its
     final output is the answer."""
     provider = OpenAIProvider(openai_client=AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0))
     assert isinstance(provider.get_model(None), OpenAIResponsesModel)
-    solver = Agent(name="solver", tools=[function_tool(schema) for schema in SCHEMAS])
+    solver = Agent(name="solver", tools=[agents_sdk_tool(schema, tool_result) for schema in SCHEMAS])
     config = RunConfig(model_provider=provider, tracing_disabled=True)
     try:
         if row["extra_info"].get("stream"):

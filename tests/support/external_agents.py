@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, Callable
 
+from agents import FunctionTool
 from openai import AsyncOpenAI
 
 from agentloop.tools.toolset import load_tool_set
@@ -13,6 +14,22 @@ from examples.external_agents.arithmetic_tools import calculator
 from tests.support.models import TOOLS_PATH
 
 SCHEMAS = load_tool_set(TOOLS_PATH).schemas
+
+
+def agents_sdk_tool(schema: dict[str, Any], answer: Callable[[str, dict[str, Any]], str]) -> FunctionTool:
+    """An OpenAI Agents SDK tool for a chat tool schema, answered by ``answer(name, arguments)``."""
+    function = schema["function"]
+
+    async def invoke(_: Any, arguments: str) -> str:
+        return answer(function["name"], json.loads(arguments))
+
+    return FunctionTool(
+        name=function["name"],
+        description=function["description"],
+        params_json_schema=function["parameters"],
+        on_invoke_tool=invoke,
+        strict_json_schema=False,
+    )
 
 
 async def scripted_openai(base_url: str, api_key: str, row: dict[str, Any]) -> float | None:
