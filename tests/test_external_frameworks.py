@@ -22,6 +22,7 @@ import pytest
 import torch
 import yaml
 from agents import Agent, MaxTurnsExceeded, OpenAIChatCompletionsModel, RunConfig, Runner
+from langchain_core.messages import AIMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.errors import GraphRecursionError
@@ -102,6 +103,9 @@ def submit_answer(answer: float) -> str:
     return tool_result("submit_answer", {"answer": answer})
 
 
+LANGGRAPH_TOOLS = ToolNode([calculator, submit_answer])
+
+
 async def scripted_langgraph(base_url: str, api_key: str, row: dict[str, Any]) -> None:
     model = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, max_retries=0, streaming=True).bind_tools(
         SCHEMAS
@@ -112,7 +116,7 @@ async def scripted_langgraph(base_url: str, api_key: str, row: dict[str, Any]) -
 
     graph = StateGraph(MessagesState)
     graph.add_node("model", call_model)
-    graph.add_node("tools", ToolNode([calculator, submit_answer]))
+    graph.add_node("tools", LANGGRAPH_TOOLS)
     graph.add_edge(START, "model")
     graph.add_conditional_edges("model", tools_condition)
     graph.add_edge("tools", "model")
@@ -179,10 +183,13 @@ def sampled(manager):
     return rollout(manager, validate=False)
 
 
-def recorded(batch, i: int, tokenizer) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
-    """Row ``i``'s prompt, response, model-token mask and rollout logprobs, unpadded, once the sample is checked to
-    hold the framework's calls as the gateway answered them: a reply per call, and after each reply exactly the
+def recorded(
+    batch, index: dict[str, int], name: str, tokenizer
+) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """Program ``name``'s prompt, response, model-token mask and rollout logprobs, unpadded, once the sample is checked
+    to hold the framework's calls as the gateway answered them: a reply per call, and after each reply exactly the
     template's delta of the tool messages the framework sent for its calls (logprob 0)."""
+    i = index[name]
     assert batch.non_tensor_batch["failure"][i] is None and batch.non_tensor_batch["end_reason"][i] != "failed"
     prompt_length = batch.batch["prompts"].shape[1]
     length = int(batch.batch["attention_mask"][i, prompt_length:].sum())
@@ -195,9 +202,9 @@ def recorded(batch, i: int, tokenizer) -> tuple[list[int], list[int], torch.Tens
     assert [value for value, _, _ in runs] == [1, 0] * len(observations) + [1]
     assert batch.non_tensor_batch["metrics"][i]["gateway_calls"] == len(replies)
     for reply, observation in zip(replies, observations):
-        assert observation == observation_delta(tokenizer, tool_messages(tokenizer, reply))
+        assert observation == observation_delta(tokenizer, tool_messages(tokenizer, reply, name))
     if batch.non_tensor_batch["end_reason"][i] == "stop":
-        assert tool_messages(tokenizer, replies[-1]) == []  # the program ended on a reply without calls
+        assert tool_messages(tokenizer, replies[-1], name) == []  # the program ended on a reply without calls
     assert torch.all(logprobs[mask == 0] == 0)
     return prompt, response, mask.bool(), logprobs
 
@@ -214,11 +221,22 @@ def tool_calls(tokenizer, reply: list[int]) -> list[Any]:
     return [] if any(call.error is not None for call in calls) else calls
 
 
-def tool_messages(tokenizer, reply: list[int]) -> list[dict[str, Any]]:
-    """The tool messages a framework sends back for a reply: one per call, with its tool's answer."""
-    return [
-        {"role": "tool", "content": tool_result(call.name, call.arguments)} for call in tool_calls(tokenizer, reply)
-    ]
+def tool_messages(tokenizer, reply: list[int], name: str) -> list[dict[str, Any]]:
+    """The tool messages program ``name`` sends back for a reply: one per call, with its tool's answer. LangGraph's
+    are its ToolNode's own answers to the calls, which for a call of a tool it lacks (a sampled reply may make one) or
+    with arguments its tool's signature refuses are its error texts."""
+    calls = tool_calls(tokenizer, reply)
+    if name != "scripted_langgraph" or not calls:
+        return [{"role": "tool", "content": tool_result(call.name, call.arguments)} for call in calls]
+    message = AIMessage(
+        content="",
+        tool_calls=[{"name": call.name, "args": call.arguments, "id": f"call-{k}"} for k, call in enumerate(calls)],
+    )
+    graph = StateGraph(MessagesState)
+    graph.add_node("tools", LANGGRAPH_TOOLS)
+    graph.add_edge(START, "tools")
+    answered = graph.compile().invoke({"messages": [message]})["messages"][1:]
+    return [{"role": "tool", "content": answer.content} for answer in answered]
 
 
 @pytest.mark.parametrize("fixture", ["greedy", "sampled"])
@@ -232,7 +250,7 @@ def test_each_trajectory_is_one_segment(request, fixture):
 @pytest.mark.parametrize("name", list(PROGRAMS))
 def test_greedy_replies_are_the_models_argmax_in_the_recorded_context(greedy, tokenizer, policy, name):
     batch, index = greedy
-    prompt, response, mask, _ = recorded(batch, index[name], tokenizer)
+    prompt, response, mask, _ = recorded(batch, index, name, tokenizer)
     # a program the policy never saw in training (o_series_langchain's system message) may run to its budget
     assert batch.non_tensor_batch["end_reason"][index[name]] in ("stop", "length")
     assert teacher_forced(policy, prompt, response).argmax(-1)[mask].tolist() == torch.tensor(response)[mask].tolist()
@@ -241,7 +259,7 @@ def test_greedy_replies_are_the_models_argmax_in_the_recorded_context(greedy, to
 @pytest.mark.parametrize("name", list(PROGRAMS))
 def test_sampled_logprobs_are_the_models_in_the_recorded_context(sampled, tokenizer, policy, name):
     batch, index = sampled
-    prompt, response, mask, logprobs = recorded(batch, index[name], tokenizer)
+    prompt, response, mask, logprobs = recorded(batch, index, name, tokenizer)
     reference = teacher_forced(policy, prompt, response).gather(-1, torch.tensor(response)[:, None])[:, 0]
     assert torch.allclose(logprobs[mask], reference[mask], atol=1e-4)
 
@@ -249,7 +267,7 @@ def test_sampled_logprobs_are_the_models_in_the_recorded_context(sampled, tokeni
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_an_example_returns_its_reward(greedy, tokenizer, name):
     batch, index = greedy
-    _, response, mask, _ = recorded(batch, index[name], tokenizer)
+    _, response, mask, _ = recorded(batch, index, name, tokenizer)
     answers = [
         call.arguments.get("answer")
         for value, a, b in mask_runs(mask.int().tolist())
@@ -265,14 +283,14 @@ def test_an_example_returns_its_reward(greedy, tokenizer, name):
 @pytest.mark.parametrize("name", list(SCRIPTED))
 def test_a_framework_offering_the_training_tools_replays_the_script(greedy, tokenizer, name):
     batch, index = greedy
-    _, response, mask, _ = recorded(batch, index[name], tokenizer)
+    _, response, mask, _ = recorded(batch, index, name, tokenizer)
     replies = [tokenizer.decode(response[a:b]) for value, a, b in mask_runs(mask.int().tolist()) if value == 1]
     assert replies == [turn + "<|im_end|>" for turn in SCRIPTS["multi"]]
 
 
 def test_a_developer_message_is_rendered_as_a_system_message(greedy, tokenizer):
     batch, index = greedy
-    prompt, _, _, _ = recorded(batch, index["o_series_langchain"], tokenizer)
+    prompt, _, _, _ = recorded(batch, index, "o_series_langchain", tokenizer)
     messages = [{"role": "system", "content": SYSTEM}, *script_row("multi")["prompt"]]
     assert prompt == tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
