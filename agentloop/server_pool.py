@@ -22,6 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from agentloop.cluster import check_offered
 from agentloop.server.rollout_server import RolloutServer
 from agentloop.settings import ServerSettings
 from agentloop.waiting import wait_for
@@ -56,6 +57,7 @@ class ServerPool:
         self.startup_timeout_s = settings.startup_timeout_s
         size = settings.data_parallel_size
         self.bundle = dict(settings.resources)
+        check_offered(self.bundle, f"{settings.section}.resources_per_server")
         self.placement_group = placement_group(
             [dict(self.bundle) for _ in range(size)], strategy=settings.placement_strategy
         )

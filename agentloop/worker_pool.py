@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from ray.exceptions import RayActorError
 
 from agentloop.batch import RolloutBatch
+from agentloop.cluster import actor_resources
 from agentloop.router import RouterStats
 from agentloop.server_pool import ServerPool
 from agentloop.settings import JudgeSettings, RolloutSettings
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 RemoteAgentLoopWorker = ray.remote(AgentLoopWorker)
 STOP_TIMEOUT_S = 10.0
+WORKER_RESOURCES_KEY = "actor_rollout_ref.rollout.agent.resources_per_worker"
 
 
 class InDriverWorker:
@@ -135,7 +137,9 @@ class WorkerPool:
         args = (self.config, self.settings, self.judge, self.servers.servers, judges)
         if self._in_driver:
             return InDriverWorker(*args)
-        return RemoteAgentLoopWorker.options(num_cpus=0).remote(*args)
+        return RemoteAgentLoopWorker.options(
+            **actor_resources(self.settings.agent.resources, WORKER_RESOURCES_KEY)
+        ).remote(*args)
 
     def call(self, index: int, method: str, *args: Any) -> Future:
         """``method(*args)`` on worker ``index``'s current worker. A dead actor's future raises ``RayActorError``."""

@@ -1,12 +1,26 @@
-"""The manager's Ray: one it starts itself with the job's settings, or two nodes on one machine (servers are placed
-on both and the batch still comes back)."""
+"""The manager's Ray: one it starts itself with the job's settings, two nodes on one machine (servers are placed on
+both and the batch still comes back), and training on three nodes, each component placed on its own node by the custom
+resources the settings name."""
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
 from agentloop import AgentLoopManager
+from agentloop.rows import write_rows
+from agentloop.tasks.arithmetic.data import make_rows
 from tests.support.config import small_config
+from tests.test_main_ppo import TOOL_RUN
+from trainer.ray_trainer import RayPPOTrainer
+
+# one node per part of the job, each offering a resource of its own (as `ray start --resources` would)
+NODES = {"agent_node": 1, "rollout_node": 1, "trainer_node": 0}
+PLACEMENT = [
+    "trainer.resources_per_rank={trainer_node: 1}",
+    "+actor_rollout_ref.rollout.resources_per_server.rollout_node=1",
+    "actor_rollout_ref.rollout.agent.num_workers=2",
+    "actor_rollout_ref.rollout.agent.resources_per_worker={agent_node: 1}",
+]
 
 
 @pytest.fixture
@@ -20,6 +34,68 @@ def two_node_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture
+def three_node_cluster():
+    """Node name -> node id: the head offers ``agent_node``, the others ``rollout_node`` and ``trainer_node``."""
+    if ray.is_initialized():
+        ray.shutdown()
+    (head, head_cpus), *others = NODES.items()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": head_cpus, "resources": {head: 4}, "include_dashboard": False},
+    )
+    nodes = {head: cluster.head_node.node_id}
+    for name, cpus in others:
+        nodes[name] = cluster.add_node(num_cpus=cpus, resources={name: 4}).node_id
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield nodes
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def node_of(actor: ray.actor.ActorHandle) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()), timeout=60)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["synchronous", "asynchronous"])
+def test_training_places_each_part_on_its_node(three_node_cluster, tmp_path, asynchronous):
+    """Two ranks on the trainer's node, the server on the rollout node, two workers on the agents' node; three steps
+    train there (weights pushed across nodes each step), synchronously and with the asynchronous stream."""
+    train = write_rows(make_rows(8), str(tmp_path / "train.jsonl"))
+    stream = ["async_training.max_staleness=1", "async_training.partial_rollout=true"] if asynchronous else []
+    config = small_config(
+        *TOOL_RUN,
+        *PLACEMENT,
+        *stream,
+        f"data.train_files=[{train}]",
+        "trainer.total_training_steps=3",
+        "trainer.logger=[console]",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    )
+    trainer = RayPPOTrainer(config)
+    try:
+        assert {node_of(rank) for rank in trainer.workers} == {three_node_cluster["trainer_node"]}
+        assert {info["node_id"] for info in trainer.manager.server_info()} == {three_node_cluster["rollout_node"]}
+        workers = trainer.manager.workers.handles
+        assert len(workers) == 2 and {node_of(worker) for worker in workers} == {three_node_cluster["agent_node"]}
+        lines = trainer.fit()
+    finally:
+        trainer.shutdown(60.0)
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert all(line["rollout/failed_samples"] == 0 for line in lines)
+
+
+def test_a_resource_no_node_offers_is_refused_naming_its_key(three_node_cluster):
+    with pytest.raises(ValueError, match=r"resources_per_worker asks for \['gpu_node'\], which no node"):
+        AgentLoopManager(
+            small_config(
+                "actor_rollout_ref.rollout.agent.num_workers=1",
+                "actor_rollout_ref.rollout.agent.resources_per_worker={gpu_node: 1}",
+            )
+        )
 
 
 def test_a_manager_without_ray_starts_one_as_the_command_does(monkeypatch):

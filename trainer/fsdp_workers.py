@@ -26,8 +26,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from agentloop.allocator import keep_freed_memory
+from agentloop.cluster import actor_resources
 from agentloop.models.loading import is_vision_language, model_class
 from agentloop.server.weights import PackedWeights
+from agentloop.settings.reading import Section
+from agentloop.settings.server import ray_resources
 from agentloop.waiting import wait_for
 from trainer import algorithms
 from trainer.rollout_correction import RolloutCorrection, correct, correct_batch
@@ -365,11 +368,14 @@ def launch_workers(
 ) -> tuple[list[ray.actor.ActorHandle], list[ray.ObjectRef]]:
     """Start ``world_size`` ranks without waiting for them: returns the actors and their ``init_group`` calls, which
     form the process group at rank 0's address and load the models while the caller starts everything else."""
-    # One GPU per rank; on CPU the ranks claim no logical CPU, so they never wait behind the servers.
-    gpus = rank_gpus(config, world_size)
+    # One GPU per rank; on CPU the ranks claim no logical CPU (unless trainer.resources_per_rank says), so they
+    # never wait behind the servers.
+    options = {
+        **actor_resources(rank_resources(config), "trainer.resources_per_rank"),
+        "num_gpus": rank_gpus(config, world_size),
+    }
     workers = [
-        worker_class.options(num_gpus=gpus, num_cpus=0).remote(config, rank, world_size, total_steps)
-        for rank in range(world_size)
+        worker_class.options(**options).remote(config, rank, world_size, total_steps) for rank in range(world_size)
     ]
     rendezvous = workers[0].rendezvous_address.remote()  # Ray hands its value to each init_group once it is ready
     return workers, [worker.init_group.remote(rendezvous) for worker in workers]
@@ -412,6 +418,15 @@ def rank_gpus(config: DictConfig, world_size: int) -> int:
             f"and the Ray cluster has {cluster_gpus}; lower n_gpus_per_node, add GPUs, or set trainer.device=cpu"
         )
     return 1
+
+
+def rank_resources(config: DictConfig) -> dict[str, float]:
+    """``trainer.resources_per_rank``: what each rank asks of Ray besides the GPU ``trainer.device`` gives it."""
+    trainer = Section(config.trainer, "trainer")
+    resources = ray_resources(trainer, "resources_per_rank")
+    if "GPU" in resources:
+        raise trainer.error("resources_per_rank", "cannot hold GPU", "choose the ranks' GPUs with trainer.device")
+    return resources
 
 
 def needs_reference(config: DictConfig) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agentloop.settings.reading import Section
-from agentloop.settings.server import ServerSettings, resources_per_server
+from agentloop.settings.server import ServerSettings, ray_resources
 
 KINDS = ("generative", "discriminative")
 
@@ -89,7 +89,7 @@ def _servers(rollout: Section, model_path: str, policy: ServerSettings) -> Serve
         role="judge server",
         name=rollout.optional_str("name") or policy.name,
         data_parallel_size=rollout.int("data_parallel_size", minimum=1),
-        resources=resources_per_server(rollout),
+        resources=ray_resources(rollout),
         prompt_length=rollout.int("prompt_length", minimum=1),
         response_length=rollout.int("response_length", minimum=1),
         max_model_len=None,

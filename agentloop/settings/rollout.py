@@ -7,19 +7,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentloop.settings.reading import Section
-from agentloop.settings.server import ServerSettings
+from agentloop.settings.server import ServerSettings, ray_resources
 
 ROLLOUT_KEY = "actor_rollout_ref.rollout"
 
 
 @dataclass(frozen=True)
 class AgentSettings:
-    """``rollout.agent``: the agent-loop workers and which loop a row without ``agent_name`` runs."""
+    """``rollout.agent``: the agent-loop workers (how many, and the Ray resources each asks for, which place them on
+    the nodes that offer those) and which loop a row without ``agent_name`` runs."""
 
     num_workers: int = 2
     default_agent_loop: str = "single_turn_agent"
     agent_loop_config_path: str | None = None
     group_affinity_slack: int | None = 8
+    resources: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_section(cls, agent: Section, multi_turn: bool) -> AgentSettings:
@@ -36,6 +38,7 @@ class AgentSettings:
             "tool_agent" if multi_turn and default == "single_turn_agent" else default,
             agent.optional_str("agent_loop_config_path"),
             agent.optional_int("group_affinity_slack", minimum=0),
+            ray_resources(agent, "resources_per_worker"),
         )
 
 

@@ -184,7 +184,7 @@ class ServerSettings:
             dtype=rollout.str("dtype"),
             seed=rollout.int("seed"),
             data_parallel_size=rollout.int("data_parallel_size", minimum=1),
-            resources=resources_per_server(rollout),
+            resources=ray_resources(rollout),
             placement_strategy=rollout.str("placement_strategy", PLACEMENT_STRATEGIES),
             startup_timeout_s=rollout.float("server_startup_timeout_s", positive=True),
             request_timeout_s=rollout.float("request_timeout_s", positive=True),
@@ -223,15 +223,14 @@ class ServerSettings:
         return urls[rank] if urls else None
 
 
-def resources_per_server(rollout: Section) -> dict[str, float]:
-    """``resources_per_server`` as a Ray bundle (zero entries left out)."""
-    resources = rollout.mapping("resources_per_server")
+def ray_resources(section: Section, key: str = "resources_per_server") -> dict[str, float]:
+    """``section.key``, Ray resources by name (``CPU``, ``GPU`` or a custom resource a node was started with), as a
+    Ray bundle (zero entries left out)."""
+    resources = section.mapping(key)
     try:
-        return {str(key): float(value) for key, value in resources.items() if value}
+        return {str(name): float(value) for name, value in resources.items() if value}
     except (TypeError, ValueError):
-        raise rollout.error(
-            "resources_per_server", "holds a value that is not a number", "write it as {CPU: 1, GPU: 0}"
-        ) from None
+        raise section.error(key, "holds a value that is not a number", "write it as {CPU: 1, GPU: 0}") from None
 
 
 def _vllm_flags(rollout: Section) -> dict[str, Any]:
