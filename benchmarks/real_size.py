@@ -1,0 +1,152 @@
+"""A model of real size on CPU: a Qwen3-0.6B-shaped policy trained with the quick start's loop.
+
+    python -m benchmarks.real_size [--steps 2] [--variants default,checkpointing,offload] [--model tiny]
+
+The policy has Qwen3-0.6B's shape (28 layers 1024 wide, 16 query and 8 key-value heads of 128, MLP 3072, the
+151,936-token vocabulary, tied embeddings: 596M parameters) with random weights (no hub here) and the tiny model's
+tokenizer, which decodes only the first 1,024 ids: the reward is 0 throughout, and what is measured is cost. Each
+variant runs the arithmetic quick start (``--config-name arithmetic_grpo``: tool agent, GRPO, the ``hf`` engine) for
+``--steps`` steps on a simulated two-node Ray cluster, one FSDP rank on each node, one rollout server, and reports
+per rank the peak resident memory (the process's high-water mark), seconds per step and its parts, the weight push,
+and the size and seconds of one checkpoint (saved after the last step). Variants differ in the ranks' memory
+settings (gradient checkpointing; the optimizer state offloaded). Absolute seconds vary with the machine's load:
+compare variants within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.cluster_utils import Cluster
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from agentloop.config import compose_config
+from agentloop.models.cache import build_once, cache_root
+from agentloop.models.tiny_qwen import tiny_model_path
+from trainer.ray_trainer import RayPPOTrainer
+
+TIMINGS = ("timing_s/step", "timing_s/gen", "timing_s/train", "timing_s/weight_push")
+VARIANTS = {
+    "default": [],
+    "checkpointing": ["actor_rollout_ref.model.enable_gradient_checkpointing=true"],
+    "offload": [
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+    ],
+}
+
+
+def real_size_model_path() -> str:
+    """The Qwen3-0.6B-shaped model, built once into the agentloop cache (bf16 on disk, as Qwen3-0.6B ships)."""
+    return build_once(cache_root() / "models" / "qwen3-0.6b-shaped-v1", _build)
+
+
+def _build(directory: Path) -> None:
+    settings = AutoConfig.from_pretrained(tiny_model_path()).to_dict()
+    del settings["layer_types"]  # derived from the depth
+    settings.update(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    )
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(directory)
+
+
+def overrides(model_path: str, steps: int, output_dir: Path) -> list[str]:
+    """The quick start, smaller per step (2 prompts x 2 samples, 2 turns of 32 tokens), on two nodes' ranks."""
+    return [
+        f"actor_rollout_ref.model.path={model_path}",
+        "~task.prepare.warm_start",
+        "data.val_files=null",
+        "data.train_batch_size=2",
+        "data.max_response_length=64",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+        "actor_rollout_ref.rollout.response_length=32",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=2",
+        "trainer.resources_per_rank={trainer_node: 1}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.rollout_data_dir=null",
+        "trainer.logger=[console]",
+        f"trainer.default_local_dir={output_dir}",
+    ]
+
+
+def peak_rss_gb(actor: ray.actor.ActorHandle) -> float:
+    """The process's resident-memory high-water mark (Linux reports KiB)."""
+    return ray.get(actor.__ray_call__.remote(lambda _: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)) / 2**20
+
+
+def directory_gb(path: Path) -> float:
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file()) / 2**30
+
+
+def run_variant(name: str, model_path: str, steps: int, output_dir: Path) -> dict[str, Any]:
+    """One variant's run, on a two-node cluster of its own (a rank per node, the server and driver on the head)."""
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": {"trainer_node": 1}, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=0, resources={"trainer_node": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        config = compose_config([*overrides(model_path, steps, output_dir), *VARIANTS[name]], "arithmetic_grpo")
+        trainer = RayPPOTrainer(config)
+        try:
+            lines = trainer.fit()
+            start = time.perf_counter()
+            trainer.save_checkpoint(steps)
+            save_s = time.perf_counter() - start
+            peaks = [peak_rss_gb(rank) for rank in trainer.workers]
+            server_peak = peak_rss_gb(trainer.manager.servers[0])
+        finally:
+            trainer.shutdown(60.0)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    later = lines[1:] or lines  # the first step also warms up
+    median = {key: statistics.median(line[key] for line in later) for key in TIMINGS}
+    return {
+        "rank_peak_rss_gb": [round(peak, 2) for peak in peaks],
+        "server_peak_rss_gb": round(server_peak, 2),
+        "startup_s": round(lines[0]["timing_s/startup"], 1),
+        **{key.removeprefix("timing_s/") + "_s": round(value, 2) for key, value in median.items()},
+        "checkpoint_gb": round(directory_gb(output_dir / f"global_step_{steps}"), 2),
+        "checkpoint_s": round(save_s, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--variants", default="default,checkpointing,offload")
+    parser.add_argument("--output", default="outputs/bench_real_size")
+    parser.add_argument("--model", choices=("real", "tiny"), default="real", help="tiny: a quick run of this script")
+    args = parser.parse_args()
+    model_path = real_size_model_path() if args.model == "real" else tiny_model_path()
+    for name in args.variants.split(","):
+        print(json.dumps({name: run_variant(name, model_path, args.steps, Path(args.output) / name)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
