@@ -13,6 +13,7 @@ from agentloop.config_keys import ALWAYS_ON
 from agentloop.settings import judge_settings, rollout_settings
 from agentloop.streaming import ORDERS
 from trainer import algorithms
+from trainer.lora import LoraSettings
 from trainer.overlong import OverlongBuffer
 from trainer.rollout_correction import RolloutCorrection
 from trainer.settings import RunSettings
@@ -34,6 +35,7 @@ def check_config(config: DictConfig) -> None:
     # the rollout side's sections, checked where they are read (agentloop.settings)
     judge_settings(config, rollout_settings(config).servers)
     RunSettings.from_config(config)  # the trainer's own sections, likewise (trainer.settings)
+    _check_lora(config)
     _check_verl_settings(config)
     _check_estimator(config.algorithm)
     _check_async_training(config.async_training, int(config.data.train_batch_size))
@@ -75,6 +77,16 @@ def check_config(config: DictConfig) -> None:
                 f"{name}.ppo_mini_batch_size={mini} must divide data.train_batch_size={config.data.train_batch_size}, "
                 f"and its {int(mini) * int(config.actor_rollout_ref.rollout.n)} samples (x rollout.n) must split over {ranks} ranks"
             )
+
+
+def _check_lora(config: DictConfig) -> None:
+    """LoRA's keys (``trainer.lora``); its engines. The model's own fit is checked once it is built (``check_model``)."""
+    engine = config.actor_rollout_ref.rollout.name
+    if LoraSettings.from_config(config).enabled and engine != "hf":
+        raise ValueError(
+            f"actor_rollout_ref.model.lora_rank: LoRA adapters are pushed to the hf engine only so far, and "
+            f"actor_rollout_ref.rollout.name={engine!r}; set rollout.name=hf, or lora_rank=0"
+        )
 
 
 def _check_async_training(async_training: DictConfig, batch: int) -> None:

@@ -9,9 +9,11 @@ in as many forward passes, ``trainer.micro_batches``) and FSDP reduces the gradi
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -28,11 +30,12 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 from agentloop.allocator import keep_freed_memory
 from agentloop.cluster import actor_resources
 from agentloop.models.loading import is_vision_language, model_class
+from agentloop.server.adapters import PackedAdapter
 from agentloop.server.weights import PackedWeights
 from agentloop.settings.reading import Section
 from agentloop.settings.server import ray_resources
 from agentloop.waiting import wait_for
-from trainer import algorithms
+from trainer import algorithms, lora
 from trainer.rollout_correction import RolloutCorrection, correct, correct_batch
 from trainer.micro_batches import MicroBatching, is_stand_in, trajectory_sizes
 from trainer.sharding import load_sharded
@@ -159,9 +162,14 @@ class FSDPWorker:
         self.value_batching = MicroBatching.for_values(config.critic)
         torch.manual_seed(0)
         model = config.actor_rollout_ref.model
+        self.lora = lora.LoraSettings.from_config(config)
         self.policy = Trainable(
             self._sharded(
-                model_class(model.path), model.path, self.actor.fsdp_config, model.enable_gradient_checkpointing
+                model_class(model.path),
+                model.path,
+                self.actor.fsdp_config,
+                model.enable_gradient_checkpointing,
+                adapt=self.lora.adapt if self.lora.enabled else None,
             ),
             self.actor.optim,
             self.total_steps,
@@ -171,7 +179,9 @@ class FSDPWorker:
         )
         self.policy_has_dropout = has_dropout(self.policy.model)  # its training forward pass is not its scoring one
         self.ref = None
-        if needs_reference(config):
+        if needs_reference(config) and self.lora.enabled:
+            self.ref = self.policy.model  # scored with its adapter disabled: the base model
+        elif needs_reference(config):
             self.ref = (
                 self._sharded(model_class(ref_config.model.path), ref_config.model.path, ref_config.fsdp_config)
                 .eval()
@@ -232,7 +242,10 @@ class FSDPWorker:
             )
         model.eval()
         batching = self.ref_log_prob_batching if reference else self.log_prob_batching
-        return batching.score(batch, self.device, lambda micro: response_log_probs(model, micro, self.temperature)[0])
+        with model.disable_adapter() if reference and self.lora.enabled else contextlib.nullcontext():
+            return batching.score(
+                batch, self.device, lambda micro: response_log_probs(model, micro, self.temperature)[0]
+            )
 
     @torch.no_grad()
     def compute_values(self, batch: TensorDict) -> torch.Tensor:
@@ -327,19 +340,27 @@ class FSDPWorker:
         """
         return get_model_state_dict(self.policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def packed_state_dict(self) -> PackedWeights | None:
+    def packed_state_dict(self) -> PackedWeights | PackedAdapter | None:
         """``full_state_dict`` ready for the push: rank 0's weights as raw bytes that Ray stores without
-        pickling them (None on the other ranks). A collective, like ``full_state_dict``."""
+        pickling them (None on the other ranks); with LoRA, the adapter only. A collective, like ``full_state_dict``."""
+        if self.lora.enabled:
+            adapter = lora.gather_adapter(self.policy.model)
+            return lora.pack_adapter(self.policy.model, adapter) if self.rank == 0 else None
         state = self.full_state_dict()
         return PackedWeights.pack(state) if state else None
 
     def save_checkpoint(self, directory: str, hf_directory: str | None = None) -> None:
         """Save model, optimizer and LR schedule of the policy (and critic) as a sharded ``torch.distributed.checkpoint``.
 
-        A collective. With ``hf_directory``, rank 0 also writes the policy as a Hugging Face checkpoint.
+        A collective. With ``hf_directory``, rank 0 also writes the policy as a Hugging Face checkpoint (with
+        LoRA: the adapter in PEFT's format in ``lora_adapter`` beside it, as verl does).
         """
         dcp.save(self._trainables_state(), checkpoint_id=directory)
-        if hf_directory:
+        if hf_directory and self.lora.enabled:
+            adapter = lora.gather_adapter(self.policy.model)
+            if self.rank == 0:
+                lora.save_adapter(self.policy.model, adapter, Path(hf_directory))
+        elif hf_directory:
             state = self.full_state_dict()
             if self.rank == 0:
                 self.policy.model.save_pretrained(hf_directory, state_dict=state)

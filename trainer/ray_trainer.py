@@ -41,6 +41,7 @@ from trainer import algorithms, checkpoint
 from trainer.config_checks import check_config, warn_ignored_keys, world_size
 from trainer.data import BatchSampler, load_dataset
 from trainer.dynamic_sampling import GroupFilter
+from trainer.lora import LoraSettings
 from trainer.fsdp_workers import join_workers, launch_workers, needs_reference, push_weights, rank_gpus
 from trainer.micro_batches import split_trajectories, trajectory_sizes
 from trainer.async_training import async_settings, staleness_metrics
@@ -66,6 +67,7 @@ class RayPPOTrainer:
         config = config.copy()
         OmegaConf.resolve(config)  # interpolations only; what they name was built by prepare() (main_ppo runs it)
         check_paths(config)
+        LoraSettings.from_config(config).check_model(config.actor_rollout_ref.model.path)  # the model is built now
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         # data errors surface before any server starts

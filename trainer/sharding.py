@@ -10,7 +10,7 @@ On CPU ranks everything already lives in CPU memory: both are accepted and chang
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from omegaconf import DictConfig
@@ -24,9 +24,12 @@ def load_sharded(
     mesh: DeviceMesh,
     fsdp_config: DictConfig,
     gradient_checkpointing: bool = False,
+    adapt: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     **kwargs: Any,
 ) -> torch.nn.Module:
-    """``auto_class.from_pretrained(path)`` sharded per decoder layer (and vision block), then the root, over ``mesh``."""
+    """``auto_class.from_pretrained(path)`` sharded per decoder layer (and vision block), then the root, over ``mesh``.
+
+    ``adapt`` wraps the loaded model before it is sharded (LoRA: ``trainer.lora``)."""
     # loaded on CPU: fully_shard moves each layer to the mesh's device as it shards it (or leaves it on CPU
     # under CPUOffloadPolicy), so no GPU ever holds the whole model
     model = auto_class.from_pretrained(path, dtype=torch.float32, **kwargs)
@@ -34,6 +37,8 @@ def load_sharded(
         model.config.use_cache = False  # a KV cache is useless in training and incompatible with recomputation
         # non-reentrant: the variant that works with FSDP2's hooks and with inputs that need no gradient
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if adapt is not None:
+        model = adapt(model)
     offload = fsdp_config.get("param_offload", False) or fsdp_config.get("offload_policy", False)
     # pinned host memory speeds the copies to the GPU; it needs CUDA
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
@@ -44,7 +49,7 @@ def load_sharded(
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks sharded one by one: decoder layers, and a VLM's vision blocks too."""
-    inner = model.model
+    inner = model.get_base_model().model if hasattr(model, "get_base_model") else model.model  # (a PeftModel's)
     if hasattr(inner, "language_model"):
         return [*inner.visual.blocks, *inner.language_model.layers]
     return list(inner.layers)

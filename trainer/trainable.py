@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 from omegaconf import DictConfig
 from tensordict import TensorDict
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from transformers import get_scheduler
 
 from trainer.micro_batches import MicroBatching, is_stand_in, micro_batch_weight, split_trajectories
@@ -38,9 +38,11 @@ class Trainable:
         # not `device` under CPUOffloadPolicy: the sharded parameters, and so the optimizer state, stay on CPU
         self.parameters_device = next(model.parameters()).device
         self.offload_optimizer = offload_optimizer
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=float(optim.lr), weight_decay=float(optim.weight_decay)
-        )
+        trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        # frozen parameters (a LoRA policy's base) are neither optimized nor checkpointed
+        frozen = len(trained) < len(list(model.parameters()))
+        self.state_options = StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else None
+        self.optimizer = torch.optim.AdamW(trained, lr=float(optim.lr), weight_decay=float(optim.weight_decay))
         style = str(optim.get("warmup_style", "constant"))
         if style not in WARMUP_STYLES:
             raise ValueError(f"optim.warmup_style={style!r}; choose one of {sorted(WARMUP_STYLES)}")
@@ -101,12 +103,18 @@ class Trainable:
 
     def state(self) -> dict[str, Any]:
         self._optimizer_state_to(self.parameters_device)  # saved beside the parameters (until the next update)
-        model, optimizer = get_state_dict(self.model, self.optimizer)
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=self.state_options)
         return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
 
     def load(self, state: dict[str, Any]) -> None:
         self._optimizer_state_to(self.parameters_device)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=self.state_options,
+        )
         self.scheduler.load_state_dict(state["scheduler"])
 
 

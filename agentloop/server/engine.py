@@ -15,6 +15,7 @@ from hydra.utils import get_class
 
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
+from agentloop.server.adapters import PackedAdapter
 from agentloop.settings import ServerSettings
 
 
@@ -58,6 +59,10 @@ class Engine(Protocol):
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
         """Load new weights in place and flush the prefix cache; how many tensors were loaded. Requests in
         flight end ``interrupted`` with the tokens they have (the router continues them under the new weights)."""
+
+    async def update_adapter(self, adapter: PackedAdapter) -> int:
+        """Serve the base model with a LoRA ``adapter`` (replacing the previous one), otherwise as
+        ``update_weights``."""
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Load the weights of a checkpoint directory in place and flush the prefix cache."""

@@ -24,6 +24,7 @@ from agentloop.models.loading import is_vision_language, model_class, vision_tok
 from agentloop.protocol import FinishReason, TokenOutput
 from agentloop.server.sampling import finish_reason_of, id_list, validate_prompt, validate_sampling_params
 from agentloop.server import hf_batching, hf_self_test, hf_varlen
+from agentloop.server.adapters import PackedAdapter
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.hf_batching import ContinuousBatchingConfig
 from agentloop.server.hf_state import EngineState, Request
@@ -92,6 +93,9 @@ class HFEngine:
             None,
         )  # the failure: why a broken engine's manager would not start
         self._watchdog: asyncio.Task | None = None
+        # the base weights of the modules a LoRA adapter adapts, kept aside at the first adapter push: each push
+        # merges its adapter into them (the served weights are base + adapter)
+        self._base_weights: dict[str, torch.Tensor] = {}
         hf_self_test.check(self, start=self._start_batcher, stop=self._stop_batcher)  # a broken release fails here
 
     @classmethod
@@ -318,6 +322,23 @@ class HFEngine:
         In-flight requests end ``interrupted`` with their tokens so far (sampled by the old weights); the
         router continues them under the new ones.
         """
+        loaded = await self._load_weights(named_tensors)
+        self._base_weights.clear()  # a new base: a later adapter merges into these weights
+        return loaded
+
+    async def update_adapter(self, adapter: PackedAdapter) -> int:
+        """Serve base + ``adapter`` (a LoRA adapter, merged into the adapted modules' base weights, which the first
+        push keeps aside); otherwise as ``update_weights``. Returns how many weight tensors changed."""
+        params = dict(self.model.named_parameters())
+        for module in adapter.scalings:
+            name = f"{module}.weight"
+            if name not in params:
+                raise KeyError(f"update_adapter: the adapter adapts {module!r}, which the model lacks")
+            if name not in self._base_weights:
+                self._base_weights[name] = params[name].detach().clone()
+        return await self._load_weights(adapter.merged_into(self._base_weights))
+
+    async def _load_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
         items = list(named_tensors.items())
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))

@@ -19,6 +19,7 @@ from ray.exceptions import RayTaskError
 from agentloop.allocator import keep_freed_memory
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
+from agentloop.server.adapters import PackedAdapter
 from agentloop.server.accounting import BusyClock, node_info
 from agentloop.server.engine import Engine, build_engine
 from agentloop.server.weights import PackedWeights
@@ -102,15 +103,18 @@ class RolloutServer:
         return self.engine.num_in_flight
 
     async def update_weights(
-        self, state_dict: dict[str, torch.Tensor] | PackedWeights, version: int | None = None
+        self, state_dict: dict[str, torch.Tensor] | PackedWeights | PackedAdapter, version: int | None = None
     ) -> int:
         """Copy new weights into the engine (prefix cache flushed); returns how many tensors were updated.
 
-        ``version``: the trainer's number for these weights (default: one more than the last).
+        ``version``: the trainer's number for these weights (default: one more than the last). A LoRA run pushes
+        its adapter (``PackedAdapter``): the engine serves the base model with it.
         """
-        if isinstance(state_dict, PackedWeights):
-            state_dict = state_dict.tensors()
         async with self._weights_changing(version):
+            if isinstance(state_dict, PackedAdapter):
+                return await self.engine.update_adapter(state_dict)
+            if isinstance(state_dict, PackedWeights):
+                state_dict = state_dict.tensors()
             return await self.engine.update_weights(state_dict)
 
     async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:

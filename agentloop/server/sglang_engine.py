@@ -32,6 +32,7 @@ from transformers import AutoConfig, GenerationConfig
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
 from agentloop.server.sampling import finish_reason_of, id_list, validate_sampling_params
+from agentloop.server.adapters import PackedAdapter
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess
 from agentloop.settings import ServerSettings
@@ -228,6 +229,10 @@ class SGLangEngine:
         body = {"serialized_named_tensors": [payload] * self.tensor_parallel_size, "flush_cache": False}
         await self._update_paused("/update_weights_from_tensor", body)
         return len(named_tensors)
+
+    async def update_adapter(self, adapter: PackedAdapter) -> int:
+        """Not served by this engine yet: LoRA runs use ``rollout.name=hf`` (the config check refuses others)."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters yet; use rollout.name=hf")
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Load a checkpoint directory the server can read, between begin/end, then flush the cache (requests in

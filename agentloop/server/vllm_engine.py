@@ -39,6 +39,7 @@ import torch
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
 from agentloop.server.sampling import validate_sampling_params
+from agentloop.server.adapters import PackedAdapter
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess
 from agentloop.settings import ServerSettings
@@ -235,6 +236,10 @@ class VLLMEngine:
         finally:
             os.unlink(path)
         return len(named_tensors)
+
+    async def update_adapter(self, adapter: PackedAdapter) -> int:
+        """Not served by this engine yet: LoRA runs use ``rollout.name=hf`` (the config check refuses others)."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters yet; use rollout.name=hf")
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Load the safetensors files of a checkpoint directory the server can read, with generation paused."""

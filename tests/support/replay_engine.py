@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from transformers import AutoTokenizer
@@ -89,6 +89,9 @@ class ReplayEngine:
 
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
         return len(named_tensors)  # replayed text does not depend on weights
+
+    async def update_adapter(self, adapter: Any) -> int:
+        return len(adapter.scalings)  # likewise
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         return None
