@@ -4,10 +4,13 @@ pushes to two ``hf`` servers, checkpoints in PEFT's format, and the configuratio
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 
 import pytest
 import ray
+import requests
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
@@ -15,13 +18,16 @@ from transformers import AutoModelForCausalLM
 from agentloop.protocol import TokenOutput
 from agentloop.rows import write_rows
 from agentloop.server.adapters import PackedAdapter
+from agentloop.server.vllm_engine import VLLMEngine, launch_args, server_env
+from agentloop.settings import rollout_settings
 from agentloop.tasks.arithmetic.data import make_rows
 from tests.support.config import small_config
 from tests.support.ranks import manager_and_two_ranks, scores
+from tests.test_hf_engine import teacher_forced_logprobs
 from trainer import algorithms
 from trainer.config_checks import check_config
 from trainer.fsdp_workers import push_weights, response_log_probs
-from trainer.lora import LoraSettings
+from trainer.lora import LoraSettings, gather_adapter, pack_adapter
 from trainer.main_ppo import run
 from trainer.micro_batches import split_trajectories, trajectory_sizes
 
@@ -210,7 +216,9 @@ def test_bad_lora_settings_are_refused_naming_the_key(model_path, tmp_path):
         check_config(small_config(f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'nowhere'}"))
     with pytest.raises(ValueError, match=r"model.lora_rank=-1: must be at least 0"):
         check_config(small_config("actor_rollout_ref.model.lora_rank=-1"))
-    with pytest.raises(ValueError, match=r"model.lora_rank: LoRA adapters are pushed to the hf engine only .*'sglang'"):
+    with pytest.raises(
+        ValueError, match=r"model.lora_rank: LoRA adapters are pushed to the hf and vllm engines only .*'sglang'"
+    ):
         check_config(small_config(*LORA, "actor_rollout_ref.rollout.name=sglang"))
     lora_settings(*LORA).check_model(path)  # the tests' shape fits
     assert not lora_settings().enabled
@@ -219,7 +227,59 @@ def test_bad_lora_settings_are_refused_naming_the_key(model_path, tmp_path):
 def test_a_job_with_a_target_module_the_model_lacks_fails_before_any_server_starts(local_ray, tmp_path):
     train = write_rows(make_rows(4), str(tmp_path / "t.jsonl"))
     config = small_config(*LORA, f"data.train_files=[{train}]", "actor_rollout_ref.model.target_modules=[qkv_proj]")
+
+    def idle() -> bool:
+        return ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU")
+
+    deadline = time.monotonic() + 30  # the actors of earlier tests give their CPUs back asynchronously
+    while not idle() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert idle()
     with pytest.raises(ValueError, match=r"actor_rollout_ref.model.target_modules names \['qkv_proj'\]"):
         run(config)
-    # no server was started (and so no rank: they start together), none is holding its CPU
-    assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU")
+    assert idle(), "no server was started (and so no rank: they start together)"
+
+
+def random_adapter(model_path, seed: int) -> tuple[PackedAdapter, torch.nn.Module]:
+    """A rank-4 adapter with random (non-zero) factors, as the push sends it, and its merged model."""
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    adapter = pack_adapter(model, gather_adapter(model))
+    return adapter, model.merge_and_unload().eval()
+
+
+def test_vllm_loads_each_pushed_adapter_through_its_lora_routes_and_unloads_the_previous(model_path):
+    from tests.test_vllm_engine import vllm_overrides
+
+    settings = rollout_settings(small_config(*vllm_overrides(), *LORA)).servers
+    assert "--enable-lora" in launch_args(settings, 0) and server_env(settings)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
+    engine = VLLMEngine.from_settings(settings, rank=0)
+    prompt, params = list(range(3, 30)), {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+
+    async def serve(adapters):
+        served = []
+        for index, adapter in enumerate(adapters):
+            assert await engine.update_adapter(adapter) == len(adapter.scalings)
+            served.append(await engine.generate(prompt, params, f"lora-{index}"))
+        models = await asyncio.to_thread(requests.get, engine.url + "/v1/models", timeout=30)
+        return served, [entry["id"] for entry in models.json()["data"]]
+
+    try:
+        (first, first_model), (second, second_model) = random_adapter(model_path, 1), random_adapter(model_path, 2)
+        served, models = asyncio.run(serve([first, second]))
+    finally:
+        asyncio.run(engine.shutdown())
+    for output, model in zip(served, [first_model, second_model]):
+        reference = teacher_forced_logprobs(model, prompt, output.token_ids)
+        assert torch.allclose(torch.tensor(output.log_probs), reference, atol=1e-4)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    assert not torch.allclose(
+        torch.tensor(served[1].log_probs), teacher_forced_logprobs(base, prompt, served[1].token_ids), atol=1e-2
+    )
+    # the first adapter was unloaded: the server lists its base model and the adapter it serves now
+    assert len(models) == 2 and sum(name.startswith("agentloop-lora-") for name in models) == 1

@@ -66,7 +66,7 @@ class LoraSettings:
     @classmethod
     def from_config(cls, config: DictConfig) -> LoraSettings:
         """Read from the composed config (the trainer's and each rank's edge)."""
-        return cls.from_section(Section(config.actor_rollout_ref.get("model"), KEY))
+        return cls.from_section(Section(config.get("actor_rollout_ref"), "actor_rollout_ref").sub("model"))
 
     def lora_config(self) -> LoraConfig:
         """The adapter's ``peft`` config: the saved adapter's own, else one from the keys (verl's: no bias)."""

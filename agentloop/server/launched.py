@@ -201,12 +201,16 @@ class JSONClient:
     async def post(
         self, path: str, body: Any = None, accept: tuple[int, ...] = (200,), params: Mapping[str, str] | None = None
     ) -> Any:
-        """The answer's JSON (None for an empty body); any status outside ``accept`` raises with the server's text."""
+        """The answer's JSON (None for an empty body, the text of a plain-text one such as vLLM's LoRA routes give);
+        any status outside ``accept`` raises with the server's text."""
         async with self.session().post(self.url + path, json=body, params=params) as response:
             text = await response.text()
             if response.status not in accept:
                 raise RuntimeError(f"{self.name} {path} answered {response.status}: {text[:500]}")
-            return await response.json(content_type=None) if text else None
+        try:
+            return json.loads(text) if text else None
+        except ValueError:
+            return text
 
     async def close(self) -> None:
         if self._session is not None and self._loop is asyncio.get_running_loop():

@@ -30,7 +30,9 @@ import os
 import socket
 import subprocess
 import sys
+import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterable, Mapping
 
@@ -48,6 +50,7 @@ PLUGIN_PATH = Path(__file__).with_name("vllm_plugin")
 WEIGHT_BACKEND = "agentloop_file"  # registered by vllm_plugin/agentloop_vllm_plugin.py
 # vLLM's name for a request sent to /inference/v1/generate with request_id=<id>
 VLLM_REQUEST_PREFIX = "generate-tokens-"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank accepts
 
 
 def launch_args(settings: ServerSettings, rank: int) -> list[str]:
@@ -71,9 +74,19 @@ def launch_args(settings: ServerSettings, rank: int) -> list[str]:
         "--logprobs-mode",
         "processed_logprobs",
         "--enable-prompt-tokens-details",
+        *_lora_flags(settings.lora_rank),
         *_flags({**verl_flags, **settings.engine_kwargs.get("vllm", {})}),
         *settings.vllm.extra_args,
     ]
+
+
+def _lora_flags(rank: int) -> list[str]:
+    """A LoRA run's server takes adapters up to ``rank`` (vLLM's ``--max-lora-rank`` choices: the next one up), one
+    at a time: each push loads the new adapter and unloads the previous one."""
+    if not rank:
+        return []
+    max_rank = next((choice for choice in VLLM_LORA_RANKS if choice >= rank), rank)
+    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "1"]
 
 
 def _flags(settings: Mapping[str, Any]) -> list[str]:
@@ -99,6 +112,8 @@ def server_env(settings: ServerSettings) -> dict[str, str]:
         "VLLM_PLUGINS": "agentloop_weights",  # only ours among any general plug-ins installed beside vLLM
         "AGENTLOOP_VLLM_EXIT_WITH_PARENT": "1",  # its engine core and workers too (see the plug-in)
     }
+    if settings.lora_rank:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # the /v1/load_lora_adapter and unload routes
     if not torch.cuda.is_available():
         env.update(
             VLLM_CPU_KVCACHE_SPACE=f"{settings.vllm.cpu_kvcache_space_gb:g}",
@@ -136,6 +151,7 @@ class VLLMEngine:
         self.weights_dir = weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         self.calls = InFlightCalls()  # each call's request_id: ``<session>#<n>``
         self._sleeping = False
+        self._adapter: tuple[str, Path] | None = None  # the LoRA adapter served (its name in vLLM, its directory)
         if not url:
             python = python or sys.executable
             _check_vllm_installed(python)
@@ -191,6 +207,8 @@ class VLLMEngine:
         """Close the connection pool and stop a launched server (an attached one keeps running)."""
         await self.client.close()
         self.server.terminate()
+        if self._adapter is not None:
+            shutil.rmtree(self._adapter[1], ignore_errors=True)
 
     # ------------------------------------------------------------------ calls
 
@@ -207,6 +225,8 @@ class VLLMEngine:
             raise EngineAsleep("engine is asleep: call wake_up() before generate()")
         with self.calls.call(request_id) as rid:
             body = {"token_ids": list(prompt_ids), "request_id": rid, "sampling_params": _sampling(sampling_params)}
+            if self._adapter is not None:
+                body["model"] = self._adapter[0]  # vLLM serves the base model with this adapter
             output = parse_generate_response(await self.client.post("/inference/v1/generate", body))
             if output.finish_reason == "abort" and self.calls.interrupted(rid):
                 output.finish_reason = "interrupted"
@@ -238,8 +258,23 @@ class VLLMEngine:
         return len(named_tensors)
 
     async def update_adapter(self, adapter: PackedAdapter) -> int:
-        """Not served by this engine yet: LoRA runs use ``rollout.name=hf`` (the config check refuses others)."""
-        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters yet; use rollout.name=hf")
+        """Write the adapter in PEFT's format to ``weights_dir`` and load it through vLLM's ``/v1/load_lora_adapter``
+        under a new name with generation paused (requests in flight end ``interrupted``), then unload the previous
+        one; later requests name it. The server must be launched for LoRA (``ServerSettings.lora_rank``)."""
+        name = f"agentloop-lora-{uuid.uuid4().hex[:12]}"
+        directory = await asyncio.to_thread(adapter.save, Path(self.weights_dir) / name)
+        previous = self._adapter
+        try:
+            async with self._generation_paused():
+                await self.client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)})
+                self._adapter = (name, directory)
+                if previous is not None:
+                    await self.client.post("/v1/unload_lora_adapter", {"lora_name": previous[0]})
+                await self.flush_cache()
+        finally:  # the directory no adapter served is read from again: the previous one's, or this one's if it failed
+            for unused in {directory, previous and previous[1]} - {self._adapter and self._adapter[1], None}:
+                shutil.rmtree(unused, ignore_errors=True)
+        return len(adapter.scalings)
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Load the safetensors files of a checkpoint directory the server can read, with generation paused."""

@@ -10,18 +10,22 @@ they are read, so a bad value fails before anything starts, naming its key and t
 
 from __future__ import annotations
 
+import dataclasses
+
 from omegaconf import DictConfig
 
 from agentloop.settings.judge import JudgeSettings
 from agentloop.settings.reading import Section
 from agentloop.settings.rollout import ROLLOUT_KEY, AgentSettings, RolloutSettings
-from agentloop.settings.server import ServerSettings
+from agentloop.settings.server import ServerSettings, lora_rank
 
 
 def rollout_settings(config: DictConfig) -> RolloutSettings:
     """The policy's rollout settings of a composed config (``actor_rollout_ref.rollout``, ``.model.path``)."""
-    model_path = Section(config.actor_rollout_ref, "actor_rollout_ref").sub("model").str("path")
-    return RolloutSettings.from_section(Section(config.actor_rollout_ref.rollout, ROLLOUT_KEY), model_path)
+    model = Section(config.actor_rollout_ref, "actor_rollout_ref").sub("model")
+    settings = RolloutSettings.from_section(Section(config.actor_rollout_ref.rollout, ROLLOUT_KEY), model.str("path"))
+    # LoRA runs push adapters: a server that loads them as such (vLLM) is launched to take their rank
+    return dataclasses.replace(settings, servers=dataclasses.replace(settings.servers, lora_rank=lora_rank(model)))
 
 
 def judge_settings(config: DictConfig, policy: ServerSettings) -> JudgeSettings | None:

@@ -96,4 +96,5 @@ def _servers(rollout: Section, model_path: str, policy: ServerSettings) -> Serve
         sglang=sglang,
         vllm=vllm,
         http=dataclasses.replace(policy.http, enable=False),
+        lora_rank=0,  # a judge is never pushed weights
     )

@@ -6,7 +6,9 @@ The policy's come from ``actor_rollout_ref.rollout`` (``ServerSettings.from_sect
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from agentloop.settings.reading import Section
@@ -132,7 +134,8 @@ class ServerSettings:
     """One pool of servers: which engine on which model, their resources, budgets and supervision.
 
     ``role`` is what messages call the servers (``rollout server``, ``judge server``); ``section`` the config key
-    their settings were read from. ``vllm_flags`` holds verl's ``rollout.*`` keys that have a vLLM meaning (null:
+    their settings were read from. ``lora_rank``: the largest rank of the LoRA adapters pushed to them (0: full-weight
+    pushes; the policy's, see ``lora_rank``). ``vllm_flags`` holds verl's ``rollout.*`` keys that have a vLLM meaning (null:
     vLLM's default); ``engine_kwargs`` the extra launch flags per backend.
     """
 
@@ -159,6 +162,7 @@ class ServerSettings:
     vllm: VLLMSettings = VLLMSettings()
     http: HTTPSettings = HTTPSettings()
     tool_format: str = "hermes"
+    lora_rank: int = 0
 
     @classmethod
     def from_section(cls, rollout: Section, model_path: str) -> ServerSettings:
@@ -221,6 +225,16 @@ class ServerSettings:
                 f"data_parallel_size={self.data_parallel_size}; list one URL per server"
             )
         return urls[rank] if urls else None
+
+
+def lora_rank(model: Section) -> int:
+    """The largest rank of the LoRA adapters the policy's servers will be pushed (``model`` is
+    ``actor_rollout_ref.model``): the adapter's at ``lora_adapter_path``, else ``lora_rank``; 0: no LoRA."""
+    path = model.optional_str("lora_adapter_path")
+    if path is not None and (Path(path) / "adapter_config.json").is_file():
+        adapter = json.loads((Path(path) / "adapter_config.json").read_text())
+        return max([int(adapter.get("r") or 0), *(int(rank) for rank in (adapter.get("rank_pattern") or {}).values())])
+    return model.int("lora_rank", minimum=0, default=0)
 
 
 def ray_resources(section: Section, key: str = "resources_per_server") -> dict[str, float]:
