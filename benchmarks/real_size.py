@@ -9,7 +9,8 @@ variant runs the arithmetic quick start (``--config-name arithmetic_grpo``: tool
 ``--steps`` steps on a simulated two-node Ray cluster, one FSDP rank on each node, one rollout server, and reports
 per rank the peak resident memory (the process's high-water mark), seconds per step and its parts, the weight push,
 and the size and seconds of one checkpoint (saved after the last step). Variants differ in the ranks' memory
-settings (gradient checkpointing; the optimizer state offloaded). Absolute seconds vary with the machine's load:
+settings (gradient checkpointing; the optimizer state offloaded) or train LoRA adapters instead of the weights
+(``lora``: the size of each push is the adapter's). Absolute seconds vary with the machine's load:
 compare variants within one run.
 """
 
@@ -41,6 +42,8 @@ VARIANTS = {
         "actor_rollout_ref.model.enable_gradient_checkpointing=true",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
     ],
+    # LoRA instead of full weights (docs/guides/lora.md): rank 16 on every linear layer
+    "lora": ["actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32"],
 }
 
 
@@ -96,6 +99,16 @@ def peak_rss_gb(actor: ray.actor.ActorHandle) -> float:
     return ray.get(actor.__ray_call__.remote(lambda _: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)) / 2**20
 
 
+def trained_mb(rank: ray.actor.ActorHandle) -> float:
+    """The size of what trains, and so of each push: every parameter, or the adapter only (global sizes of the
+    sharded parameters)."""
+
+    def size(worker: Any) -> int:
+        return sum(p.numel() * p.element_size() for p in worker.policy.model.parameters() if p.requires_grad)
+
+    return ray.get(rank.__ray_call__.remote(size)) / 1e6
+
+
 def directory_gb(path: Path) -> float:
     return sum(file.stat().st_size for file in path.rglob("*") if file.is_file()) / 2**30
 
@@ -119,6 +132,7 @@ def run_variant(name: str, model_path: str, steps: int, output_dir: Path) -> dic
             save_s = time.perf_counter() - start
             peaks = [peak_rss_gb(rank) for rank in trainer.workers]
             server_peak = peak_rss_gb(trainer.manager.servers[0])
+            push_mb = trained_mb(trainer.workers[0])
         finally:
             trainer.shutdown(60.0)
     finally:
@@ -131,6 +145,7 @@ def run_variant(name: str, model_path: str, steps: int, output_dir: Path) -> dic
         "server_peak_rss_gb": round(server_peak, 2),
         "startup_s": round(lines[0]["timing_s/startup"], 1),
         **{key.removeprefix("timing_s/") + "_s": round(value, 2) for key, value in median.items()},
+        "push_mb": round(push_mb, 1),
         "checkpoint_gb": round(directory_gb(output_dir / f"global_step_{steps}"), 2),
         "checkpoint_s": round(save_s, 1),
     }
