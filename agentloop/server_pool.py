@@ -166,11 +166,20 @@ class ServerPool:
     ) -> dict[int, Any]:
         """``method(*args)`` on every live server (of ``ranks``); a server that dies or times out is replaced
         (``replace``), which leaves the replacement in the state the call was for. Returns rank -> result or
-        exception."""
+        exception. A replacing call is watched: a server that stops answering (a hung process) is given up on
+        within ``supervision.health_timeout_s``, whatever ``timeout_s`` allows the call itself."""
         refs = {
             rank: getattr(self.servers[rank], method).remote(*args)
             for rank in (self.live_ranks if ranks is None else ranks)
         }
+        results = self._watch(method, refs, timeout_s) if replace else self._await(method, refs, timeout_s)
+        if replace:
+            for rank, outcome in results.items():
+                if isinstance(outcome, BaseException):
+                    self.replace(rank, f"{method}: {type(outcome).__name__}: {outcome}")
+        return results
+
+    def _await(self, method: str, refs: dict[int, ray.ObjectRef], timeout_s: float) -> dict[int, Any]:
         if not refs:
             return {}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
@@ -179,15 +188,37 @@ class ServerPool:
             if ref not in ready:
                 ray.cancel(ref)
                 results[rank] = TimeoutError(f"server {rank} did not answer {method} within {timeout_s:.0f}s")
-                continue
-            try:
-                results[rank] = ray.get(ref)
-            except (RayActorError, GetTimeoutError) as error:
-                results[rank] = error
-        if replace:
-            for rank, outcome in results.items():
-                if isinstance(outcome, BaseException):
-                    self.replace(rank, f"{method}: {type(outcome).__name__}: {outcome}")
+            else:
+                results[rank] = _outcome(ref)
+        return results
+
+    def _watch(self, method: str, refs: dict[int, ray.ObjectRef], timeout_s: float) -> dict[int, Any]:
+        """Wait for ``refs`` (``method`` on each rank) up to ``timeout_s``, probing every unfinished server each
+        tick: one whose probe goes unanswered for ``health_timeout_s`` is hung (its call is cancelled) while the
+        others' calls go on. A slow call on a server that answers is waited for."""
+        health_s = self.supervision.health_timeout_s
+        tick, deadline = min(1.0, health_s / 4), time.monotonic() + timeout_s
+        pending, results = dict(refs), {}
+        probes: dict[int, tuple[ray.ObjectRef, float]] = {}  # rank -> its unanswered probe, and when it was sent
+        while pending:
+            ray.wait(list(pending.values()), num_returns=len(pending), timeout=tick)
+            now = time.monotonic()
+            for rank, ref in list(pending.items()):
+                if ray.wait([ref], timeout=0)[0]:
+                    results[rank] = _outcome(pending.pop(rank))
+                    continue
+                probe, sent = probes.get(rank, (None, now))
+                answered = probe is None or bool(ray.wait([probe], timeout=0)[0])
+                if now > deadline or (not answered and now - sent > health_s):
+                    ray.cancel(pending.pop(rank))
+                    results[rank] = TimeoutError(
+                        f"{self.role} {rank} did not answer {method} within {timeout_s:.0f}s"
+                        if now > deadline
+                        else f"{self.role} {rank} stopped answering during {method}: no answer to a health probe "
+                        f"within {health_s:.0f}s ({self.settings.section}.supervision.health_timeout_s)"
+                    )
+                elif answered:
+                    probes[rank] = (self.servers[rank].in_flight.remote(), now)
         return results
 
     def update_weights(self, ref: ray.ObjectRef, version: int | None = None) -> None:
@@ -234,3 +265,11 @@ class ServerPool:
         for server in self.servers:
             ray.kill(server)
         remove_placement_group(self.placement_group)
+
+
+def _outcome(ref: ray.ObjectRef) -> Any:
+    """A finished call's result, or the error that says its server died."""
+    try:
+        return ray.get(ref)
+    except (RayActorError, GetTimeoutError) as error:
+        return error
