@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from agentloop import AgentLoopManager
 from agentloop.server.collective import WeightGroup, WeightReceiver, WeightSource, bucket_plan
 from tests.support.config import small_config
+from trainer.fsdp_workers import FSDPWorker, push_weights, start_workers
 from tests.test_supervision import GREEDY, PROMPT, perturbed
 
 # small buckets: the tiny model's weights go in many broadcasts, some tensors alone in theirs
@@ -118,7 +119,7 @@ def test_an_unreachable_address_fails_within_its_timeout_naming_the_server_and_s
     timeout_s = 3
     manager = AgentLoopManager(
         collective_config(
-            "actor_rollout_ref.rollout.weight_sync_master_addr=192.0.2.1",  # TEST-NET-1: routed nowhere
+            "actor_rollout_ref.rollout.weight_sync_master_addr=203.0.113.1",  # TEST-NET-3: routed nowhere
             f"actor_rollout_ref.rollout.weight_sync_timeout_s={timeout_s}",
         )
     )
@@ -130,7 +131,7 @@ def test_an_unreachable_address_fails_within_its_timeout_naming_the_server_and_s
         elapsed = time.monotonic() - start
         message = str(failure.value)
         assert "rollout server 0" in message and "rollout server 1" in message
-        assert "weight_sync_timeout_s" in message and "weight_sync_master_addr" in message and "192.0.2.1" in message
+        assert "weight_sync_timeout_s" in message and "weight_sync_master_addr" in message and "203.0.113.1" in message
         assert elapsed < 4 * timeout_s + 10, elapsed  # the store's connect retries once past its timeout
         assert manager.pool.events == []  # a configuration error replaces no server
     finally:
@@ -190,3 +191,29 @@ def test_buckets_keep_every_dtype_and_shape():
     assert sent > 0 and received.keys() == state.keys()
     for name, tensor in state.items():
         assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor)
+
+
+@ray.remote
+class ScalableRank(FSDPWorker.__ray_actor_class__):  # the trainer's rank as is, plus a way to change its policy
+    def scale_policy(self, factor: float) -> None:
+        with torch.no_grad():
+            for parameter in self.policy.model.parameters():
+                parameter.mul_(factor)
+
+
+def test_the_trainer_pushes_its_policy_on_every_path(local_ray, model_path):
+    # trainer.fsdp_workers.push_weights from a real FSDP rank: after each push both servers serve the rank's policy
+    manager = AgentLoopManager(collective_config("actor_rollout_ref.rollout.weight_sync_timeout_s=60"))
+    ranks = start_workers(manager.config, 1, 1, 300, worker_class=ScalableRank)
+    try:
+        for version, path in enumerate(["collective", "disk", "object_store"], start=1):
+            ray.get(ranks[0].scale_policy.remote(1.0 + 0.2 * version), timeout=60)
+            state = ray.get(ranks[0].full_state_dict.remote(), timeout=60)
+            push_weights(ranks, manager, 300, version, path=path)
+            expected = hf_greedy(model_path, state)
+            assert served(manager) == [(expected, version), (expected, version)], path
+    finally:
+        ray.get([rank.shutdown.remote() for rank in ranks], timeout=60)
+        for rank in ranks:
+            ray.kill(rank)
+        manager.shutdown()

@@ -459,22 +459,28 @@ def needs_reference(config: DictConfig) -> bool:
 
 
 def push_weights(
-    workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float, version: int | None = None
+    workers: list[ray.actor.ActorHandle],
+    manager: AgentLoopManager,
+    timeout_s: float,
+    version: int | None = None,
+    path: str | None = None,
 ) -> None:
     """Gather the policy on rank 0 and load it into every rollout server as policy ``version``.
 
     By ``rollout.weight_sync``: ``object_store``, the servers read rank 0's packed weights straight from Ray's object
     store (the bytes never pass through the driver, and are never pickled); ``collective``, rank 0 keeps them and
     broadcasts them to the servers; ``disk``, rank 0 writes a checkpoint under ``weight_sync_dir`` that they load.
+    ``path`` overrides the setting (the benchmark compares them on one set of servers).
     """
     sync = manager.settings.servers.weight_sync
-    if sync.path == "collective":  # rank 0 keeps the gathered weights and broadcasts them to the servers
+    path = path or sync.path
+    if path == "collective":  # rank 0 keeps the gathered weights and broadcasts them to the servers
         wait_for(
             [worker.keep_for_push.remote() for worker in workers], timeout_s, "the weight gather on the FSDP ranks"
         )
         manager.update_weights_collective(workers[0], version)
         return
-    if sync.path == "disk":
+    if path == "disk":
         saved = [worker.save_for_push.remote(sync.dir, version) for worker in workers]
         manager.update_weights_from_disk(wait_for(saved, timeout_s, "the weights written for the push")[0], version)
         return
