@@ -174,7 +174,7 @@ def _until(store: dist.Store, keys: list[str], group: WeightGroup, who: str) -> 
             raise RuntimeError(f"{who}: the weight push was called off: {store.get(CALLED_OFF).decode()}")
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.05)
+        time.sleep(0.01)
     return True
 
 
