@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from agentloop.cluster import check_offered
+from agentloop.server.collective import WeightGroup, call_off
 from agentloop.server.rollout_server import RolloutServer
 from agentloop.settings import ServerSettings
 from agentloop.waiting import wait_for
@@ -69,7 +70,9 @@ class ServerPool:
         )
         self.servers = [self._spawn(rank) for rank in range(size)]  # loading their engines until ``wait_until_serving``
         self.addresses: list[str] = []
-        self.weights: ray.ObjectRef | None = None  # the latest push: what a replacement must serve
+        # the latest push, what a replacement must serve: ("object_store", its ref) | ("disk", its directory) |
+        # ("collective", the trainer rank actor that keeps it)
+        self.latest: tuple[str, Any] | None = None
         self.version: int | None = None  # its policy version
         self.asleep = False
         self.given_up: dict[int, str] = {}
@@ -145,12 +148,8 @@ class ServerPool:
         wait_for(
             [server.__ray_ready__.remote()], self.startup_timeout_s, f"the replacement of {self.role} {rank} to start"
         )
-        if self.weights is not None:
-            wait_for(
-                [server.update_weights.remote(self.weights, self.version)],
-                self.startup_timeout_s,
-                f"the latest weights on server {rank}",
-            )
+        if self.latest is not None:
+            self._load_latest(rank, server)
         if self.asleep:
             wait_for([server.sleep.remote()], self.startup_timeout_s, f"the replacement of server {rank} to sleep")
         if self.addresses:
@@ -166,11 +165,22 @@ class ServerPool:
     ) -> dict[int, Any]:
         """``method(*args)`` on every live server (of ``ranks``); a server that dies or times out is replaced
         (``replace``), which leaves the replacement in the state the call was for. Returns rank -> result or
-        exception."""
+        exception. A replacing call is watched: a server that stops answering (a hung process) is given up on
+        within ``supervision.health_timeout_s``, whatever ``timeout_s`` allows the call itself."""
         refs = {
             rank: getattr(self.servers[rank], method).remote(*args)
             for rank in (self.live_ranks if ranks is None else ranks)
         }
+        results = self._watch(method, refs, timeout_s) if replace else self._await(method, refs, timeout_s)
+        if replace:
+            for rank, outcome in results.items():
+                if isinstance(outcome, BaseException):
+                    self.replace(rank, f"{method}: {type(outcome).__name__}: {outcome}")
+        return results
+
+    def _await(
+        self, method: str, refs: dict[int, ray.ObjectRef], timeout_s: float, task_errors: bool = False
+    ) -> dict[int, Any]:
         if not refs:
             return {}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
@@ -179,22 +189,118 @@ class ServerPool:
             if ref not in ready:
                 ray.cancel(ref)
                 results[rank] = TimeoutError(f"server {rank} did not answer {method} within {timeout_s:.0f}s")
-                continue
-            try:
-                results[rank] = ray.get(ref)
-            except (RayActorError, GetTimeoutError) as error:
-                results[rank] = error
-        if replace:
-            for rank, outcome in results.items():
-                if isinstance(outcome, BaseException):
-                    self.replace(rank, f"{method}: {type(outcome).__name__}: {outcome}")
+            else:
+                results[rank] = _outcome(ref, task_errors)
+        return results
+
+    def _watch(
+        self,
+        method: str,
+        refs: dict[int, ray.ObjectRef],
+        timeout_s: float,
+        task_errors: bool = False,
+        on_lost: Callable[[int, BaseException], None] | None = None,
+    ) -> dict[int, Any]:
+        """Wait for ``refs`` (``method`` on each rank) up to ``timeout_s``, probing every unfinished server each
+        tick: one whose probe goes unanswered for ``health_timeout_s`` is hung (its call is cancelled) while the
+        others' calls go on. A slow call on a server that answers is waited for. ``on_lost`` hears at once of each
+        server found dead or hung."""
+        health_s = self.supervision.health_timeout_s
+        tick, deadline = min(1.0, health_s / 4), time.monotonic() + timeout_s
+        pending, results = dict(refs), {}
+        probes: dict[int, tuple[ray.ObjectRef, float]] = {}  # rank -> its unanswered probe, and when it was sent
+        while pending:
+            ray.wait(list(pending.values()), num_returns=len(pending), timeout=tick)
+            now = time.monotonic()
+            for rank, ref in list(pending.items()):
+                if ray.wait([ref], timeout=0)[0]:
+                    results[rank] = _outcome(pending.pop(rank), task_errors)
+                    if on_lost and isinstance(results[rank], RayActorError):
+                        on_lost(rank, results[rank])
+                    continue
+                probe, sent = probes.get(rank, (None, now))
+                answered = probe is None or bool(ray.wait([probe], timeout=0)[0])
+                if now > deadline or (not answered and now - sent > health_s):
+                    ray.cancel(pending.pop(rank))
+                    results[rank] = TimeoutError(
+                        f"{self.role} {rank} did not answer {method} within {timeout_s:.0f}s"
+                        if now > deadline
+                        else f"{self.role} {rank} stopped answering during {method}: no answer to a health probe "
+                        f"within {health_s:.0f}s ({self.settings.section}.supervision.health_timeout_s)"
+                    )
+                    if on_lost:
+                        on_lost(rank, results[rank])
+                elif answered:
+                    probes[rank] = (self.servers[rank].in_flight.remote(), now)
         return results
 
     def update_weights(self, ref: ray.ObjectRef, version: int | None = None) -> None:
         """Load ``ref`` (the pushed weights, policy ``version``) into every server; a replacement started now
         loads it too."""
-        self.weights, self.version = ref, version
+        self.latest, self.version = ("object_store", ref), version
         self._call("update_weights", (ref, version), self.startup_timeout_s)
+
+    def update_weights_from_disk(self, directory: str, version: int | None = None) -> None:
+        """Load the checkpoint in ``directory`` (every server must see it) into every server, as ``version``."""
+        self.latest, self.version = ("disk", directory), version
+        self._call("update_weights_from_disk", (directory, version), self.startup_timeout_s)
+
+    def update_weights_collective(self, source: ray.actor.ActorHandle, version: int | None = None) -> None:
+        """Broadcast the weights ``source`` keeps (trainer rank 0, a ``WeightSource``) to every server over a group
+        made for this push. A server that dies or stops answering is replaced and sent them in a group of its own;
+        one whose receive failed while another died is sent them again; a failure with no server lost (a bad address,
+        a server that never joins) raises, naming the servers and the setting."""
+        self.latest, self.version = ("collective", source), version
+        self._push_collective(source, self.live_ranks)
+
+    def _push_collective(self, source: ray.actor.ActorHandle, ranks: list[int], retry: bool = True) -> None:
+        sync = self.settings.weight_sync
+        # the source may still be starting, or finishing a step: bounded like any call to a starting actor
+        opened = source.open_weight_group.remote(sync.master_port, sync.timeout_s)
+        address, port = wait_for([opened], self.startup_timeout_s, "trainer rank 0 to open the weight group")[0]
+        group = WeightGroup(
+            sync.master_addr or address,
+            port,
+            tuple(ranks),
+            sync.bucket_bytes,
+            sync.timeout_s,
+            "nccl" if self.bundle.get("GPU") else "gloo",
+            self.settings.section,
+            self.role,
+        )
+        sent = source.broadcast_weights.remote(group)
+        refs = {rank: self.servers[rank].update_weights_collective.remote(group, self.version) for rank in ranks}
+        lost: dict[int, BaseException] = {}
+
+        def on_lost(rank: int, error: BaseException) -> None:
+            # the others would wait for it until weight_sync_timeout_s: call the push off, and end a stopped
+            # member (its connections close, so no send to it blocks); the rest get a group without it below
+            lost[rank] = error
+            ray.kill(self.servers[rank])
+            call_off(group, f"{self.role} {rank} was lost ({type(error).__name__})")
+
+        results = self._watch("update_weights_collective", refs, self.startup_timeout_s, True, on_lost)
+        [source_outcome] = self._await("broadcast_weights", {0: sent}, sync.timeout_s + 30, task_errors=True).values()
+        failed = {
+            rank: error for rank, error in results.items() if isinstance(error, BaseException) and rank not in lost
+        }
+        if failed and (not lost or not retry):
+            errors = [*failed.values(), *([source_outcome] if isinstance(source_outcome, BaseException) else [])]
+            raise RuntimeError("the collective weight push failed:\n" + "\n".join(_cause(error) for error in errors))
+        if failed:  # their receive broke with the lost server's: a group without it
+            self._push_collective(source, sorted(failed), retry=False)
+        for rank, error in lost.items():
+            self.replace(rank, f"update_weights_collective: {type(error).__name__}: {error}")
+
+    def _load_latest(self, rank: int, server: ray.actor.ActorHandle) -> None:
+        """Give the replacement ``server`` of ``rank`` the latest push."""
+        path, what = self.latest
+        if path == "collective":
+            self.servers[rank] = server
+            self._push_collective(what, [rank], retry=False)
+            return
+        method = server.update_weights_from_disk if path == "disk" else server.update_weights
+        wait_for([method.remote(what, self.version)], self.startup_timeout_s, f"the latest weights on server {rank}")
 
     def busy_s(self) -> dict[int, float]:
         """Each live server's busy seconds so far (time with a request in its engine); a server that does not
@@ -234,3 +340,22 @@ class ServerPool:
         for server in self.servers:
             ray.kill(server)
         remove_placement_group(self.placement_group)
+
+
+def _outcome(ref: ray.ObjectRef, task_errors: bool = False) -> Any:
+    """A finished call's result, or the error that says its server died (or, with ``task_errors``, any error the
+    call raised: otherwise that is raised here)."""
+    try:
+        return ray.get(ref)
+    except (RayActorError, GetTimeoutError) as error:
+        return error
+    except RayTaskError as error:
+        if not task_errors:
+            raise
+        return error
+
+
+def _cause(error: BaseException) -> str:
+    """The message of the error a remote call raised, without Ray's traceback around it."""
+    cause = error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
+    return str(cause).strip()

@@ -1,6 +1,7 @@
 """Weight push: FSDP gather + push to the rollout servers, against one serialization of the same weights.
 
     python -m benchmarks.weight_sync [--repeats 5] [--models tiny,medium] [--asleep]
+    python -m benchmarks.weight_sync --paths object_store,collective,disk [--servers 1,2,4] [--models tiny]
 
 Two policy ranks (FSDP2 over gloo) and one rollout server (``hf`` engine), for (a) the tiny default
 model and (b) ``medium``, a ~77M-parameter model of the same architecture with random weights, built
@@ -11,6 +12,11 @@ The baseline is one ``torch.save`` of the gathered state dict into an ``io.Bytes
 is timed too. ``--asleep`` pushes to sleeping servers, as the trainer does with
 ``rollout.free_cache_engine=true``. Repeats are interleaved; printed are the medians of the per-repeat
 ratios (target for a push <= 1.5). Ratios within one run only: absolute times vary too much here.
+
+``--paths`` compares the weight paths (``rollout.weight_sync``) instead, each as the trainer pushes
+(``push_weights(..., path=...)``), on 1, 2 and 4 ``hf`` servers: seconds per push (medians, paths interleaved) and
+bytes each server receives (the packed state from the object store; the broadcast buckets; the checkpoint files read
+from ``weight_sync_dir``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from agentloop import AgentLoopManager
 from agentloop.config import compose_config
 from agentloop.models.cache import build_once, cache_root
 from agentloop.models.tiny_qwen import tiny_model_path
+from agentloop.server.collective import bucket_plan
 from agentloop.waiting import wait_for
 from trainer.fsdp_workers import FSDPWorker, push_weights, start_workers
 
@@ -64,6 +71,9 @@ def _build_medium_model(directory: Path) -> None:
 @ray.remote
 class BenchRank(FSDPWorker.__ray_actor_class__):  # the undecorated class: the trainer's rank as is
     """A policy rank that can also time its gather from the inside."""
+
+    def pushed_directory(self) -> str | None:
+        return getattr(self, "_pushed_directory", None)
 
     def timed_gather(self) -> float:
         start = time.perf_counter()
@@ -129,14 +139,74 @@ def measure(model_path: str, repeats: int, asleep: bool) -> dict[str, float]:
     }
 
 
+def path_bytes(path: str, state: dict[str, torch.Tensor], directory: str | None) -> int:
+    """Bytes one server receives per push on ``path``."""
+    if path == "disk":
+        return sum(file.stat().st_size for file in Path(directory or "").glob("*.safetensors"))
+    if path == "collective":
+        manifest = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in state.items()]
+        return sum(size for size, _ in bucket_plan(manifest, int(64 * 2**20)))
+    return sum(tensor.numel() * tensor.element_size() for tensor in state.values())
+
+
+def measure_paths(model_path: str, servers: int, paths: list[str], repeats: int) -> dict[str, tuple[float, int]]:
+    """Per path: the median seconds of a push to ``servers`` servers, and the bytes each server receives."""
+    manager = AgentLoopManager(
+        compose_config(
+            [
+                f"actor_rollout_ref.model.path={model_path}",
+                "data.max_prompt_length=96",
+                "data.max_response_length=24",
+                "actor_rollout_ref.rollout.hf.num_blocks=64",
+                "actor_rollout_ref.rollout.agent.num_workers=1",
+                f"actor_rollout_ref.rollout.data_parallel_size={servers}",
+                "actor_rollout_ref.rollout.resources_per_server.CPU=0.5",
+            ]
+        )
+    )
+    ranks = start_workers(manager.config, RANKS, 1, TIMEOUT_S, worker_class=BenchRank)
+    state, *_ = wait_for([rank.full_state_dict.remote() for rank in ranks], TIMEOUT_S, "the first gather")
+    seconds: dict[str, list[float]] = {path: [] for path in paths}
+    for repeat in range(repeats + 1):  # the first round warms up
+        for path in paths:
+            start = time.perf_counter()
+            push_weights(ranks, manager, TIMEOUT_S, repeat, path=path)
+            if repeat:
+                seconds[path].append(time.perf_counter() - start)
+    directory = ray.get(ranks[0].pushed_directory.remote()) if "disk" in paths else None
+    row = {path: (statistics.median(seconds[path]), path_bytes(path, state, directory)) for path in paths}
+    wait_for([rank.shutdown.remote() for rank in ranks], TIMEOUT_S, "the policy ranks to shut down")
+    for rank in ranks:
+        ray.kill(rank)
+    manager.shutdown()
+    return row
+
+
+def compare_paths(args: argparse.Namespace, paths: dict[str, Callable[[], str]]) -> None:
+    print(f"{RANKS} FSDP ranks (gloo), hf servers awake; medians of {args.repeats} interleaved repeats")
+    print("| model | servers | path | s / push | MB received per server |")
+    print("|---|---|---|---|---|")
+    for name in args.models.split(","):
+        for servers in (int(n) for n in args.servers.split(",")):
+            row = measure_paths(paths[name](), servers, args.paths.split(","), args.repeats)
+            for path, (seconds, received) in row.items():
+                print(f"| {name} | {servers} | {path} | {seconds:.3f} | {received / 1e6:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="tiny,medium", help="comma-separated: tiny, medium")
     parser.add_argument("--asleep", action="store_true", help="servers asleep during the push (KV cache freed)")
+    parser.add_argument("--paths", help="compare these weight paths instead: object_store,collective,disk")
+    parser.add_argument("--servers", default="1,2,4", help="with --paths: server counts")
     args = parser.parse_args()
     paths = {"tiny": tiny_model_path, "medium": medium_model_path}
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    if args.paths:
+        compare_paths(args, paths)
+        ray.shutdown()
+        return
     state = "asleep" if args.asleep else "awake"
     print(
         f"{RANKS} FSDP ranks (gloo), 1 rollout server ({state}); medians of {args.repeats} repeats; "

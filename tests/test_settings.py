@@ -30,6 +30,11 @@ ROLLOUT = "actor_rollout_ref.rollout"
         ("supervision.health_timeout_s=0", r"supervision.health_timeout_s=0: must be above 0"),
         ("data_parallel_size=0", r"actor_rollout_ref.rollout.data_parallel_size=0: must be at least 1"),
         ("placement_strategy=pack", r"placement_strategy='pack': is not a known choice; choose one of \['PACK'"),
+        (
+            "weight_sync=nccl",
+            r"weight_sync='nccl': is not a known choice; choose one of \['object_store', 'collective'",
+        ),
+        ("weight_sync_timeout_s=0", r"actor_rollout_ref.rollout.weight_sync_timeout_s=0: must be above 0"),
         ("name=trtllm", r"actor_rollout_ref.rollout.name='trtllm': is not a known backend; choose one of"),
         ("hf.attention=flash", r"actor_rollout_ref.rollout.hf.attention='flash': .*choose one of \['auto', 'sdpa'\]"),
         ("hf.num_blocks=0", r"actor_rollout_ref.rollout.hf.num_blocks=0: must be at least 1"),

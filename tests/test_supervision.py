@@ -4,8 +4,11 @@ and a worker that dies mid-batch has its samples rerun."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
+import pytest
 import ray
 import torch
 from transformers import AutoModelForCausalLM
@@ -68,6 +71,47 @@ def test_dead_servers_are_replaced_with_the_latest_weights_until_the_budget_is_s
         restarts = [e.seconds for e in manager.pool.events if e.kind == "restarted"]
         assert len(restarts) == 2 and all(seconds > 0 for seconds in restarts)
         print(f"replacement servers serving again after {', '.join(f'{s:.1f}' for s in restarts)} s")
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("path", ["object_store", "disk"])
+def test_a_server_hung_during_a_push_costs_the_push_its_health_timeout(local_ray, model_path, tmp_path, path):
+    # a server stops (SIGSTOP: alive to the OS, answering nothing) as a push reaches it: the push gives it up within
+    # health_timeout_s (not server_startup_timeout_s), the other server's push is not held up, and the replacement
+    # serves the pushed weights under the pushed version (tests/test_weight_sync.py: the same for a collective push)
+    health_timeout_s, startup_timeout_s = 5, 300
+    manager = AgentLoopManager(
+        small_config(
+            "actor_rollout_ref.rollout.data_parallel_size=2",
+            f"actor_rollout_ref.rollout.server_startup_timeout_s={startup_timeout_s}",
+            f"actor_rollout_ref.rollout.supervision.health_timeout_s={health_timeout_s}",
+        )
+    )
+    try:
+        original, state = greedy(manager.servers[0]), perturbed(model_path, 1)
+        if path == "disk":
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            model.load_state_dict({name: t for name, t in state.items() if name != "lm_head.weight"}, strict=False)
+            model.save_pretrained(tmp_path)
+        os.kill(ray.get(manager.servers[1].node_info.remote(), timeout=30)["pid"], signal.SIGSTOP)
+        start = time.monotonic()
+        if path == "disk":
+            manager.update_weights_from_disk(str(tmp_path), version=7)
+        else:
+            manager.update_weights(state, version=7)
+        elapsed = time.monotonic() - start
+        [event] = manager.pool.events
+        assert (event.rank, event.kind) == (1, "restarted")
+        assert "supervision.health_timeout_s" in event.cause and "update_weights" in event.cause
+        # given up within about health_timeout_s (probes tick each second); the rest is starting the replacement
+        assert elapsed - event.seconds < health_timeout_s + 5, (elapsed, event.seconds)
+        outputs = [ray.get(s.generate.remote(PROMPT, GREEDY, "probe"), timeout=120) for s in manager.servers]
+        assert outputs[0].token_ids == outputs[1].token_ids != original
+        assert [output.policy_version for output in outputs] == [7, 7]
+        print(
+            f"{path} push with a stopped server: {elapsed:.1f} s, {event.seconds:.1f} s of it starting its replacement"
+        )
     finally:
         manager.shutdown()
 

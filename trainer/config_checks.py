@@ -90,6 +90,12 @@ def _check_lora(config: DictConfig) -> None:
             f"actor_rollout_ref.model.lora_rank: LoRA adapters are pushed to the {' and '.join(LORA_ENGINES)} engines "
             f"only so far, and actor_rollout_ref.rollout.name={engine!r}; set rollout.name=hf or vllm, or lora_rank=0"
         )
+    sync = config.actor_rollout_ref.rollout.get("weight_sync", "object_store")
+    if LoraSettings.from_config(config).enabled and sync != "object_store":
+        raise ValueError(
+            f"actor_rollout_ref.rollout.weight_sync={sync}: with LoRA each push is the adapter alone (megabytes), sent "
+            "through Ray's object store; set weight_sync=object_store, or lora_rank=0 to push full weights"
+        )
 
 
 def _check_async_training(async_training: DictConfig, batch: int) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import shutil
 import socket
 from pathlib import Path
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -31,6 +33,7 @@ from agentloop.allocator import keep_freed_memory
 from agentloop.cluster import actor_resources
 from agentloop.models.loading import is_vision_language, model_class
 from agentloop.server.adapters import PackedAdapter
+from agentloop.server.collective import WeightSource
 from agentloop.server.weights import PackedWeights
 from agentloop.settings.reading import Section
 from agentloop.settings.server import ray_resources
@@ -128,7 +131,7 @@ def policy_gradient_loss(
 
 
 @ray.remote
-class FSDPWorker:
+class FSDPWorker(WeightSource):
     """One rank of the policy (plus reference policy and critic when configured).
 
     Two phases, because rank 0's own node and port must be known before the group forms: construct
@@ -349,6 +352,27 @@ class FSDPWorker:
         state = self.full_state_dict()
         return PackedWeights.pack(state) if state else None
 
+    def keep_for_push(self) -> None:
+        """Gather the policy and keep it on rank 0 for ``broadcast_weights`` (``rollout.weight_sync=collective``). A
+        collective, like ``full_state_dict``."""
+        self.keep_weights(self.full_state_dict())
+
+    def save_for_push(self, directory: str, version: int | None) -> str | None:
+        """Write the policy as a Hugging Face checkpoint in a new folder under ``directory`` (rank 0; the previous
+        push's folder removed) for ``rollout.weight_sync=disk``; returns it (None on the other ranks). A collective."""
+        state = self.full_state_dict()
+        if self.rank != 0:
+            return None
+        previous, target = (
+            getattr(self, "_pushed_directory", None),
+            tempfile.mkdtemp(f"-v{version}", "agentloop-push-", directory),
+        )
+        self.policy.model.save_pretrained(target, state_dict=state)
+        if previous:
+            shutil.rmtree(previous, ignore_errors=True)
+        self._pushed_directory = target
+        return target
+
     def save_checkpoint(self, directory: str, hf_directory: str | None = None) -> None:
         """Save model, optimizer and LR schedule of the policy (and critic) as a sharded ``torch.distributed.checkpoint``.
 
@@ -456,13 +480,31 @@ def needs_reference(config: DictConfig) -> bool:
 
 
 def push_weights(
-    workers: list[ray.actor.ActorHandle], manager: AgentLoopManager, timeout_s: float, version: int | None = None
+    workers: list[ray.actor.ActorHandle],
+    manager: AgentLoopManager,
+    timeout_s: float,
+    version: int | None = None,
+    path: str | None = None,
 ) -> None:
     """Gather the policy on rank 0 and load it into every rollout server as policy ``version``.
 
-    The servers read rank 0's packed weights straight from Ray's object store: the bytes never pass
-    through the driver, and are never pickled.
+    By ``rollout.weight_sync``: ``object_store``, the servers read rank 0's packed weights straight from Ray's object
+    store (the bytes never pass through the driver, and are never pickled); ``collective``, rank 0 keeps them and
+    broadcasts them to the servers; ``disk``, rank 0 writes a checkpoint under ``weight_sync_dir`` that they load.
+    ``path`` overrides the setting (the benchmark compares them on one set of servers).
     """
+    sync = manager.settings.servers.weight_sync
+    path = path or sync.path
+    if path == "collective":  # rank 0 keeps the gathered weights and broadcasts them to the servers
+        wait_for(
+            [worker.keep_for_push.remote() for worker in workers], timeout_s, "the weight gather on the FSDP ranks"
+        )
+        manager.update_weights_collective(workers[0], version)
+        return
+    if path == "disk":
+        saved = [worker.save_for_push.remote(sync.dir, version) for worker in workers]
+        manager.update_weights_from_disk(wait_for(saved, timeout_s, "the weights written for the push")[0], version)
+        return
     refs = [worker.packed_state_dict.remote() for worker in workers]
     # every rank first (a failed rank surfaces as itself), without fetching rank 0's weights here
     _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)

@@ -339,27 +339,49 @@ class HFEngine:
         return await self._load_weights(adapter.merged_into(self._base_weights))
 
     async def _load_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> int:
-        items = list(named_tensors.items())
+        # Check everything before touching anything: a bad push must not leave a half-updated model.
+        targets = self._targets([(name, tuple(tensor.shape)) for name, tensor in named_tensors.items()])
+        async with self._lane_paused(new_weights=True):
+            with self._model_held(interrupt=True), torch.no_grad():
+                for name, tensor in named_tensors.items():
+                    if name in targets:
+                        targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
+        return len(targets)
+
+    async def update_weights_in_buckets(
+        self, manifest: list[tuple[str, str, tuple[int, ...]]], buckets: Iterator[dict[str, torch.Tensor]]
+    ) -> int:
+        """``update_weights`` for weights that arrive in buckets (``manifest``: every tensor's name, dtype and shape,
+        checked first): each bucket is copied in as ``buckets`` yields it (a blocking iterator, read off the event
+        loop), the model held throughout."""
+        targets = self._targets([(name, tuple(shape)) for name, _, shape in manifest])
+        async with self._lane_paused(new_weights=True):
+            with self._model_held(interrupt=True), torch.no_grad():
+                while (bucket := await asyncio.to_thread(next, buckets, None)) is not None:
+                    for name, tensor in bucket.items():
+                        if name in targets:
+                            targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
+        self._base_weights.clear()  # a new base: a later adapter merges into these weights
+        return len(targets)
+
+    def _targets(self, shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+        """The model's tensor for each pushed name (a tied output head left out); an error naming the first name the
+        model lacks or whose shape differs."""
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         tied = self.model.config.tie_word_embeddings
-        updates = []
-        # Check everything before touching anything: a bad push must not leave a half-updated model.
-        for name, tensor in items:
+        targets = {}
+        for name, shape in shapes:
             if name not in params:
                 if name == "lm_head.weight" and tied:
                     continue
                 raise KeyError(f"update_weights: the model has no parameter {name!r}")
-            if params[name].shape != tensor.shape:
+            if tuple(params[name].shape) != tuple(shape):
                 raise ValueError(
-                    f"update_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}"
+                    f"update_weights: {name} has shape {tuple(shape)}, the model expects {tuple(params[name].shape)}"
                 )
-            updates.append((params[name], tensor))
-        async with self._lane_paused(new_weights=True):
-            with self._model_held(interrupt=True), torch.no_grad():
-                for target, tensor in updates:
-                    target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-        return len(updates)
+            targets[name] = params[name]
+        return targets
 
     async def flush_cache(self) -> None:
         """Drop every cached prefix (in-flight requests are aborted)."""

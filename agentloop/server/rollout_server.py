@@ -21,6 +21,7 @@ from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
 from agentloop.server.adapters import PackedAdapter
 from agentloop.server.accounting import BusyClock, node_info
+from agentloop.server.collective import WeightGroup, WeightReceiver
 from agentloop.server.engine import Engine, build_engine
 from agentloop.server.weights import PackedWeights
 from agentloop.settings import ServerSettings
@@ -116,6 +117,20 @@ class RolloutServer:
             if isinstance(state_dict, PackedWeights):
                 state_dict = state_dict.tensors()
             return await self.engine.update_weights(state_dict)
+
+    async def update_weights_collective(self, group: WeightGroup, version: int | None = None) -> int:
+        """Join ``group`` (``rollout.weight_sync=collective``) and load the weights its source broadcasts, bucket by
+        bucket as they arrive where the engine can (``update_weights_in_buckets``), else all at once; ``version`` as
+        for ``update_weights``. Returns how many tensors were updated."""
+        receiver = WeightReceiver(group, self.rank)
+        manifest = await asyncio.to_thread(receiver.join)  # requests keep running while the members gather
+        async with self._weights_changing(version):
+            if hasattr(self.engine, "update_weights_in_buckets"):
+                return await self.engine.update_weights_in_buckets(manifest, receiver.buckets())
+            received = await asyncio.to_thread(
+                lambda: {k: v for bucket in receiver.buckets() for k, v in bucket.items()}
+            )
+            return await self.engine.update_weights(received)
 
     async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
         """Load new weights from a checkpoint directory (safetensors), flushing the prefix cache; ``version`` as

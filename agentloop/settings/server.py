@@ -16,6 +16,7 @@ from agentloop.settings.reading import Section
 ENGINE_NAMES = ("hf", "sglang", "vllm")  # or a dotted class path (agentloop.server.engine.ENGINES)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 HF_ATTENTION = ("auto", "sdpa")
+WEIGHT_SYNC_PATHS = ("object_store", "collective", "disk")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,36 @@ class SupervisionSettings:
             section.int("max_restarts", minimum=0),
             section.float("window_s", positive=True),
         )
+
+
+@dataclass(frozen=True)
+class WeightSyncSettings:
+    """``rollout.weight_sync*``: how a weight push reaches the servers. ``object_store``: trainer rank 0's packed
+    state dict through Ray's object store; ``collective``: bucketed broadcasts over a ``torch.distributed`` group of
+    rank 0 and every server, made for the push (its store at ``master_addr:master_port``, every wait bounded by
+    ``timeout_s``); ``disk``: a Hugging Face checkpoint written under ``dir`` that every server loads."""
+
+    path: str = "object_store"
+    bucket_megabytes: float = 64.0
+    master_addr: str | None = None
+    master_port: int = 0
+    timeout_s: float = 60.0
+    dir: str = "/dev/shm"
+
+    @classmethod
+    def from_section(cls, rollout: Section) -> WeightSyncSettings:
+        return cls(
+            rollout.str("weight_sync", WEIGHT_SYNC_PATHS, default="object_store"),
+            rollout.float("weight_sync_bucket_megabytes", positive=True, default=64.0),
+            rollout.optional_str("weight_sync_master_addr"),
+            rollout.int("weight_sync_master_port", minimum=0, default=0),
+            rollout.float("weight_sync_timeout_s", positive=True, default=60.0),
+            rollout.str("weight_sync_dir", default="/dev/shm"),
+        )
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_megabytes * 2**20))
 
 
 @dataclass(frozen=True)
@@ -151,6 +182,7 @@ class ServerSettings:
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 300.0
     supervision: SupervisionSettings = SupervisionSettings()
+    weight_sync: WeightSyncSettings = WeightSyncSettings()
     prompt_length: int = 512
     response_length: int = 256
     max_model_len: int | None = None
@@ -193,6 +225,7 @@ class ServerSettings:
             startup_timeout_s=rollout.float("server_startup_timeout_s", positive=True),
             request_timeout_s=rollout.float("request_timeout_s", positive=True),
             supervision=SupervisionSettings.from_section(rollout.sub("supervision")),
+            weight_sync=WeightSyncSettings.from_section(rollout),
             prompt_length=rollout.int("prompt_length", minimum=1),
             response_length=rollout.int("response_length", minimum=1),
             max_model_len=rollout.optional_int("max_model_len", minimum=1),
