@@ -215,10 +215,6 @@ def test_bad_lora_settings_are_refused_naming_the_key(model_path, tmp_path):
         check_config(small_config(f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'nowhere'}"))
     with pytest.raises(ValueError, match=r"model.lora_rank=-1: must be at least 0"):
         check_config(small_config("actor_rollout_ref.model.lora_rank=-1"))
-    with pytest.raises(
-        ValueError, match=r"model.lora_rank: LoRA adapters are pushed to the hf and vllm engines only .*'sglang'"
-    ):
-        check_config(small_config(*LORA, "actor_rollout_ref.rollout.name=sglang"))
     with pytest.raises(ValueError, match=r"rollout.weight_sync=disk: with LoRA each push is the adapter alone"):
         check_config(small_config(*LORA, "actor_rollout_ref.rollout.weight_sync=disk"))
     lora_settings(*LORA).check_model(path)  # the tests' shape fits

@@ -10,10 +10,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agentloop import AgentLoopManager
-from agentloop.server.sglang_engine import SGLangEngine
-from agentloop.server.sglang_requests import build_generate_request
+from agentloop.server.adapters import PackedAdapter
+from agentloop.server.sglang_engine import ADAPTER_NAME, SGLangEngine, launch_args
+from agentloop.server.sglang_requests import build_generate_request, load_adapter_request, unload_adapter_request
+from agentloop.settings import rollout_settings
 from tests.support.config import small_config
-from tests.support.sglang_contract import load_api_types
+from tests.support.sglang_contract import load_api_types, parse_lora_flags, route_request_fields
+from tests.test_hf_engine import teacher_forced_logprobs
+from tests.test_lora import LORA, random_adapter
 
 PROMPT = [1, 294, 207, 664, 2, 207, 1, 299, 207]
 api_types = load_api_types()
@@ -48,6 +52,30 @@ def test_requests_validate_against_sglangs_schema():
         api_types.SamplingParams.from_json_value(request["sampling_params"])  # unknown keys would raise here
     with pytest.raises(api_types.JsonContractError):
         api_types.SamplingParams.from_json_value({"max_new_tokens": 4, "not_a_key": 1})
+
+
+@pytest.mark.skipif(api_types is None, reason="sglang (installed with --no-deps) and msgspec are needed")
+def test_lora_requests_and_launch_flags_validate_against_the_wheel():
+    request = build_generate_request(PROMPT, {}, "rid-1", lora_name=ADAPTER_NAME)
+    assert api_types.GenerateRequest.from_json_value(request).lora_path == ADAPTER_NAME
+    for route, body in (
+        ("/load_lora_adapter", load_adapter_request(ADAPTER_NAME, "/dev/shm/adapter")),
+        ("/unload_lora_adapter", unload_adapter_request(ADAPTER_NAME)),
+    ):
+        required, optional = route_request_fields(route)
+        assert required <= set(body) <= required | optional, (route, body, required, optional)
+
+    def lora_flags(*overrides: str) -> list[str]:
+        flags = launch_args(rollout_settings(small_config(*LORA, *overrides)).servers, rank=0)
+        return flags[flags.index("--enable-lora") : flags.index("--max-loras-per-batch") + 2]
+
+    parsed = parse_lora_flags(lora_flags())  # target_modules: all-linear, a pattern only the model resolves
+    assert parsed["enable_lora"] and parsed["max_lora_rank"] == 4 and parsed["lora_target_modules"] == ["all"]
+    parsed = parse_lora_flags(lora_flags("actor_rollout_ref.model.target_modules=[v_proj,q_proj]"))
+    assert parsed["lora_target_modules"] == ["q_proj", "v_proj"] and parsed["max_loras_per_batch"] == 2
+    with pytest.raises(ValueError, match="invalid choice: 'c_attn'"):
+        parse_lora_flags(lora_flags("actor_rollout_ref.model.target_modules=[c_attn]"))
+    assert "--enable-lora" not in launch_args(rollout_settings(small_config()).servers, rank=0)
 
 
 def test_generate_logprobs_and_finish_reasons(client, hf_manager):
@@ -136,6 +164,42 @@ def test_weight_update_from_disk_and_memory_release(client, hf_manager, tmp_path
     asyncio.run(client.wake_up())
     asyncio.run(client.update_weights_from_disk(path))
     assert asyncio.run(client.generate(PROMPT, greedy, "w3")).token_ids == before
+
+
+def test_lora_pushes_load_each_adapter_by_name_and_unload_the_previous(client, hf_manager, tmp_path):
+    path = hf_manager.config.actor_rollout_ref.model.path
+    pushing = SGLangEngine(path, url=hf_manager.server_addresses[0], api_key="k", weights_dir=str(tmp_path))
+    params = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    greedy = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    adapters = [random_adapter(path, seed) for seed in (1, 2)]
+
+    async def scenario():
+        base = await client.generate(PROMPT, greedy, "base")
+        served = []
+        for index, (adapter, _) in enumerate(adapters):
+            assert await pushing.update_adapter(adapter) == len(adapter.scalings)
+            served.append(await pushing.generate(PROMPT, params, f"lora-{index}"))
+        with pytest.raises(RuntimeError, match="answered 400: .*name it in lora_path"):
+            await client.generate(PROMPT, greedy, "unnamed")  # no lora_path: the base, which this server cannot serve
+        left = sorted(entry.name for entry in tmp_path.iterdir())
+        await pushing._post("/unload_lora_adapter", unload_adapter_request(ADAPTER_NAME))
+        await pushing.shutdown()
+        return base, served, left, await client.generate(PROMPT, greedy, "base-again")
+
+    base, served, left, after = asyncio.run(scenario())
+    for output, (_, model) in zip(served, adapters):
+        reference = teacher_forced_logprobs(model, PROMPT, output.token_ids)
+        assert torch.allclose(torch.tensor(output.log_probs), reference, atol=1e-4)
+    assert len(left) == 1 and left[0].startswith("agentloop-lora-")  # the first adapter's directory is gone
+    assert not list(tmp_path.iterdir())  # and the last one's once the engine shut down
+    assert after.token_ids == base.token_ids  # unloaded: the base model again
+
+
+def test_an_adapter_directory_round_trips_through_peft_format(model_path, tmp_path):
+    adapter, _ = random_adapter(model_path, 3)
+    loaded = PackedAdapter.load(adapter.save(tmp_path / "adapter"))
+    assert loaded.scalings == adapter.scalings and loaded.config == adapter.config
+    assert all(torch.equal(loaded.weights.tensors()[name], value) for name, value in adapter.weights.tensors().items())
 
 
 def test_launch_failure_reports_the_log_tail(tmp_path):

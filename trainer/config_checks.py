@@ -19,9 +19,6 @@ from trainer.rollout_correction import RolloutCorrection
 from trainer.settings import RunSettings
 
 
-LORA_ENGINES = ("hf", "vllm")  # the engines that take adapter pushes (``Engine.update_adapter``)
-
-
 class IgnoredKeysWarning(UserWarning):
     """A run sets verl keys that have no meaning in agentloop (``config/verl_ignored.yaml``)."""
 
@@ -83,13 +80,8 @@ def check_config(config: DictConfig) -> None:
 
 
 def _check_lora(config: DictConfig) -> None:
-    """LoRA's keys (``trainer.lora``); its engines. The model's own fit is checked once it is built (``check_model``)."""
-    engine = config.actor_rollout_ref.rollout.name
-    if LoraSettings.from_config(config).enabled and engine not in LORA_ENGINES:
-        raise ValueError(
-            f"actor_rollout_ref.model.lora_rank: LoRA adapters are pushed to the {' and '.join(LORA_ENGINES)} engines "
-            f"only so far, and actor_rollout_ref.rollout.name={engine!r}; set rollout.name=hf or vllm, or lora_rank=0"
-        )
+    """LoRA's keys (``trainer.lora``); every engine takes adapter pushes (``Engine.update_adapter``). The model's own
+    fit is checked once it is built (``check_model``)."""
     sync = config.actor_rollout_ref.rollout.get("weight_sync", "object_store")
     if LoraSettings.from_config(config).enabled and sync != "object_store":
         raise ValueError(

@@ -8,6 +8,7 @@ that serves one set of weights (``hf``) merges the adapter into its copy of the 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -62,3 +63,19 @@ class PackedAdapter:
         )
         (directory / "adapter_config.json").write_text(json.dumps(self.config, indent=2))
         return directory
+
+    @classmethod
+    def load(cls, directory: Path) -> PackedAdapter:
+        """The adapter ``save`` (or ``PeftModel.save_pretrained``) wrote to ``directory``, each module's scaling
+        from its config (``lora_alpha / r``; ``/ sqrt(r)`` with rsLoRA). Per-module rank or alpha patterns are
+        refused: only PEFT resolves them against the model's module names."""
+        from safetensors.torch import load_file
+
+        config = json.loads((directory / "adapter_config.json").read_text())
+        if config.get("rank_pattern") or config.get("alpha_pattern"):
+            raise ValueError(f"{directory}: adapters with rank_pattern or alpha_pattern cannot be read here")
+        tensors = load_file(directory / "adapter_model.safetensors")
+        rank, alpha = int(config["r"]), float(config["lora_alpha"])
+        scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        modules = {name[len(PEFT_PREFIX) : -len(FACTORS[0])] for name in tensors if name.endswith(FACTORS[0])}
+        return cls(PackedWeights.pack(tensors), dict.fromkeys(sorted(modules), scaling), config)

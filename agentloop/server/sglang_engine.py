@@ -15,6 +15,12 @@ Calls share one HTTP connection pool per event loop (an ``aiohttp`` session is b
 that opened it), so a turn does not pay for a new connection.
 
 Request bodies and answers are in ``sglang_requests`` (images included).
+
+LoRA runs push adapters: each is written in PEFT's format to ``rollout.sglang.weights_dir`` and loaded through
+``/load_lora_adapter`` under one fixed name, the previous one unloaded first (``/unload_lora_adapter``), with
+generation paused; every request names it (``lora_path``). The fixed name matters: a request that reaches SGLang
+while generation is paused waits there and looks its adapter up by name only when generation continues, so it
+finds the new adapter, never an unloaded one.
 """
 
 from __future__ import annotations
@@ -23,7 +29,11 @@ import asyncio
 import contextlib
 import functools
 import os
+import shutil
 import sys
+import tempfile
+import uuid
+from pathlib import Path
 from typing import Any, AsyncIterator, Iterable, Mapping
 
 import torch
@@ -36,7 +46,15 @@ from agentloop.server.adapters import PackedAdapter
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess
 from agentloop.settings import ServerSettings
-from agentloop.server.sglang_requests import build_generate_request, check_prompt_tokens, parse_generate_response
+from agentloop.server.sglang_requests import (
+    build_generate_request,
+    check_prompt_tokens,
+    load_adapter_request,
+    parse_generate_response,
+    unload_adapter_request,
+)
+
+ADAPTER_NAME = "agentloop-policy"  # what each pushed LoRA adapter is loaded as (see the module's docstring)
 
 
 def launch_args(settings: ServerSettings, rank: int) -> list[str]:
@@ -62,8 +80,26 @@ def launch_args(settings: ServerSettings, rank: int) -> list[str]:
         "--random-seed",
         str(settings.seed + rank),
         *(["--enable-memory-saver"] if sglang.enable_memory_saver else []),
+        *_lora_flags(settings),
         *engine_flags,
         *sglang.extra_args,
+    ]
+
+
+def _lora_flags(settings: ServerSettings) -> list[str]:
+    """A LoRA run's server: adapters up to the policy's rank on its target modules (SGLang preallocates their
+    buffers at launch; ``all``: every module it can adapt), and two adapters per batch: the pushed one and the base
+    model, which SGLang's own health check samples."""
+    if not settings.lora_rank:
+        return []
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(settings.lora_rank),
+        "--lora-target-modules",
+        *settings.lora_target_modules,
+        "--max-loras-per-batch",
+        "2",
     ]
 
 
@@ -81,9 +117,15 @@ class SGLangEngine:
         request_timeout_s: float = 600.0,
         port: int = 30000,
         tensor_parallel_size: int = 1,
+        weights_dir: str | None = None,
     ) -> None:
         self.model_path = model_path
         self.tensor_parallel_size = tensor_parallel_size
+        self.weights_dir = weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        # once a LoRA adapter was pushed, every request names it: one that fails to load fails requests loudly
+        # rather than letting the base model answer them
+        self._serves_adapter = False
+        self._adapter_dir: Path | None = None  # the loaded adapter's directory, removed when another replaces it
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.calls = InFlightCalls()  # each call's rid: ``<session>#<n>``
         self._sleeping = False
@@ -106,6 +148,7 @@ class SGLangEngine:
             request_timeout_s=settings.request_timeout_s,
             port=settings.sglang.port + rank,
             tensor_parallel_size=settings.sglang.tensor_parallel_size,
+            weights_dir=settings.sglang.weights_dir,
         )
 
     # ------------------------------------------------------------------ process
@@ -132,6 +175,8 @@ class SGLangEngine:
         """Close the connection pool and stop a launched server (an attached one keeps running)."""
         await self.client.close()
         self.server.terminate()
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ calls
 
@@ -179,7 +224,12 @@ class SGLangEngine:
             raise EngineAsleep("engine is asleep: call wake_up() before generate()")
         with self.calls.call(request_id) as rid:
             request = build_generate_request(
-                prompt_ids, sampling_params, rid, images, image_pad_id=self.image_pad_id if images else None
+                prompt_ids,
+                sampling_params,
+                rid,
+                images,
+                image_pad_id=self.image_pad_id if images else None,
+                lora_name=ADAPTER_NAME if self._serves_adapter else None,
             )
             body = await self._post("/generate", request)
             if images:
@@ -231,8 +281,26 @@ class SGLangEngine:
         return len(named_tensors)
 
     async def update_adapter(self, adapter: PackedAdapter) -> int:
-        """Not served by this engine yet: LoRA runs use ``rollout.name=hf`` (the config check refuses others)."""
-        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters yet; use rollout.name=hf")
+        """Write the adapter in PEFT's format to ``weights_dir`` and, with generation paused (requests in flight end
+        ``interrupted``), unload the previous one and load this one under ``ADAPTER_NAME``; then flush the cache.
+        The server must be launched for LoRA (``ServerSettings.lora_rank``: ``--enable-lora`` and its shapes)."""
+        directory = Path(self.weights_dir) / f"agentloop-lora-{uuid.uuid4().hex[:12]}"
+        await asyncio.to_thread(adapter.save, directory)
+        previous, self._serves_adapter = self._adapter_dir, True
+        try:
+            async with self._generation_paused():
+                # before this engine's first push the name is unknown (SGLang answers 400), unless an attached
+                # server still serves an earlier run's adapter under it
+                first = (200, 400) if previous is None else (200,)
+                await self._post("/unload_lora_adapter", unload_adapter_request(ADAPTER_NAME), accept=first)
+                await self._post("/load_lora_adapter", load_adapter_request(ADAPTER_NAME, str(directory)))
+                self._adapter_dir = directory
+                await self.flush_cache()
+        finally:  # the directory no adapter is served from: the previous one's, or this one's if it failed to load
+            stale = previous if self._adapter_dir == directory else directory
+            if stale is not None:
+                shutil.rmtree(stale, ignore_errors=True)
+        return len(adapter.scalings)
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Load a checkpoint directory the server can read, between begin/end, then flush the cache (requests in

@@ -28,11 +28,13 @@ def build_generate_request(
     images: list[ProcessedImage] | None = None,
     *,
     image_pad_id: int | None = None,
+    lora_name: str | None = None,
 ) -> dict[str, Any]:
     """SGLang ``/generate`` body for one token-in/token-out turn.
 
     ``images``: the prompt's images in order, each filling its ``num_tokens`` pads (``image_pad_id``) in
-    ``prompt_ids``; they go as PNG data URIs in ``image_data``, each run of pads collapsed to one.
+    ``prompt_ids``; they go as PNG data URIs in ``image_data``, each run of pads collapsed to one. ``lora_name``: the
+    loaded LoRA adapter that samples the turn (SGLang's ``lora_path`` takes an adapter's name); None: the base model.
     """
     params = validate_sampling_params(sampling_params)
     sampling = {
@@ -52,6 +54,8 @@ def build_generate_request(
         "rid": request_id,
         "stream": False,
     }
+    if lora_name is not None:
+        request["lora_path"] = lora_name
     if images:
         if image_pad_id is None:
             raise ValueError("a request with images needs image_pad_id (the model's <|image_pad|> token id)")
@@ -63,6 +67,17 @@ def build_generate_request(
 def png_data_uri(png: bytes) -> str:
     """``data:image/png;base64,...``: a form every SGLang version reads from ``image_data``."""
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def load_adapter_request(lora_name: str, directory: str) -> dict[str, Any]:
+    """SGLang ``/load_lora_adapter`` body: the PEFT adapter directory ``directory`` (read by the server) served as
+    ``lora_name``."""
+    return {"lora_name": lora_name, "lora_path": directory}
+
+
+def unload_adapter_request(lora_name: str) -> dict[str, Any]:
+    """SGLang ``/unload_lora_adapter`` body."""
+    return {"lora_name": lora_name}
 
 
 def collapse_image_pads(ids: list[int], images: list[ProcessedImage], pad_id: int) -> list[int]:

@@ -17,15 +17,20 @@ from omegaconf import DictConfig
 from agentloop.settings.judge import JudgeSettings
 from agentloop.settings.reading import Section
 from agentloop.settings.rollout import ROLLOUT_KEY, AgentSettings, RolloutSettings
-from agentloop.settings.server import ServerSettings, lora_rank
+from agentloop.settings.server import ServerSettings, lora_rank, lora_target_modules
 
 
 def rollout_settings(config: DictConfig) -> RolloutSettings:
     """The policy's rollout settings of a composed config (``actor_rollout_ref.rollout``, ``.model.path``)."""
     model = Section(config.actor_rollout_ref, "actor_rollout_ref").sub("model")
     settings = RolloutSettings.from_section(Section(config.actor_rollout_ref.rollout, ROLLOUT_KEY), model.str("path"))
-    # LoRA runs push adapters: a server that loads them as such (vLLM) is launched to take their rank
-    return dataclasses.replace(settings, servers=dataclasses.replace(settings.servers, lora_rank=lora_rank(model)))
+    # LoRA runs push adapters: a server that loads them as such (vLLM, SGLang) is launched to take their rank and
+    # modules
+    rank = lora_rank(model)
+    servers = dataclasses.replace(
+        settings.servers, lora_rank=rank, lora_target_modules=lora_target_modules(model) if rank else ()
+    )
+    return dataclasses.replace(settings, servers=servers)
 
 
 def judge_settings(config: DictConfig, policy: ServerSettings) -> JudgeSettings | None:

@@ -97,4 +97,5 @@ def _servers(rollout: Section, model_path: str, policy: ServerSettings) -> Serve
         vllm=vllm,
         http=dataclasses.replace(policy.http, enable=False),
         lora_rank=0,  # a judge is never pushed weights
+        lora_target_modules=(),
     )

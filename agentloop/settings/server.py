@@ -118,6 +118,7 @@ class SGLangSettings:
     tensor_parallel_size: int = 1
     mem_fraction_static: float = 0.6
     enable_memory_saver: bool = True
+    weights_dir: str | None = "/dev/shm"
     extra_args: tuple[str, ...] = ()
 
     @classmethod
@@ -129,6 +130,7 @@ class SGLangSettings:
             section.int("tensor_parallel_size", minimum=1),
             section.float("mem_fraction_static", positive=True),
             section.bool("enable_memory_saver"),
+            section.optional_str("weights_dir"),
             section.strings("extra_args"),
         )
 
@@ -166,7 +168,7 @@ class ServerSettings:
 
     ``role`` is what messages call the servers (``rollout server``, ``judge server``); ``section`` the config key
     their settings were read from. ``lora_rank``: the largest rank of the LoRA adapters pushed to them (0: full-weight
-    pushes; the policy's, see ``lora_rank``). ``vllm_flags`` holds verl's ``rollout.*`` keys that have a vLLM meaning (null:
+    pushes; the policy's, see ``lora_rank``), ``lora_target_modules`` the modules they adapt (``lora_target_modules``). ``vllm_flags`` holds verl's ``rollout.*`` keys that have a vLLM meaning (null:
     vLLM's default); ``engine_kwargs`` the extra launch flags per backend.
     """
 
@@ -195,6 +197,7 @@ class ServerSettings:
     http: HTTPSettings = HTTPSettings()
     tool_format: str = "hermes"
     lora_rank: int = 0
+    lora_target_modules: tuple[str, ...] = ()
 
     @classmethod
     def from_section(cls, rollout: Section, model_path: str) -> ServerSettings:
@@ -260,12 +263,30 @@ class ServerSettings:
         return urls[rank] if urls else None
 
 
+def _adapter_config(model: Section) -> dict[str, Any] | None:
+    """The PEFT config of the adapter at ``lora_adapter_path`` (None without one)."""
+    path = model.optional_str("lora_adapter_path")
+    if path is not None and (Path(path) / "adapter_config.json").is_file():
+        return json.loads((Path(path) / "adapter_config.json").read_text())
+    return None
+
+
+def lora_target_modules(model: Section) -> tuple[str, ...]:
+    """The module names the policy's LoRA adapters adapt, as servers that preallocate adapter buffers (SGLang) take
+    them: the adapter's at ``lora_adapter_path``, else ``target_modules``; ``("all",)`` for a pattern
+    (``all-linear`` or a regex), which only the model resolves."""
+    adapter = _adapter_config(model)
+    targets = adapter.get("target_modules") if adapter is not None else model.raw("target_modules")
+    if targets is None or isinstance(targets, str):
+        return ("all",)
+    return tuple(sorted({str(name).split(".")[-1] for name in targets}))
+
+
 def lora_rank(model: Section) -> int:
     """The largest rank of the LoRA adapters the policy's servers will be pushed (``model`` is
     ``actor_rollout_ref.model``): the adapter's at ``lora_adapter_path``, else ``lora_rank``; 0: no LoRA."""
-    path = model.optional_str("lora_adapter_path")
-    if path is not None and (Path(path) / "adapter_config.json").is_file():
-        adapter = json.loads((Path(path) / "adapter_config.json").read_text())
+    adapter = _adapter_config(model)
+    if adapter is not None:
         return max([int(adapter.get("r") or 0), *(int(rank) for rank in (adapter.get("rank_pattern") or {}).values())])
     return model.int("lora_rank", minimum=0, default=0)
 

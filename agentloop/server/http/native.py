@@ -13,12 +13,14 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any, AsyncIterator, Literal
 
+import torch
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from PIL import Image
@@ -28,7 +30,9 @@ from transformers import PreTrainedTokenizerBase
 from agentloop.images import ProcessedImage, expand_image_pads, load_image, process_images
 from agentloop.policy_versions import VersionRuns
 from agentloop.protocol import TokenOutput
+from agentloop.server.adapters import PackedAdapter
 from agentloop.server.sampling import SAMPLING_DEFAULTS
+from agentloop.server.weights import PackedWeights
 
 # SGLang sampling keys accepted here; the text-only ones have no effect on token ids.
 TEXT_ONLY_KEYS = {"skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"}
@@ -47,6 +51,7 @@ class GenerateBody(BaseModel):
     stream: bool = False
     # one item per image pad in the prompt, in order: a data URI, bare base64, a path on the server, or {"url": ...}
     image_data: str | dict[str, Any] | list[str | dict[str, Any]] | None = None
+    lora_path: str | None = None  # the name of a loaded LoRA adapter (``/load_lora_adapter``), as SGLang's
 
 
 class AbortBody(BaseModel):
@@ -65,6 +70,40 @@ class PauseBody(BaseModel):
 class WeightsFromDiskBody(BaseModel):
     model_config = ConfigDict(extra="ignore")  # SGLang's load_format and flush_cache change nothing here
     model_path: str
+
+
+class LoadAdapterBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str  # a PEFT adapter directory on the server
+    pinned: bool = False  # SGLang's: kept in GPU memory; here the one adapter always is
+
+
+class UnloadAdapterBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+
+
+@dataclasses.dataclass
+class ServedAdapter:
+    """The LoRA adapter the server serves, by the name ``/load_lora_adapter`` gave it (None: the base model).
+
+    The engine merges one adapter into its weights, so unlike SGLang, which serves any loaded adapter and the base
+    model side by side, a request is served only when it names what the weights are now: the adapter while one is
+    loaded, else none."""
+
+    name: str | None = None
+    loaded: PackedAdapter | None = None
+
+    def check(self, lora_path: str | None) -> None:
+        if lora_path == self.name:
+            return
+        if lora_path is None:
+            raise ValueError(
+                f"the LoRA adapter {self.name!r} is merged into this server's weights: name it in lora_path "
+                "(this server serves the base model only while no adapter is loaded)"
+            )
+        raise ValueError(f"the LoRA adapter {lora_path!r} is not loaded; loaded: {[self.name] if self.name else []}")
 
 
 def sglang_to_engine_params(params: dict[str, Any]) -> dict[str, Any]:
@@ -212,16 +251,24 @@ def native_routes(
     router = APIRouter()
     images = images or ServerImages(None, tokenizer)
     admission = admission or Admission()
-    add_generation_routes(router, server, tokenizer, images, admission)
+    adapter = ServedAdapter()
+    add_generation_routes(router, server, tokenizer, images, admission, adapter)
     add_admission_routes(router, server, admission)
     add_weight_and_memory_routes(router, server)
+    add_adapter_routes(router, server, adapter)
     return router
 
 
 def add_generation_routes(
-    router: APIRouter, server: Any, tokenizer: PreTrainedTokenizerBase, images: ServerImages, admission: Admission
+    router: APIRouter,
+    server: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    images: ServerImages,
+    admission: Admission,
+    adapter: ServedAdapter,
 ) -> None:
-    """``/health_generate`` and token-in/token-out ``/generate``, admitted through ``admission``."""
+    """``/health_generate`` and token-in/token-out ``/generate``, admitted through ``admission``; a ``/generate``
+    names the served LoRA ``adapter`` (checked once admitted, as SGLang looks adapters up after a pause)."""
 
     @router.get("/health_generate")
     async def health_generate() -> dict[str, str]:
@@ -240,6 +287,7 @@ def add_generation_routes(
         ids = images.expand(ids, processed, "input_ids (one image pad per image_data item)")
         rid = body.rid or uuid.uuid4().hex
         async with admission.admitted(rid):
+            adapter.check(body.lora_path)
             start = time.perf_counter()
             output = await server.generate(ids, params, rid, images=processed or None)
         meta: dict[str, Any] = {
@@ -322,3 +370,34 @@ def add_weight_and_memory_routes(router: APIRouter, server: Any) -> None:
     async def resume_memory_occupation() -> dict[str, Any]:
         await server.wake_up()
         return {"success": True}
+
+
+def add_adapter_routes(router: APIRouter, server: Any, adapter: ServedAdapter) -> None:
+    """SGLang's ``/load_lora_adapter`` and ``/unload_lora_adapter`` over the engine's adapter pushes: one adapter at
+    a time, merged into the weights (``ServedAdapter``)."""
+
+    @router.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadAdapterBody) -> dict[str, Any]:
+        if adapter.name is not None:
+            raise ValueError(
+                f"the LoRA adapter {adapter.name!r} is loaded: this server serves one at a time; unload it first"
+            )
+        if not (Path(body.lora_path) / "adapter_config.json").is_file():
+            raise ValueError(f"lora_path {body.lora_path!r} is not a PEFT adapter directory on the server")
+        loaded = await asyncio.to_thread(PackedAdapter.load, Path(body.lora_path))
+        try:
+            await server.update_weights(loaded)
+        except KeyError as error:  # another model's adapter: the weights are unchanged
+            raise ValueError(f"cannot load the LoRA adapter at {body.lora_path!r}: {error}") from error
+        adapter.name, adapter.loaded = body.lora_name, loaded
+        return {"success": True, "error_message": "", "loaded_adapters": {body.lora_name: body.lora_path}}
+
+    @router.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadAdapterBody) -> dict[str, Any]:
+        if adapter.name is None or body.lora_name != adapter.name:
+            raise ValueError(f"the LoRA adapter {body.lora_name!r} is not loaded (SGLang answers so too)")
+        # the base weights back: the adapter with zero factors merges to exactly them
+        zeros = {name: torch.zeros_like(tensor) for name, tensor in adapter.loaded.weights.tensors().items()}
+        await server.update_weights(dataclasses.replace(adapter.loaded, weights=PackedWeights.pack(zeros)))
+        adapter.name, adapter.loaded = None, None
+        return {"success": True, "error_message": "", "loaded_adapters": {}}
