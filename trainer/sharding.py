@@ -60,8 +60,12 @@ def load_sharded(
     model = fully_shard(model, mesh=mesh, offload_policy=policy)
     if not first:
         model.to_empty(device="cpu" if offload else mesh.device_type)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=offload)
-    set_model_state_dict(model, whole, options=options)
+        if offload:  # fully_shard keeps buffers on the compute device, offloading only the sharded parameters
+            for module in model.modules():
+                module._buffers = {
+                    name: b if b is None else b.to(mesh.device_type) for name, b in module._buffers.items()
+                }
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for buffer in model.buffers():  # not sharded, and some not in the state dict (rotary frequencies)
         dist.broadcast(buffer, src=dist.get_global_rank(mesh.get_group(), 0), group=mesh.get_group())
     return model
