@@ -146,7 +146,11 @@ class ServerPool:
         ray.kill(self.servers[rank])  # a hung server holds its bundle until it is gone
         server = self._spawn(rank)
         wait_for(
-            [server.__ray_ready__.remote()], self.startup_timeout_s, f"the replacement of {self.role} {rank} to start"
+            [server.__ray_ready__.remote()],
+            self.startup_timeout_s,
+            # a server whose node is lost waits for its bundle to find another node that offers its resources
+            f"the replacement of {self.role} {rank} to start (it needs a node with {self.bundle} free; the cluster "
+            f"now offers {ray.available_resources()}: a lost node's resources return only with the node)",
         )
         if self.latest is not None:
             self._load_latest(rank, server)
