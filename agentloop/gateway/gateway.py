@@ -5,13 +5,14 @@ worker's process over its router, so that an unmodified agent program (OpenAI SD
 Routes per session, three APIs: ``GET models``; ``POST chat/completions`` (OpenAI's Chat Completions: tools,
 ``tool_choice``, ``n=1``, streaming off or on); ``POST messages`` and ``POST messages/count_tokens`` (Anthropic's
 Messages, ``anthropic_api``: the ``anthropic`` SDK's base URL is the session's without ``/v1``); ``POST responses``
-(OpenAI's Responses, the Agents SDK's default model, ``responses_api``). Each route translates its request into chat messages and tools, and every
-call, whichever API, goes the one way (``Gateway._answer``): recorded in the session (exact sampled ids for replies
-sent back, a new segment for rewritten history), through the router under the session's sample (sticky server, GRPO
-group affinity, policy versions, continuation across weight pushes), with the rollout's sampling params whatever the
-client asks: its ``max_tokens`` can only lower the per-call cap. Unknown, finished or expired sessions get 404, a
-wrong key 401 (the key as a bearer token or ``x-api-key``), bad requests 4xx, a call past the session's token budget
-400 (``context_length_exceeded``), each in its API's error shape.
+(OpenAI's Responses, the Agents SDK's default model, ``responses_api``). Each route translates its request into chat
+messages and tools, and every call, whichever API, goes the one way (``Gateway._answer``): recorded in the session
+(exact sampled ids for replies sent back, a new segment for rewritten history), through the router under the
+session's sample (sticky server, GRPO group affinity, policy versions, continuation across weight pushes), with the
+rollout's sampling params whatever the client asks: its ``max_tokens`` can only lower the per-call cap. Unknown,
+finished or expired sessions get 404, a wrong key 401 (the key as a bearer token or ``x-api-key``), bad requests 4xx
+(a body that fails validation 400, naming the field), a call past the session's token budget 400
+(``context_length_exceeded``), each in its API's error shape.
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ items are reasoning, message and function_call, plain or as the API's server-sen
 
 A client sends the whole conversation each call, or names a response of its session as ``previous_response_id`` and
 sends what follows it: the session keeps each response's conversation (unless ``store`` is false; the API's
-``conversation`` objects are refused). ``tool_choice`` ``auto`` or ``none``; one that forces a call (``required``,
-a named tool, ``allowed_tools``) gets 400, since the engines do not constrain decoding. Output items sent back unchanged are the reply the session recorded (its text and
-tool calls), so the conversation goes on from the sampled ids. Extra fields: ``token_ids`` (the sampled ids) and
-``prompt_token_ids``.
+``conversation`` objects are refused). ``tool_choice`` ``auto`` or ``none``; one that forces a call (``required``, a
+named tool, ``allowed_tools``) gets 400, since the engines do not constrain decoding. Output items sent back unchanged
+are the reply the session recorded (its text and tool calls), so the conversation goes on from the sampled ids. Extra
+fields: ``token_ids`` (the sampled ids) and ``prompt_token_ids``.
 """
 
 from __future__ import annotations
