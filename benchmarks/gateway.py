@@ -82,8 +82,8 @@ class RawResponse:
 
 
 class RawClient:
-    """The least an HTTP/1.1 client can do (one keep-alive connection, a request written in one piece, a response
-    read by its ``Content-Length``): with it the gateway arm measures the gateway, not ``httpx``'s per-call work,
+    """The least an HTTP/1.1 client can do (one keep-alive connection, opened again once the server has closed it, a
+    request written in one piece, a response read by its ``Content-Length``): with it the gateway arm measures the gateway, not ``httpx``'s per-call work,
     which is the agent's (in its own process for a command) and at 64 sessions costs this process as much as the
     gateway's whole server side."""
 
@@ -93,7 +93,7 @@ class RawClient:
 
     async def post(self, url: str, headers: dict[str, str], json: Any) -> RawResponse:
         parts = urllib.parse.urlsplit(url)
-        if self.streams is None:
+        if self.streams is None or self.streams[0].at_eof():  # (uvicorn closes a connection idle for 5 s)
             self.streams = await asyncio.open_connection(parts.hostname, parts.port)
         reader, writer = self.streams
         body = _json.dumps(json).encode()
