@@ -2,6 +2,7 @@
 through gateway sessions.
 
     python -m benchmarks.gateway [--calls 100] [--tokens 8] [--turns 5] [--sessions 64] [--session-calls 3] [--repeats 3]
+        [--client httpx|raw] [--workers 1 2 4]
 
 One ``hf`` server on one CPU thread, the routers and the gateway in this process (as in an agent-loop worker), the
 tiny default model, every turn exactly ``--tokens`` new tokens (``ignore_eos``). (a) ``router.generate`` of the turn's
@@ -24,12 +25,17 @@ CPU milliseconds per call; every session's recorded trajectory is checked to be 
 tokens of another session). (a) includes no HTTP client; (b) includes its client, in this process: ``--client httpx``
 (the OpenAI SDK's) costs this process about as much per call as the gateway's whole server side, so ``--client raw``
 (a minimal keep-alive HTTP/1.1 client) measures the gateway's own cost, as with an agent in its own process.
+
+Last, the scaling with ``rollout.agent.num_workers``: for each of ``--workers`` counts, the same sessions spread over
+that many worker processes (Ray actors, each with its own routers and gateway, its sessions' clients in it, as an
+in-process agent's are), both arms ``--repeats`` times interleaved, calls/s as the driver times the whole batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json as _json
 import statistics
 import time
@@ -76,8 +82,8 @@ class RawResponse:
 
 
 class RawClient:
-    """The least an HTTP/1.1 client can do (one keep-alive connection, a request written in one piece, a response
-    read by its ``Content-Length``): with it the gateway arm measures the gateway, not ``httpx``'s per-call work,
+    """The least an HTTP/1.1 client can do (one keep-alive connection, opened again once the server has closed it, a
+    request written in one piece, a response read by its ``Content-Length``): with it the gateway arm measures the gateway, not ``httpx``'s per-call work,
     which is the agent's (in its own process for a command) and at 64 sessions costs this process as much as the
     gateway's whole server side."""
 
@@ -87,7 +93,7 @@ class RawClient:
 
     async def post(self, url: str, headers: dict[str, str], json: Any) -> RawResponse:
         parts = urllib.parse.urlsplit(url)
-        if self.streams is None:
+        if self.streams is None or self.streams[0].at_eof():  # (uvicorn closes a connection idle for 5 s)
             self.streams = await asyncio.open_connection(parts.hostname, parts.port)
         reader, writer = self.streams
         body = _json.dumps(json).encode()
@@ -242,6 +248,63 @@ async def concurrent(
     return sessions * calls / (time.perf_counter() - start), 1000 * (time.process_time() - cpu) / (sessions * calls)
 
 
+@ray.remote(num_cpus=0)
+class WorkerPaths:
+    """An agent-loop worker's process for the scaling runs: its own routers over the servers, its own gateway, its
+    share of the sessions (their clients in it, as an in-process agent's are)."""
+
+    def __init__(self, servers: list[ray.actor.ActorHandle], config, args: argparse.Namespace, share: int) -> None:
+        self.servers, self.config, self.args, self.share = servers, config, args, share
+        self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+        self.paths: Paths | None = None
+        gc.freeze()  # as AgentLoopWorker does
+
+    async def run(self, arm: str, tag: str, calls: int) -> int:
+        """This worker's sessions of ``calls`` calls each on ``arm`` ("direct" or "gateway"), checked; their calls."""
+        if self.paths is None:
+            self.paths = await paths(
+                self.servers, self.tokenizer, self.config, _params(self.args), self.share, self.args.client
+            )
+        self.paths.sessions.clear()
+        await concurrent(getattr(self.paths, arm), tag, self.share, calls)
+        check_own_trajectories(self.tokenizer, self.paths.sessions)
+        return self.share * calls
+
+
+async def scaling(args: argparse.Namespace, servers: list[ray.actor.ActorHandle], config) -> list[tuple]:
+    """For each of ``--workers`` worker counts, ``--sessions`` conversations spread over that many worker processes
+    (as ``rollout.agent.num_workers`` spreads samples), both arms ``--repeats`` times interleaved: calls/s medians."""
+    rows = []
+    for count in args.workers:
+        shares = [args.sessions // count + (k < args.sessions % count) for k in range(count)]
+        workers = [WorkerPaths.remote(servers, config, args, share) for share in shares]
+        try:
+
+            async def rate(arm: str, tag: str, calls: int) -> float:
+                start = time.perf_counter()
+                done = await asyncio.gather(*(w.run.remote(arm, f"{tag}-w{k}", calls) for k, w in enumerate(workers)))
+                return sum(done) / (time.perf_counter() - start)
+
+            await rate("direct", "warm-up-direct", 1), await rate("through_gateway", "warm-up-gateway", 1)
+            runs = [
+                (
+                    await rate("direct", f"direct-{r}", args.session_calls),
+                    await rate("through_gateway", f"gw-{r}", args.session_calls),
+                )
+                for r in range(args.repeats)
+            ]
+        finally:
+            for worker in workers:
+                ray.kill(worker)
+        direct_rate, gateway_rate = (statistics.median(column) for column in zip(*runs))
+        rows.append((count, direct_rate, gateway_rate))
+    return rows
+
+
+def _params(args: argparse.Namespace) -> dict[str, Any]:
+    return {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True, "max_new_tokens": args.tokens}
+
+
 def ms(seconds: list[float]) -> float:
     return 1000 * statistics.median(seconds)
 
@@ -256,7 +319,7 @@ async def paths(
 
 
 async def measure(args: argparse.Namespace, servers: list[ray.actor.ActorHandle], tokenizer, config) -> None:
-    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True, "max_new_tokens": args.tokens}
+    params = _params(args)
     one = await paths(servers[:1], tokenizer, config, params, clients=1, client=args.client)
     complete, generate = Clock(one.gateway, "_complete"), Clock(one.gateway.router, "generate")
 
@@ -320,6 +383,11 @@ async def measure(args: argparse.Namespace, servers: list[ray.actor.ActorHandle]
         f"{len(both.sessions)} sessions' trajectories checked after each repeat: each exactly its own; "
         f"this process's CPU per call: (a) {direct_cpu:.2f} ms, (b) {gateway_cpu:.2f} ms (its client's included)"
     )
+    for count, direct_rate, gateway_rate in await scaling(args, servers, config):
+        print(
+            f"{args.sessions} sessions over {count} worker process(es): (a) direct {direct_rate:.1f} calls/s, "
+            f"(b) gateway {gateway_rate:.1f} calls/s, b/a {gateway_rate / direct_rate:.3f} (medians of {args.repeats})"
+        )
 
 
 def main() -> None:
@@ -330,6 +398,13 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--session-calls", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="*",
+        default=[1, 2, 4],
+        help="worker process counts of the scaling runs (none: skip)",
+    )
     parser.add_argument(
         "--client",
         choices=("httpx", "raw"),
@@ -346,7 +421,9 @@ def main() -> None:
     )
     prepare(config)
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # a cluster of its own, even when another job has left one as the current cluster
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    gc.freeze()  # as an agent-loop worker does once it is set up
     servers = [RolloutServer.remote(rollout_settings(config).servers, rank) for rank in range(2)]
     try:
         ray.get([server.__ray_ready__.remote() for server in servers], timeout=600)

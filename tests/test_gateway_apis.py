@@ -7,6 +7,7 @@ a program rewrites starts a new segment, and malformed requests get 400 in each 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anthropic
@@ -40,6 +41,8 @@ ANTHROPIC_TOOLS = [
 ANSWER = "The answer is 5."
 # the token ids each reply of the last program run came with (the API's ``token_ids`` field), in order
 RETURNED: list[list[int]] = []
+# the previous_response_id of each Responses call the last Agents-SDK program made
+CHAINED: list[str | None] = []
 
 
 def tool_result(name: str, arguments: dict[str, Any]) -> str:
@@ -73,19 +76,28 @@ async def anthropic_agent(base_url: str, api_key: str, row: dict[str, Any]) -> f
 
 
 async def agents_sdk_agent(base_url: str, api_key: str, row: dict[str, Any]) -> float:
-    """An Agents-SDK agent with no model named: the provider's default, the Responses model. Its reward: whether its
-    final output is the answer."""
-    provider = OpenAIProvider(openai_client=AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0))
+    """An Agents-SDK agent with no model named: the provider's default, the Responses model; with ``chain``, each call
+    sends only what follows its previous response (``previous_response_id``). Its reward: whether its final output is
+    the answer."""
+    CHAINED.clear()
+
+    async def note(request: httpx.Request) -> None:
+        CHAINED.append(json.loads(request.content).get("previous_response_id"))
+
+    http = httpx.AsyncClient(event_hooks={"request": [note]})
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=http)
+    provider = OpenAIProvider(openai_client=client)
     assert isinstance(provider.get_model(None), OpenAIResponsesModel)
     solver = Agent(name="solver", tools=[agents_sdk_tool(schema, tool_result) for schema in SCHEMAS])
     config = RunConfig(model_provider=provider, tracing_disabled=True)
+    run = {"max_turns": 4, "run_config": config, "auto_previous_response_id": bool(row["extra_info"].get("chain"))}
     try:
         if row["extra_info"].get("stream"):
-            result = Runner.run_streamed(solver, list(row["prompt"]), max_turns=4, run_config=config)
+            result = Runner.run_streamed(solver, list(row["prompt"]), **run)
             async for _ in result.stream_events():
                 pass
         else:
-            result = await Runner.run(solver, list(row["prompt"]), max_turns=4, run_config=config)
+            result = await Runner.run(solver, list(row["prompt"]), **run)
     except (ModelBehaviorError, MaxTurnsExceeded):  # a sampled reply may call a tool it does not have, on and on
         return 0.0
     return float(result.final_output == ANSWER)
@@ -142,8 +154,9 @@ def model_turns(output) -> list[list[int]]:
         ("anthropic_agent", {"stream": True}),
         ("agents_sdk_agent", {}),
         ("agents_sdk_agent", {"stream": True}),
+        ("agents_sdk_agent", {"chain": True}),
     ],
-    ids=["anthropic", "anthropic-streamed", "agents-sdk", "agents-sdk-streamed"],
+    ids=["anthropic", "anthropic-streamed", "agents-sdk", "agents-sdk-streamed", "agents-sdk-chained"],
 )
 def test_an_sdk_agent_is_one_exact_segment_with_its_own_reward(server, tokenizer, scripted, model, agent, extra):
     row = script_row("multi", extra_info=extra)
@@ -156,6 +169,8 @@ def test_an_sdk_agent_is_one_exact_segment_with_its_own_reward(server, tokenizer
     assert [tokenizer.decode(reply) for reply in replies] == [turn + "<|im_end|>" for turn in SCRIPTS["multi"]]
     if agent == "anthropic_agent" and not extra:
         assert RETURNED == replies  # the ids the API returned are the ones recorded
+    if extra.get("chain"):  # the SDK sent only what followed each response, naming it
+        assert CHAINED[0] is None and all(CHAINED[1:]) and len(CHAINED) == 3
     observations = [output.response_ids[a:b] for value, a, b in runs if value == 0]
     assert observations == [
         observation_delta(tokenizer, [{"role": "tool", "content": text}]) for text in ("5", "correct")

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from agentloop.agent_loop.trajectory import Trajectory, observation_delta
 from agentloop.protocol import TokenOutput
 from agentloop.rows import write_rows
-from agentloop.server.http.chat import completion_choice, token_bytes
+from agentloop.server.http.chat import completion_choice, token_spelling
 from agentloop.tasks.arithmetic.data import make_rows
 from agentloop.tasks.arithmetic.tools import evaluate
 from agentloop.tools.parsers import get_parser, parse_hermes, parse_qwen3_coder
@@ -78,7 +78,7 @@ def test_a_reply_without_a_call_is_its_content_exactly_whether_tools_were_offere
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "q"}], add_generation_prompt=True, return_dict=False
     )
-    spell = token_bytes(tokenizer)
+    spell = token_spelling(tokenizer)
     offered, not_offered = (completion_choice(output, prompt, tokenizer, p, spell)["message"] for p in (parse, None))
     assert offered == not_offered and offered["content"] == text
 

@@ -4,7 +4,11 @@ tool_use, tool_result, thinking) as the chat messages every route records, and t
 tool_use and thinking blocks, ``stop_reason``, ``usage``), plain or as Anthropic's server-sent events.
 
 A reply's blocks sent back unchanged are the reply the session recorded (its text and tool calls), so the
-conversation goes on from the sampled ids. Extra fields: ``token_ids`` (the sampled ids) and ``prompt_token_ids``.
+conversation goes on from the sampled ids. A last assistant message is a prefill: rendered open (no end of turn), the
+reply continues it (a new segment, unless it is the session's first call); sent back, the prefilled text and the
+reply are one assistant message. ``messages/count_tokens`` renders a request's context as a call would, recording
+nothing. A tool choice that forces a call (``any``, ``tool``) or forbids parallel ones, and ``stop_sequences``, get
+400: the engines cannot honour them exactly. Extra fields: ``token_ids`` (the sampled ids) and ``prompt_token_ids``.
 """
 
 from __future__ import annotations
@@ -76,22 +80,53 @@ class Tool(BaseModel):
     input_schema: dict[str, Any]
 
 
-class MessagesBody(BaseModel):
-    """A Messages request; fields the gateway does not act on (``temperature``, ``thinking``, ``metadata``...) are
-    ignored, since the rollout's sampling params hold anyway. ``max_tokens`` can only lower the per-call cap."""
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class CountTokensBody(BaseModel):
+    """A ``messages/count_tokens`` request: a Messages request's context, without what concerns the reply."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+class MessagesBody(CountTokensBody):
+    """A Messages request; fields the gateway does not act on (``temperature``, ``thinking``, ``metadata``...) are
+    ignored, since the rollout's sampling params hold anyway. ``max_tokens`` can only lower the per-call cap."""
+
     max_tokens: int = Field(ge=1)
     stream: bool = False
+    stop_sequences: list[str] | None = None
 
 
-def chat_call(body: MessagesBody) -> ChatCall:
-    """The request as the chat messages and tools every route records."""
+def chat_call(body: CountTokensBody) -> ChatCall:
+    """The request as the chat messages and tools every route records; a last assistant message is a prefill, which
+    the reply continues. ValueError for what the gateway cannot honour exactly: a tool choice that forces a call or
+    forbids parallel calls (the engines do not constrain decoding) and stop sequences (they stop on token ids)."""
+    choice = body.tool_choice or ToolChoice(type="auto")
+    if choice.type in ("any", "tool"):
+        raise ValueError(
+            f"tool_choice {choice.type!r} is not supported: forcing a tool call needs constrained decoding, which the "
+            "rollout's engines do not do; use auto (the model chooses) or none"
+        )
+    if choice.disable_parallel_tool_use and choice.type == "auto":
+        raise ValueError(
+            "tool_choice.disable_parallel_tool_use is not supported: the model may call several tools in one reply "
+            "(the engines do not constrain decoding); leave it out and run the calls one after another"
+        )
+    if getattr(body, "stop_sequences", None):
+        raise ValueError(
+            "stop_sequences is not supported: the rollout's engines stop only on the model's stop tokens, so a reply "
+            "would not end where the client asked; leave it out and cut the text on the client side"
+        )
     messages: list[dict[str, Any]] = []
     if body.system:
         messages.append({"role": "system", "content": _text(body.system)})
@@ -109,8 +144,11 @@ def chat_call(body: MessagesBody) -> ChatCall:
         }
         for tool in body.tools or []
     ]
-    refused = (body.tool_choice or {}).get("type") == "none"
-    return ChatCall(messages, tools or None, body.max_tokens, bool(tools) and not refused)
+    prefill = body.messages[-1].role == "assistant"
+    if prefill and (messages[-1].get("tool_calls") or not messages[-1]["content"]):
+        raise ValueError("messages: a last assistant message (a prefill, which the reply continues) must hold text")
+    cap = getattr(body, "max_tokens", None)
+    return ChatCall(messages, tools or None, cap, bool(tools) and choice.type != "none", prefill)
 
 
 def _user_messages(blocks: list[Any]) -> list[dict[str, Any]]:

@@ -13,12 +13,14 @@ class ChatCall:
     """What a call asks: its conversation as chat templates take it (``role``/``content`` text, assistant
     ``tool_calls`` with arguments as objects, ``tool`` results), the tools offered (OpenAI's function schemas), the
     client's cap on the reply's tokens (it can only lower the rollout's), and whether the reply's tool calls are
-    parsed (tools offered, and not refused by the call's tool choice)."""
+    parsed (tools offered, and not refused by the call's tool choice). ``prefill``: the last message is an assistant
+    turn that the reply continues (Anthropic's prefill), rendered open, without its end of turn."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     max_tokens: int | None
     parse_tools: bool
+    prefill: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,12 @@ OpenAI Agents SDK's default model): a request's ``instructions`` and ``input`` i
 function_call_output, reasoning) as the chat messages every route records, and the reply as a Response whose output
 items are reasoning, message and function_call, plain or as the API's server-sent events.
 
-The gateway stores nothing: a client sends the whole conversation each call (``previous_response_id`` and
-``conversation`` are refused). Output items sent back unchanged are the reply the session recorded (its text and
-tool calls), so the conversation goes on from the sampled ids. Extra fields: ``token_ids`` (the sampled ids) and
-``prompt_token_ids``.
+A client sends the whole conversation each call, or names a response of its session as ``previous_response_id`` and
+sends what follows it: the session keeps each response's conversation (unless ``store`` is false; the API's
+``conversation`` objects are refused). ``tool_choice`` ``auto`` or ``none``; one that forces a call (``required``, a
+named tool, ``allowed_tools``) gets 400, since the engines do not constrain decoding. Output items sent back unchanged
+are the reply the session recorded (its text and tool calls), so the conversation goes on from the sampled ids. Extra
+fields: ``token_ids`` (the sampled ids) and ``prompt_token_ids``.
 """
 
 from __future__ import annotations
@@ -106,20 +108,35 @@ class ResponsesBody(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     stream: bool = False
+    store: bool = True
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
 
 
-def chat_call(body: ResponsesBody) -> ChatCall:
-    """The request as the chat messages and tools every route records. ValueError for what a stateless gateway
-    cannot take (``previous_response_id``, ``conversation``) and for function call arguments that are not JSON."""
-    for stored in ("previous_response_id", "conversation"):
-        if getattr(body, stored) is not None:
-            raise ValueError(
-                f"{stored} is not supported: the gateway stores no responses; send the whole conversation in `input`"
-            )
+def chat_call(body: ResponsesBody, stored: dict[str, list[dict[str, Any]]]) -> ChatCall:
+    """The request as the chat messages and tools every route records: the conversation of its
+    ``previous_response_id`` (in ``stored``, the session's) and then its input. ValueError for a response the session
+    did not store, ``conversation`` objects, a tool choice that forces a call, and function call arguments that are
+    not JSON."""
+    if body.conversation is not None:
+        raise ValueError(
+            "conversation is not supported: the gateway keeps no conversation objects; send the whole conversation in "
+            "`input`, or name the last response as previous_response_id"
+        )
+    if body.tool_choice not in (None, "auto", "none"):
+        raise ValueError(
+            f"tool_choice {body.tool_choice!r} is not supported: forcing a tool call needs constrained decoding, which "
+            "the rollout's engines do not do; use auto (the model chooses) or none"
+        )
+    history = stored.get(body.previous_response_id or "", [])
+    if body.previous_response_id is not None and body.previous_response_id not in stored:
+        raise ValueError(
+            f"previous_response_id {body.previous_response_id!r} is not a stored response of this session (each "
+            "session keeps its own responses, those made with store=true)"
+        )
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    messages += history
     for index, item in enumerate(items):
         _add(messages, item, index)
     tools = [
@@ -134,6 +151,12 @@ def chat_call(body: ResponsesBody) -> ChatCall:
         for tool in body.tools or []
     ]
     return ChatCall(messages, tools or None, body.max_output_tokens, bool(tools) and body.tool_choice != "none")
+
+
+def conversation_after(call: ChatCall, body: ResponsesBody, reply: dict[str, Any]) -> list[dict[str, Any]]:
+    """What a response's ``previous_response_id`` stands for: its call's messages and its reply (as a client sends it
+    back), without the call's instructions, which the API does not carry over to the next response."""
+    return [*call.messages[1 if body.instructions else 0 :], reply]
 
 
 def _add(messages: list[dict[str, Any]], item: Any, index: int) -> None:
@@ -218,6 +241,8 @@ def response(reply: Reply, body: ResponsesBody, model: str) -> dict[str, Any]:
         "instructions": body.instructions,
         "output": output,
         "parallel_tool_calls": True,
+        "previous_response_id": body.previous_response_id,
+        "store": body.store,
         "tool_choice": body.tool_choice or "auto",
         "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
         "temperature": None,

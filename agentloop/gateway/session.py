@@ -73,6 +73,9 @@ class Session:
     replied_at: float = 0.0  # time.monotonic() of the last reply
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a session's calls are recorded one at a time
     in_flight: set[asyncio.Task] = field(default_factory=set)
+    # the Responses route's answers by response id: the conversation each one ended (its instructions aside), which a
+    # later call names as its ``previous_response_id``
+    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def expired(self) -> bool:
@@ -95,13 +98,15 @@ class Session:
                 trajectory.restore(before)
             raise
 
-    def enter(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+    def enter(self, messages: list[dict[str, Any]], tools: list[dict] | None, prefill: bool = False) -> list[int]:
         """Record a call's context (its messages as templates take them, and its tools); return the ids the reply is
         generated from. SessionOver when no reply fits in the session's limits; ValueError for messages the chat
-        template cannot render, whether they start the conversation or extend it. Called in ``recording_call``."""
+        template cannot render, whether they start the conversation or extend it. Called in ``recording_call``.
+        A ``prefill`` call (its last message an assistant turn to continue) is rendered whole: the first call, or a
+        new segment (a template delta always ends in a generation prompt)."""
         trajectory = self.trajectory
         if trajectory is None:
-            ids, shown, images = self._render(messages, tools)
+            ids, shown, images = self._render(messages, tools, prefill)
             if len(ids) > self.limits.prompt_length:
                 self._over(
                     "length",
@@ -119,7 +124,7 @@ class Session:
                 max_model_len=self.limits.max_model_len,
             )
             return ids
-        added = self._extension(messages, tools)
+        added = None if prefill else self._extension(messages, tools)
         if added is not None:
             self._note_results(added)
             with _template_errors_as_bad_input():  # (the observation's delta is a render of the added messages)
@@ -131,7 +136,7 @@ class Session:
                     f"messages within rollout.response_length={self.limits.budget}",
                 )
             return trajectory.ids
-        ids, shown, images = self._render(messages, tools)
+        ids, shown, images = self._render(messages, tools, prefill)
         if len(ids) >= self.limits.max_model_len:
             self._over(
                 "context_length",
@@ -141,12 +146,25 @@ class Session:
         trajectory.start_segment(ids, shown, rewritten_by="client", tools=tools, images=images)
         return ids
 
+    def count(self, messages: list[dict[str, Any]], tools: list[dict] | None, prefill: bool = False) -> int:
+        """The tokens of a context of ``messages`` and ``tools`` rendered on their own (recording nothing)."""
+        return len(self._render(messages, tools, prefill)[0])
+
     def replied(
-        self, messages: list[dict[str, Any]], reply: dict[str, Any], output: TokenOutput, end: EndReason | None
+        self,
+        messages: list[dict[str, Any]],
+        reply: dict[str, Any],
+        output: TokenOutput,
+        end: EndReason | None,
+        prefill: bool = False,
     ) -> None:
         """Note the reply returned for a call on ``messages``: the next call extends the conversation if it starts
-        with both. A reply the engine aborted ends the session."""
+        with both (after a ``prefill``, with the prefilled turn and the reply as one assistant message, as a client
+        sends it back). A reply the engine aborted ends the session."""
         self.calls += 1
+        if prefill:
+            *messages, opened = messages
+            reply = {**reply, "content": opened["content"] + (reply.get("content") or "")}
         self.conversation = [*messages, reply]
         self.last_turn_end = end
         self.replied_at = time.monotonic()
@@ -173,11 +191,12 @@ class Session:
         return messages[len(known) :]
 
     def _render(
-        self, messages: list[dict[str, Any]], tools: list[dict] | None
+        self, messages: list[dict[str, Any]], tools: list[dict] | None, prefill: bool = False
     ) -> tuple[list[int], list[dict[str, Any]], list[ProcessedImage]]:
         """The ids of a context of ``messages``, the messages as the template took them and the images they show:
         with a vision-language processor, each image part a bare ``{"type": "image"}`` part, its image processed
-        and its pad widened to the image's tokens (ValueError for an image that cannot be read)."""
+        and its pad widened to the image's tokens (ValueError for an image that cannot be read). ``prefill``: the
+        last (assistant) message left open for the reply to continue, instead of a generation prompt."""
         images: list[ProcessedImage] = []
         if self.processor is not None:
             messages, pictures = split_message_images(messages)
@@ -186,7 +205,8 @@ class Session:
             ids = self.tokenizer.apply_chat_template(
                 messages,
                 tools=tools,
-                add_generation_prompt=True,
+                add_generation_prompt=not prefill,
+                continue_final_message=prefill,
                 tokenize=True,
                 return_dict=False,
                 **self.template_kwargs,

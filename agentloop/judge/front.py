@@ -32,7 +32,7 @@ from agentloop.http_server import serve
 from agentloop.judge.session import JudgeCall, JudgeError, serving
 from agentloop.protocol import TokenOutput
 from agentloop.router import Router
-from agentloop.server.http.chat import ChatBody, completion_choice, engine_params, render_prompt, token_bytes
+from agentloop.server.http.chat import ChatBody, completion_choice, engine_params, render_prompt, token_spelling
 from agentloop.server.http.native import Admission, ServerImages, add_generation_routes
 from agentloop.tools.parsers import get_parser
 
@@ -113,7 +113,7 @@ class JudgeFront:
 
         engine, tokenizer = _ThroughTheJudge(self.judge), self.judge.tokenizer
         images = ServerImages(None, tokenizer)  # a text-only model's: image parts are refused (400)
-        parse_tool_calls, spell = get_parser(self.tool_format), token_bytes(tokenizer)
+        parse_tool_calls, spell = get_parser(self.tool_format), token_spelling(tokenizer)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatBody) -> dict[str, Any]:
