@@ -65,8 +65,10 @@ class AgentLoopWorker:
         self._gateway: Gateway | None = None  # made when a loop first asks for it (external_agent)
         # What exists now (the imported libraries, the tokenizer) lives as long as the worker: kept out of the cyclic
         # collector's scans, a full collection amid a step's calls takes milliseconds instead of a fifth of a second
-        # (the gateway's calls at 64 sessions stalled on them)
-        gc.freeze()
+        # (the gateway's calls at 64 sessions stalled on them). Only in a process of its own: a worker in the driver
+        # (num_workers=0) would freeze the driver's objects too, cyclic garbage among them
+        if ray.get_runtime_context().get_actor_id() is not None:
+            gc.freeze()
 
     def gateway(self) -> Gateway:
         """This worker's session gateway, over its router (made on first use; it serves from its first session)."""
