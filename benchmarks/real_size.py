@@ -87,6 +87,8 @@ def overrides(model_path: str, steps: int, output_dir: Path) -> list[str]:
         # the hf engine's KV cache is sized in pages: the default 1,024 of 16 tokens hold 3.7 GB at this shape (28
         # layers x 8 key-value heads x 128 x 2 x fp32 per token); 128 pages hold this run's 4 trajectories
         "actor_rollout_ref.rollout.hf.num_blocks=128",
+        # the server in bf16 (1.2 GB of weights instead of 2.4): with two fp32 ranks beside it, 24 GB run out otherwise
+        "actor_rollout_ref.rollout.dtype=bfloat16",
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=2",
         "trainer.resources_per_rank={trainer_node: 1}",
@@ -163,7 +165,11 @@ def main() -> None:
     args = parser.parse_args()
     model_path = real_size_model_path() if args.model == "real" else tiny_model_path()
     for name in args.variants.split(","):
-        print(json.dumps({name: run_variant(name, model_path, args.steps, Path(args.output) / name)}), flush=True)
+        try:
+            result = run_variant(name, model_path, args.steps, Path(args.output) / name)
+        except Exception as error:  # (an out-of-memory kill is a result too: the next variant still runs)
+            result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        print(json.dumps({name: result}), flush=True)
 
 
 if __name__ == "__main__":
