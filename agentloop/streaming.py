@@ -49,7 +49,7 @@ from agentloop.worker_pool import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
-ORDERS = ("finished", "submitted")
+ORDERS = ("finished", "submitted")  # GroupStream's orders (``async_training.group_order``)
 POLL_S = 0.5  # how long a worker holds a poll for finished groups
 MAX_GROUP_RESTARTS = 2  # a group whose worker dies more often than this is taken to be what kills it
 
@@ -91,7 +91,8 @@ class GroupStream:
     ``finish_batch(batch, stats, elapsed_s)``; ``set_version`` tells the stream which policy the servers hold.
     A dead worker is replaced through ``workers``, a dead server through ``servers``. ``keep(group_batch)``, when
     given, decides whether a finished group is trained on (see the module docstring; ``max_dropped`` <= 0: no limit).
-    ``order`` is ``"finished"`` or ``"submitted"`` (the module docstring's "Order").
+    ``order`` is ``"finished"`` or ``"submitted"`` (the module docstring's "Order"). The caller hands it checked
+    settings (the trainer's ``AsyncSettings``: ``max_staleness`` >= 0, ``capacity`` at least one batch).
     """
 
     def __init__(
@@ -110,17 +111,6 @@ class GroupStream:
         max_dropped: int = 0,
         order: str = "finished",
     ) -> None:
-        if order not in ORDERS:
-            raise ValueError(
-                f"unknown group order {order!r} (async_training.group_order): choose one of {list(ORDERS)}"
-            )
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-        if capacity < groups_per_batch:
-            raise ValueError(
-                f"a stream buffer of {capacity} groups cannot hold one batch of {groups_per_batch} groups "
-                "(async_training.buffer_groups must be at least data.train_batch_size)"
-            )
         self.workers = workers
         self.servers = servers
         self._prepare = prepare

@@ -48,6 +48,7 @@ from agentloop.server.rollout_server import RolloutServer
 from agentloop.settings import rollout_settings
 from trainer.fsdp_workers import response_log_probs
 from trainer.micro_batches import MicroBatching
+from trainer.settings import rank_settings
 from trainer.vision import model_inputs
 
 THREADS = 1  # on a shared 2-core machine two threads each wait on the other's barriers: times spread 5-10x
@@ -189,7 +190,7 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     keep_freed_memory()  # as the trainer's ranks do: without it a batch timed after a smaller one page-faults anew
     model = AutoModelForCausalLM.from_pretrained(base.actor_rollout_ref.model.path, dtype=torch.float32).train()
-    micro_batching = MicroBatching.for_update(base.actor_rollout_ref.actor)
+    micro_batching = rank_settings(base).actor.update.micro_batching
     step_seconds(model, batches[turns[0], "append"], micro_batching)  # warm-up
     times: dict[tuple[int, str], list[float]] = {key: [] for key in batches}
     for _ in range(args.repeats):

@@ -39,6 +39,7 @@ from agentloop.models.tiny_qwen import tiny_model_path
 from agentloop.server.collective import bucket_plan
 from agentloop.waiting import wait_for
 from trainer.fsdp_workers import FSDPWorker, push_weights, start_workers
+from trainer.settings import rank_settings
 
 RANKS = 2
 TIMEOUT_S = 300.0
@@ -117,7 +118,7 @@ def measure(model_path: str, repeats: int, asleep: bool) -> dict[str, float]:
             ]
         )
     )
-    ranks = start_workers(manager.config, RANKS, 1, TIMEOUT_S, worker_class=BenchRank)
+    ranks = start_workers(rank_settings(manager.config), RANKS, 1, TIMEOUT_S, worker_class=BenchRank)
     state, *_ = wait_for([rank.full_state_dict.remote() for rank in ranks], TIMEOUT_S, "the first gather")
     push_through_driver(ranks, manager, TIMEOUT_S), push_weights(ranks, manager, TIMEOUT_S)  # warm-up
     if asleep:

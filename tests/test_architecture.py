@@ -221,18 +221,22 @@ READS_SECTIONS = {
     "agentloop/agent_loop/base.py": {"actor_rollout_ref", "data"},  # verl's AgentLoopBase: config, dataset_config
     "agentloop/worker.py": {"data"},  # verl's dataset_config for the loops
     "trainer/main_ppo.py": {"trainer"},  # the command
-    "trainer/config_checks.py": {"actor_rollout_ref", "algorithm", "async_training", "critic", "data", "trainer"},
-    "trainer/ray_trainer.py": {"actor_rollout_ref", "algorithm", "async_training", "data", "trainer"},
+    "trainer/config_checks.py": {"actor_rollout_ref", "algorithm", "critic", "data", "trainer"},
+    "trainer/ray_trainer.py": {"actor_rollout_ref", "algorithm", "data", "trainer"},
+    "trainer/settings.py": {
+        "actor_rollout_ref",
+        "algorithm",
+        "async_training",
+        "critic",
+        "data",
+        "reward_model",
+        "trainer",
+    },
 }
 # not converted to settings yet (issue 49.1): each still reads its sections from the whole config
 NOT_CONVERTED_YET = {
     "agentloop/gateway/gateway.py": {"actor_rollout_ref", "data"},
     "agentloop/rewards.py": {"actor_rollout_ref"},
-    "trainer/async_training.py": {"actor_rollout_ref", "async_training"},
-    "trainer/dynamic_sampling.py": {"algorithm"},
-    "trainer/fsdp_workers.py": {"actor_rollout_ref", "algorithm", "critic", "trainer"},
-    "trainer/overlong.py": {"data", "reward_model"},
-    "trainer/rollout_correction.py": {"actor_rollout_ref", "algorithm"},
 }
 
 

@@ -26,8 +26,9 @@ from tests.support.config import SMALL, small_config
 from tests.support.runs import signal_at_checkpoint
 from trainer.config_checks import check_config
 from trainer.ray_trainer import RayPPOTrainer
-from trainer.async_training import async_settings, staleness_metrics
+from trainer.async_training import AsyncSettings, staleness_metrics
 from trainer.rollout_correction import RolloutCorrection
+from trainer.settings import async_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -146,21 +147,21 @@ def test_async_training_overlaps_stamps_versions_corrects_and_resumes(local_ray,
 def test_async_settings_refuse_a_negative_bound_and_fall_back_where_servers_sleep():
     with pytest.raises(ValueError, match=r"async_training.max_staleness=-1: a lag in policy versions"):
         check_config(compose_config(["async_training.max_staleness=-1"]))
-    colocated = compose_config(["async_training.max_staleness=2", "actor_rollout_ref.rollout.free_cache_engine=true"])
+    settings = async_settings(compose_config(["async_training.max_staleness=2"]))
+    assert settings == AsyncSettings(max_staleness=2)
     with pytest.warns(UserWarning, match="free_cache_engine=true puts them to sleep then .* trains synchronously"):
-        assert async_settings(colocated, RolloutCorrection())[0] == 0
-    separate = compose_config(["async_training.max_staleness=2", "actor_rollout_ref.rollout.free_cache_engine=false"])
-    assert async_settings(separate, RolloutCorrection()) == (2, True, RolloutCorrection(rollout_is="token"))
+        assert settings.for_run(True, RolloutCorrection())[0].max_staleness == 0
+    assert settings.for_run(False, RolloutCorrection()) == (settings, RolloutCorrection(rollout_is="token"))
     sequence = RolloutCorrection(rollout_is="sequence")
-    assert async_settings(separate, sequence) == (2, True, sequence)  # a configured correction is kept
-    with pytest.raises(ValueError, match=r"async_training.buffer_groups=3 cannot hold one batch of 4 GRPO groups"):
+    assert settings.for_run(False, sequence) == (settings, sequence)  # a configured correction is kept
+    with pytest.raises(ValueError, match=r"async_training.buffer_groups=3: cannot hold one batch of 4 GRPO groups"):
         check_config(
             compose_config(
                 ["async_training.max_staleness=1", "async_training.buffer_groups=3", "data.train_batch_size=4"]
             )
         )
     with pytest.raises(
-        ValueError, match=r"async_training.group_order='fifo': choose one of \['finished', 'submitted'\]"
+        ValueError, match=r"async_training.group_order='fifo': .*choose one of \['finished', 'submitted'\]"
     ):
         check_config(compose_config(["async_training.max_staleness=1", "async_training.group_order=fifo"]))
 

@@ -23,7 +23,9 @@ from tests.support.config import small_config
 from tests.test_async_training import fit
 from trainer.config_checks import check_config
 from trainer.dynamic_sampling import GroupFilter, select_groups, trainable_groups
-from trainer.overlong import OverlongBuffer, mask_length_ended, overlong_penalty
+from trainer import settings
+from trainer.overlong import mask_length_ended, overlong_penalty
+from trainer.settings import overlong_buffer
 
 PROMPT, RESPONSE = 3, 8
 
@@ -78,7 +80,7 @@ def test_overlong_buffer_shapes_each_trajectorys_last_segment_score():
             "reward_model.overlong_buffer.log=true",
         ]
     )
-    buffer = OverlongBuffer.from_config(config)
+    buffer = overlong_buffer(config)
     rollout = rollout_of(
         [
             {"uid": "a", "segments": [3], "score": 1.0},
@@ -99,8 +101,8 @@ def test_overlong_buffer_shapes_each_trajectorys_last_segment_score():
         "overlong/penalized_share": 0.5,
     }
     for setting, message in (
-        ("len=0", r"len=0 must be in \(0"),
-        ("len=9", r"len=9 must be in \(0, data.max_response_length=8\]"),
+        ("len=0", r"len=0: must be in \(0"),
+        ("len=9", r"len=9: must be in \(0, data.max_response_length=8\]"),
     ):
         with pytest.raises(ValueError, match=message):
             check_config(
@@ -131,7 +133,7 @@ def test_overlong_filtering_masks_every_row_of_a_length_ended_trajectory():
 
 
 def group_filter(metric: str, *overrides: str) -> GroupFilter:
-    return GroupFilter.from_config(
+    return settings.group_filter(
         compose_config(
             [
                 "algorithm.filter_groups.enable=true",
@@ -171,7 +173,7 @@ def test_groups_whose_metric_does_not_vary_are_dropped():
     missing = r"metric='pred': trajectory 0 of the batch has no 'pred' in its reward_extra_info \(it has \['acc'\]\)"
     with pytest.raises(ValueError, match=missing):
         group_filter("pred").informative(rollout)
-    assert GroupFilter.from_config(compose_config([])) is None
+    assert settings.group_filter(compose_config([])) is None
 
 
 def test_a_short_batch_keeps_as_many_groups_as_split_over_the_ranks():

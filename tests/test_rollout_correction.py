@@ -7,13 +7,14 @@ import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from tests.support.config import small_config
 from trainer import rollout_correction as rc
 from trainer.config_checks import check_config
 from trainer.fsdp_workers import has_dropout, policy_gradient_loss
+from trainer.rank_settings import ActorSettings
+from trainer.settings import rank_settings, rollout_correction
 
 
 def T(values):
@@ -26,9 +27,7 @@ MASK = [[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
 
 
 def settings(**section):
-    return rc.RolloutCorrection.from_config(
-        small_config(*(f"algorithm.rollout_correction.{k}={v}" for k, v in section.items()))
-    )
+    return rollout_correction(small_config(*(f"algorithm.rollout_correction.{k}={v}" for k, v in section.items())))
 
 
 def per_token(function):
@@ -134,20 +133,17 @@ def test_unsupported_settings_are_named_at_config_time(section, message):
 def test_the_older_token_tis_keys_map_onto_rollout_is_token():
     assert settings() == rc.RolloutCorrection()  # off by default
     for key in ("rollout_is_threshold=3.0", "tis_imp_ratio_cap=3.0"):
-        mapped = rc.RolloutCorrection.from_config(small_config(f"actor_rollout_ref.actor.{key}"))
+        mapped = rollout_correction(small_config(f"actor_rollout_ref.actor.{key}"))
         assert (mapped.rollout_is, mapped.rollout_is_threshold) == ("token", 3.0)
-    assert (
-        rc.RolloutCorrection.from_config(small_config("actor_rollout_ref.actor.tis_imp_ratio_cap=-1")).rollout_is
-        is None
-    )
+    assert rollout_correction(small_config("actor_rollout_ref.actor.tis_imp_ratio_cap=-1")).rollout_is is None
     with pytest.raises(ValueError, match="drop actor_rollout_ref.actor.tis_imp_ratio_cap"):
-        rc.RolloutCorrection.from_config(
+        rollout_correction(
             small_config(
                 "actor_rollout_ref.actor.tis_imp_ratio_cap=3", "algorithm.rollout_correction.rollout_is=sequence"
             )
         )
     with pytest.raises(ValueError, match="to different values"):
-        rc.RolloutCorrection.from_config(
+        rollout_correction(
             small_config(
                 "actor_rollout_ref.actor.tis_imp_ratio_cap=3", "actor_rollout_ref.actor.rollout_is_threshold=2"
             )
@@ -163,10 +159,10 @@ def test_config_defaults_follow_verl_and_bad_loss_settings_fail_the_check():
     )
     check_config(config)
     for override, message in [
-        ("actor_rollout_ref.actor.clip_ratio_c=1.0", "clip_ratio_c=1.0 must be > 1"),
+        ("actor_rollout_ref.actor.clip_ratio_c=1.0", r"clip_ratio_c=1.0: must be > 1; set it above 1 \(dual-clip"),
         ("actor_rollout_ref.actor.loss_agg_mode=seq-sum", "loss_agg_mode='seq-sum'"),
         ("critic.loss_agg_mode=sum", "critic.loss_agg_mode='sum'"),
-        ("actor_rollout_ref.actor.loss_scale_factor=0", "loss_scale_factor=0 must be > 0"),
+        ("actor_rollout_ref.actor.loss_scale_factor=0", "loss_scale_factor=0: must be > 0"),
         ("algorithm.rollout_correction.rollout_rs=token_k9", "rollout_rs='token_k9'"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -212,15 +208,7 @@ def test_correct_batch_adds_weights_and_narrows_the_mask_before_the_advantages()
     )
 
 
-ACTOR = OmegaConf.create(
-    {
-        "loss_agg_mode": "token-mean",
-        "loss_scale_factor": None,
-        "clip_ratio_low": 0.2,
-        "clip_ratio_high": 0.2,
-        "clip_ratio_c": 3.0,
-    }
-)
+ACTOR = ActorSettings(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)  # token-mean, no scale factor
 
 
 def micro_batch(**extra):
@@ -266,7 +254,11 @@ def test_bypass_mode_corrects_against_the_current_policy():
 def test_the_update_scores_old_log_probs_only_when_one_step_and_row_by_row_weights_allow():
     def scores_in_update(*overrides, batch_size=8):
         config = small_config("actor_rollout_ref.rollout.n=2", *overrides)
-        return rc.old_log_probs_in_update(config, rc.RolloutCorrection.from_config(config), batch_size)
+        ranks = rank_settings(config)
+        kl_in_reward = config.algorithm.use_kl_in_reward
+        return rc.old_log_probs_in_update(
+            ranks.actor.update, ranks.samples_per_prompt, kl_in_reward, rollout_correction(config), batch_size
+        )
 
     assert scores_in_update()  # one epoch over one mini-batch (null: the whole batch)
     assert scores_in_update(

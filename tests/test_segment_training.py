@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import ray
 import torch
-from omegaconf import OmegaConf
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
 
@@ -24,6 +23,7 @@ from trainer import algorithms
 from trainer.fsdp_workers import policy_gradient_loss, response_log_probs
 from trainer.ray_trainer import grpo_groups
 from trainer.micro_batches import MicroBatching, balanced_groups, bins_needed, split_trajectories, trajectory_sizes
+from trainer.rank_settings import ActorSettings, OptimSettings, UpdateSettings
 from trainer.rollout_correction import RolloutCorrection
 from trainer.trainable import Trainable
 
@@ -196,29 +196,18 @@ def test_a_segmented_trajectory_trains_as_independent_rows_with_its_advantage(mo
     total.backward()
     expected = [parameter.grad for parameter in expected_model.parameters()]
 
-    actor = OmegaConf.create(
-        {
-            "ppo_epochs": 1,
-            "ppo_micro_batch_size_per_gpu": 1,
-            "use_dynamic_bsz": False,
-            "ppo_max_token_len_per_gpu": 0,
-            "grad_clip": 1e9,
-            "loss_agg_mode": "token-mean",
-            "clip_ratio_low": 0.2,
-            "clip_ratio_high": 0.2,
-            "clip_ratio_c": 3.0,
-        }
-    )
+    actor = ActorSettings(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)  # token-mean
     for size in (1, 2, 3):
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        trainable = Trainable(model, OmegaConf.create({"lr": 1e-4, "weight_decay": 0.0}), total_steps=1, role="actor")
+        trainable = Trainable(model, OptimSettings(lr=1e-4), total_steps=1, role="actor")
 
         def loss(micro: TensorDict) -> tuple[torch.Tensor, dict]:
             log_probs, _ = response_log_probs(model, micro, 1.0)
             value, _, stats = policy_gradient_loss(micro, log_probs, actor, RolloutCorrection())
             return value, stats
 
-        trainable.update(batch, OmegaConf.merge(actor, {"ppo_micro_batch_size_per_gpu": size}), 2, loss)
+        update = UpdateSettings(micro_batching=MicroBatching(size), grad_clip=1e9)
+        trainable.update(batch, update, 2, loss)
         for want, parameter in zip(expected, model.parameters()):  # Adam's first moment after one step: 0.1 x gradient
             torch.testing.assert_close(
                 trainable.optimizer.state[parameter]["exp_avg"] / 0.1, want, rtol=1e-4, atol=1e-6

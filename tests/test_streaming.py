@@ -192,12 +192,3 @@ def test_a_group_that_kills_its_worker_every_time_fails_the_stream_with_the_caus
             stream.take(min_version=0, timeout_s=120)
     finally:
         stream.stop()
-
-
-def test_a_buffer_smaller_than_a_batch_is_refused(manager):
-    with pytest.raises(ValueError, match="cannot hold one batch of 4 groups .*buffer_groups"):
-        manager.stream(iter([]), groups_per_batch=4, max_staleness=1, capacity=3)
-    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
-        manager.stream(iter([]), groups_per_batch=4, max_staleness=-1, capacity=8)
-    with pytest.raises(ValueError, match=r"unknown group order 'fifo' \(async_training.group_order\)"):
-        manager.stream(iter([]), groups_per_batch=4, max_staleness=1, capacity=8, order="fifo")

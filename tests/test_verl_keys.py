@@ -10,7 +10,6 @@ import json
 import pytest
 import ray
 import torch
-from omegaconf import OmegaConf
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
 
@@ -25,6 +24,7 @@ from trainer.data import load_dataset
 from trainer.fsdp_workers import response_log_probs
 from trainer.trainable import Trainable
 from trainer.micro_batches import MicroBatching, balanced_groups, bins_needed
+from trainer.rank_settings import OptimSettings, UpdateSettings
 
 PROMPT, RESPONSE = 8, 8
 # (prompt tokens, response tokens) per sample: unequal, so that splits differ in tokens and in samples
@@ -70,25 +70,15 @@ def test_token_packing_covers_every_sample_once_within_the_budget():
 def gradient_after_update(model_path: str, batch: TensorDict, batching: MicroBatching, mode: str) -> list[torch.Tensor]:
     """One update through the trainer's own loop; Adam's first moment after one step is 0.1 x the gradient."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    optim = OmegaConf.create({"lr": 1e-4, "weight_decay": 0.0, "lr_warmup_steps": 0})
-    trainable = Trainable(model, optim, total_steps=1, role="actor")
-    section = OmegaConf.create(
-        {
-            "ppo_epochs": 1,
-            "ppo_micro_batch_size_per_gpu": batching.size,
-            "use_dynamic_bsz": batching.dynamic,
-            "ppo_max_token_len_per_gpu": batching.max_tokens,
-            "grad_clip": 1e9,
-            "loss_agg_mode": mode,
-        }
-    )
+    trainable = Trainable(model, OptimSettings(lr=1e-4, lr_warmup_steps=0), total_steps=1, role="actor")
+    update = UpdateSettings(micro_batching=batching, grad_clip=1e9, loss_agg_mode=mode)
 
     def loss(micro: TensorDict) -> tuple[torch.Tensor, dict]:
         log_probs, _ = response_log_probs(model, micro, 1.0)
         value = aggregate_loss(-log_probs * micro["advantages"], micro["response_mask"].float(), mode)
         return value, {"loss": value}
 
-    trainable.update(batch, section, len(batch), loss)
+    trainable.update(batch, update, len(batch), loss)
     return [trainable.optimizer.state[p]["exp_avg"] / 0.1 for p in model.parameters()]
 
 

@@ -15,46 +15,80 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
-from omegaconf import DictConfig
 
 from agentloop.batch import RolloutBatch, trajectory_ids
 from agentloop.policy_versions import UNKNOWN
+from agentloop.settings.reading import Section
+from agentloop.streaming import ORDERS
 from trainer.rollout_correction import RolloutCorrection
 
 logger = logging.getLogger(__name__)
 
 
-def async_settings(config: DictConfig, correction: RolloutCorrection) -> tuple[int, bool, RolloutCorrection]:
-    """``async_training.max_staleness`` and ``partial_rollout`` as this run can use them, and the rollout
-    correction it trains with.
+@dataclass(frozen=True)
+class AsyncSettings:
+    """``async_training.*``: how many policy versions a trained group may lag (0: synchronous), whether weight pushes
+    interrupt the requests in flight, how many groups run ahead (None: ``(1 + max_staleness)`` batches' worth) and
+    in which order finished groups are taken (``agentloop.streaming.ORDERS``)."""
 
-    Servers that sleep while the ranks train (``rollout.free_cache_engine=true``, the colocated layout)
-    cannot generate meanwhile: the run then trains synchronously and says so. Samples of an older policy
-    need the off-policy correction: without one configured, token-level truncated importance weights are
-    turned on (decoupled PPO: clip against the re-scored old log-probs, weight by their ratio to the
-    rollout's, truncated at ``rollout_is_threshold``).
-    """
-    max_staleness = int(config.async_training.max_staleness)
-    partial_rollout = bool(config.async_training.partial_rollout)
-    if max_staleness and config.actor_rollout_ref.rollout.free_cache_engine:
-        warnings.warn(
-            f"async_training.max_staleness={max_staleness} needs the rollout servers awake while the ranks train, but "
-            "actor_rollout_ref.rollout.free_cache_engine=true puts them to sleep then (the colocated layout); this run "
-            "trains synchronously. Set free_cache_engine=false (servers and ranks on their own devices) to overlap.",
-            stacklevel=2,
+    max_staleness: int = 0
+    partial_rollout: bool = True
+    buffer_groups: int | None = None
+    group_order: str = "finished"
+
+    @classmethod
+    def from_section(cls, section: Section, batch_groups: int) -> AsyncSettings:
+        """The settings of ``section`` (``async_training``) for batches of ``batch_groups`` GRPO groups
+        (``data.train_batch_size``)."""
+        if section.int("max_staleness") < 0:
+            raise section.error(
+                "max_staleness", "a lag in policy versions cannot be negative", "set it to 0 (synchronous) or more"
+            )
+        buffer = section.optional_int("buffer_groups")
+        if buffer is not None and buffer < batch_groups:
+            raise section.error(
+                "buffer_groups",
+                f"cannot hold one batch of {batch_groups} GRPO groups (data.train_batch_size)",
+                f"set it to at least {batch_groups}, or null for (1 + max_staleness) batches",
+            )
+        return cls(
+            section.int("max_staleness"),
+            section.bool("partial_rollout"),
+            buffer,
+            section.str("group_order", ORDERS),
         )
-        return 0, partial_rollout, correction
-    if max_staleness and not correction.uses_rollout_log_probs:
-        logger.warning(
-            "async training: algorithm.rollout_correction.rollout_is=token (threshold %g) corrects for the "
-            "older policies that generated the samples",
-            correction.rollout_is_threshold,
-        )
-        correction = replace(correction, rollout_is="token")
-    return max_staleness, partial_rollout, correction
+
+    def for_run(
+        self, free_cache_engine: bool, correction: RolloutCorrection
+    ) -> tuple[AsyncSettings, RolloutCorrection]:
+        """These settings as this run can use them, and the rollout correction it trains with.
+
+        Servers that sleep while the ranks train (``free_cache_engine``: ``rollout.free_cache_engine=true``, the
+        colocated layout) cannot generate meanwhile: the run then trains synchronously and says so. Samples of an
+        older policy need the off-policy correction: without one configured, token-level truncated importance
+        weights are turned on (decoupled PPO: clip against the re-scored old log-probs, weight by their ratio to
+        the rollout's, truncated at ``rollout_is_threshold``).
+        """
+        if self.max_staleness and free_cache_engine:
+            warnings.warn(
+                f"async_training.max_staleness={self.max_staleness} needs the rollout servers awake while the ranks "
+                "train, but actor_rollout_ref.rollout.free_cache_engine=true puts them to sleep then (the colocated "
+                "layout); this run trains synchronously. Set free_cache_engine=false (servers and ranks on their own "
+                "devices) to overlap.",
+                stacklevel=2,
+            )
+            return replace(self, max_staleness=0), correction
+        if self.max_staleness and not correction.uses_rollout_log_probs:
+            logger.warning(
+                "async training: algorithm.rollout_correction.rollout_is=token (threshold %g) corrects for the "
+                "older policies that generated the samples",
+                correction.rollout_is_threshold,
+            )
+            correction = replace(correction, rollout_is="token")
+        return self, correction
 
 
 def staleness_metrics(batch: RolloutBatch, trained_version: int, max_staleness: int) -> dict[str, float]:

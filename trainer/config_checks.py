@@ -11,12 +11,9 @@ from omegaconf import DictConfig
 from agentloop.config import check_known_keys, config_keys
 from agentloop.config_keys import ALWAYS_ON
 from agentloop.settings import judge_settings, rollout_settings
-from agentloop.streaming import ORDERS
 from trainer import algorithms
 from trainer.lora import LoraSettings
-from trainer.overlong import OverlongBuffer
-from trainer.rollout_correction import RolloutCorrection
-from trainer.settings import RunSettings
+from trainer.settings import RunSettings, async_settings, group_filter, rank_settings, rollout_correction
 
 
 class IgnoredKeysWarning(UserWarning):
@@ -34,12 +31,16 @@ def check_config(config: DictConfig) -> None:
     check_known_keys(config)
     # the rollout side's sections, checked where they are read (agentloop.settings)
     judge_settings(config, rollout_settings(config).servers)
-    RunSettings.from_config(config)  # the trainer's own sections, likewise (trainer.settings)
+    # the trainer's own sections, likewise (trainer.settings): its run, its ranks (actor, reference, critic), the
+    # rollout correction, dynamic sampling with the overlong penalty, async training
+    RunSettings.from_config(config)
     _check_lora(config)
-    _check_verl_settings(config)
+    rank_settings(config)
+    rollout_correction(config)
+    group_filter(config)
+    async_settings(config)
     _check_estimator(config.algorithm)
-    _check_async_training(config.async_training, int(config.data.train_batch_size))
-    _check_dynamic_sampling(config)
+    _check_generation_batch(config)
     if not config.data.train_files:
         raise ValueError("data.train_files is empty: name one or more .parquet / .jsonl files")
     ranks = world_size(config)
@@ -50,13 +51,8 @@ def check_config(config: DictConfig) -> None:
             "(trainer.n_gpus_per_node x trainer.nnodes)"
         )
     algorithm = config.algorithm
-    for key, estimator in (
-        ("algorithm.kl_penalty", algorithm.kl_penalty),
-        ("actor_rollout_ref.actor.kl_loss_type", config.actor_rollout_ref.actor.kl_loss_type),
-    ):
-        if estimator not in algorithms.KL_ESTIMATORS:
-            raise ValueError(f"{key}={estimator!r}; choose one of {algorithms.KL_ESTIMATORS}")
-    _check_losses(config)
+    if algorithm.kl_penalty not in algorithms.KL_ESTIMATORS:
+        raise ValueError(f"algorithm.kl_penalty={algorithm.kl_penalty!r}; choose one of {algorithms.KL_ESTIMATORS}")
     control = algorithm.kl_ctrl
     if control.type not in ("fixed", "adaptive"):
         raise ValueError(f"algorithm.kl_ctrl.type={control.type!r}; choose fixed or adaptive")
@@ -87,26 +83,6 @@ def _check_lora(config: DictConfig) -> None:
         raise ValueError(
             f"actor_rollout_ref.rollout.weight_sync={sync}: with LoRA each push is the adapter alone (megabytes), sent "
             "through Ray's object store; set weight_sync=object_store, or lora_rank=0 to push full weights"
-        )
-
-
-def _check_async_training(async_training: DictConfig, batch: int) -> None:
-    """``async_training.*`` against a batch of ``batch`` groups."""
-    if int(async_training.max_staleness) < 0:
-        raise ValueError(
-            f"async_training.max_staleness={async_training.max_staleness}: a lag in policy versions, 0 (synchronous) "
-            "or more"
-        )
-    buffer = async_training.get("buffer_groups")
-    if buffer is not None and int(buffer) < batch:
-        raise ValueError(
-            f"async_training.buffer_groups={buffer} cannot hold one batch of {batch} GRPO groups (data.train_batch_size); "
-            f"set it to at least {batch}, or null for (1 + max_staleness) batches"
-        )
-    if async_training.group_order not in ORDERS:
-        raise ValueError(
-            f"async_training.group_order={async_training.group_order!r}: choose one of {list(ORDERS)} "
-            "(finished: the first groups to finish; submitted: each step's own rows, in order)"
         )
 
 
@@ -143,28 +119,8 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_losses(config: DictConfig) -> None:
-    """Loss aggregation, dual clip and ``algorithm.rollout_correction``: checked here rather than mid-step."""
-    actor = config.actor_rollout_ref.actor
-    for key, mode in (
-        ("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode),
-        ("critic.loss_agg_mode", config.critic.loss_agg_mode),
-    ):
-        if mode not in algorithms.LOSS_AGG_MODES:
-            raise ValueError(f"{key}={mode!r}; choose one of {algorithms.LOSS_AGG_MODES}")
-    if actor.clip_ratio_c is not None and not float(actor.clip_ratio_c) > 1:
-        raise ValueError(
-            f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 (dual-clip PPO), or null for no dual clip"
-        )
-    if actor.get("loss_scale_factor") is not None and not float(actor.loss_scale_factor) > 0:
-        raise ValueError(
-            f"actor_rollout_ref.actor.loss_scale_factor={actor.loss_scale_factor} must be > 0, or null for the response length"
-        )
-    RolloutCorrection.from_config(config)
-
-
-def _check_dynamic_sampling(config: DictConfig) -> None:
-    """``data.gen_batch_size`` (only with dynamic sampling) and ``reward_model.overlong_buffer``."""
+def _check_generation_batch(config: DictConfig) -> None:
+    """``data.gen_batch_size``: only with dynamic sampling."""
     generation, batch = config.data.gen_batch_size, int(config.data.train_batch_size)
     if generation is not None and int(generation) <= 0:
         raise ValueError(f"data.gen_batch_size={generation} must be positive (rows per generation batch), or null")
@@ -173,21 +129,6 @@ def _check_dynamic_sampling(config: DictConfig) -> None:
             f"data.gen_batch_size={generation} differs from data.train_batch_size={batch}: a generation batch of another "
             "size needs dynamic sampling (algorithm.filter_groups.enable=true), which keeps train_batch_size of its groups"
         )
-    OverlongBuffer.from_config(config)
-
-
-def _check_verl_settings(config: DictConfig) -> None:
-    rollout = config.actor_rollout_ref.rollout
-    for name, section, key in (
-        ("actor_rollout_ref.actor", config.actor_rollout_ref.actor, "ppo_max_token_len_per_gpu"),
-        ("critic", config.critic, "ppo_max_token_len_per_gpu"),
-        ("actor_rollout_ref.rollout", rollout, "log_prob_max_token_len_per_gpu"),
-        ("actor_rollout_ref.ref", config.actor_rollout_ref.ref, "log_prob_max_token_len_per_gpu"),
-    ):
-        if int(section[key]) <= 0:
-            raise ValueError(
-                f"{name}.{key}={section[key]} must be positive (tokens per micro-batch with use_dynamic_bsz)"
-            )
 
 
 def warn_ignored_keys(config: DictConfig) -> dict[str, object]:

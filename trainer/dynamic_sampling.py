@@ -23,9 +23,9 @@ from typing import Collection
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 
 from agentloop.batch import RolloutBatch
+from agentloop.settings.reading import Section
 from trainer.algorithms import trajectory_sums
 from trainer.overlong import OverlongBuffer
 
@@ -43,12 +43,12 @@ class GroupFilter:
     overlong: OverlongBuffer | None  # for seq_reward / seq_final_reward
 
     @classmethod
-    def from_config(cls, config: DictConfig) -> GroupFilter | None:
-        """The configured filter, or None when ``filter_groups.enable`` is off."""
-        groups = config.algorithm.filter_groups
-        if not groups.enable:
+    def from_section(cls, filter_groups: Section, overlong: OverlongBuffer | None) -> GroupFilter | None:
+        """The filter of ``filter_groups`` (``algorithm.filter_groups``), None when ``enable`` is off; ``overlong``:
+        the run's overlong penalty, which ``seq_reward`` and ``seq_final_reward`` count."""
+        if not filter_groups.bool("enable"):
             return None
-        return cls(str(groups.metric or "score"), int(groups.max_num_gen_batches), OverlongBuffer.from_config(config))
+        return cls(filter_groups.optional_str("metric") or "score", filter_groups.int("max_num_gen_batches"), overlong)
 
     def trajectory_metrics(self, rollout: RolloutBatch) -> np.ndarray:
         """The metric of each trajectory, in batch order (NaN for a failed one)."""

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torch.distributed.checkpoint as dcp
-from omegaconf import DictConfig
 from tensordict import TensorDict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -35,12 +34,18 @@ from agentloop.models.loading import is_vision_language, model_class
 from agentloop.server.adapters import PackedAdapter
 from agentloop.server.collective import WeightSource
 from agentloop.server.weights import PackedWeights
-from agentloop.settings.reading import Section
-from agentloop.settings.server import ray_resources
 from agentloop.waiting import wait_for
 from trainer import algorithms, lora
 from trainer.rollout_correction import RolloutCorrection, correct, correct_batch
-from trainer.micro_batches import MicroBatching, is_stand_in, trajectory_sizes
+from trainer.micro_batches import is_stand_in, trajectory_sizes
+from trainer.rank_settings import (
+    ActorSettings,
+    CriticSettings,
+    FSDPSettings,
+    ModelSettings,
+    RankSettings,
+    UpdateSettings,
+)
 from trainer.sharding import load_sharded
 from trainer.trainable import Trainable
 from trainer.vision import attended_columns, forward_logits
@@ -97,7 +102,7 @@ def response_values(critic: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
 
 
 def policy_gradient_loss(
-    micro: TensorDict, log_probs: torch.Tensor, actor: DictConfig, correction: RolloutCorrection
+    micro: TensorDict, log_probs: torch.Tensor, actor: ActorSettings, correction: RolloutCorrection
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """The policy-gradient term of ``actor``'s loss, the mask the other terms use, and its metrics.
 
@@ -110,7 +115,7 @@ def policy_gradient_loss(
     weights = micro.get("rollout_is_weights", None)
     if correction.bypass_mode:
         weights, mask, stats = correct(log_probs.detach(), micro["old_log_probs"], mask, correction)
-    common = dict(loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.get("loss_scale_factor"))
+    common = dict(loss_agg_mode=actor.update.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor)
     if correction.bypass_mode and correction.loss_type == "reinforce":
         pg_loss, pg_stats = algorithms.reinforce_policy_loss(
             micro["old_log_probs"], log_probs, micro["advantages"], mask, importance_weights=weights, **common
@@ -121,8 +126,8 @@ def policy_gradient_loss(
             log_probs,
             micro["advantages"],
             mask,
-            float(actor.clip_ratio_low),
-            float(actor.clip_ratio_high),
+            actor.clip_ratio_low,
+            actor.clip_ratio_high,
             actor.clip_ratio_c,
             importance_weights=None if correction.bypass_mode else weights,
             **common,
@@ -136,13 +141,11 @@ class FSDPWorker(WeightSource):
 
     Two phases, because rank 0's own node and port must be known before the group forms: construct
     every rank, ask rank 0 for ``rendezvous_address()``, then call ``init_group`` with it on all of them.
-    ``config`` is the full composed config; ``total_steps`` sizes the LR schedules.
+    ``settings`` are the ranks' (``trainer.settings.rank_settings``); ``total_steps`` sizes the LR schedules.
     """
 
-    def __init__(self, config: DictConfig, rank: int, world_size: int, total_steps: int) -> None:
-        # not `self.config`: with `dist` among the globals, cloudpickle would take that attribute name for
-        # the module torch.distributed.config and fail to ship this class to Ray
-        self._config, self.rank, self.world_size, self.total_steps = config, rank, world_size, total_steps
+    def __init__(self, settings: RankSettings, rank: int, world_size: int, total_steps: int) -> None:
+        self.settings, self.rank, self.world_size, self.total_steps = settings, rank, world_size, total_steps
         keep_freed_memory()  # every step frees and reallocates the same activations
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -153,87 +156,62 @@ class FSDPWorker(WeightSource):
 
     def init_group(self, rendezvous: tuple[str, int]) -> None:
         """Join the process group at rank 0's ``rendezvous_address()`` and load this rank's shards of the models."""
-        config = self._config
+        settings = self.settings
         self._join_process_group(rendezvous)
-        self.samples_per_prompt = int(config.actor_rollout_ref.rollout.n)
-        self.actor = config.actor_rollout_ref.actor
-        self.critic_config = config.critic
-        self.temperature = float(config.actor_rollout_ref.rollout.temperature)
-        ref_config = config.actor_rollout_ref.ref
-        self.log_prob_batching = MicroBatching.for_log_probs(config.actor_rollout_ref.rollout, self.actor)
-        self.ref_log_prob_batching = MicroBatching.for_log_probs(ref_config, self.actor)
-        self.value_batching = MicroBatching.for_values(config.critic)
+        self.actor, self.temperature = settings.actor, settings.temperature
         torch.manual_seed(0)
-        model = config.actor_rollout_ref.model
-        self.lora = lora.LoraSettings.from_config(config)
+        model = settings.model
+        self.lora = model.lora  # the adapter the policy trains (None: full-weight training)
         self.policy = Trainable(
             self._sharded(
                 model_class(model.path),
-                model.path,
-                self.actor.fsdp_config,
-                model.enable_gradient_checkpointing,
-                adapt=self.lora.adapt if self.lora.enabled else None,
+                model,
+                settings.actor.fsdp,
+                adapt=self.lora.adapt if self.lora is not None else None,
             ),
-            self.actor.optim,
+            settings.actor.optim,
             self.total_steps,
             "actor",
             self.device,
-            bool(self.actor.fsdp_config.optimizer_offload),
+            settings.actor.fsdp.optimizer_offload,
         )
         self.policy_has_dropout = has_dropout(self.policy.model)  # its training forward pass is not its scoring one
         self.ref = None
-        if needs_reference(config) and self.lora.enabled:
+        if settings.ref is not None and self.lora is not None:
             self.ref = self.policy.model  # scored with its adapter disabled: the base model
-        elif needs_reference(config):
-            self.ref = (
-                self._sharded(model_class(ref_config.model.path), ref_config.model.path, ref_config.fsdp_config)
-                .eval()
-                .requires_grad_(False)
-            )
-        self.critic = self._load_critic(config.critic) if config.algorithm.adv_estimator == "gae" else None
+        elif settings.ref is not None:
+            ref = settings.ref.model
+            self.ref = self._sharded(model_class(ref.path), ref, settings.ref.fsdp).eval().requires_grad_(False)
+        self.critic = self._load_critic(settings.critic) if settings.critic is not None else None
 
     def _join_process_group(self, rendezvous: tuple[str, int]) -> None:
         master_addr, master_port = rendezvous
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         cuda = bool(ray.get_gpu_ids())  # start_workers gave this rank a GPU
         # a collective waits at most as long as the trainer waits for a step
-        timeout = datetime.timedelta(seconds=float(self._config.trainer.step_timeout_s))
+        timeout = datetime.timedelta(seconds=self.settings.step_timeout_s)
         dist.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world_size, timeout=timeout)
         self.device = "cuda" if cuda else "cpu"
         if not cuda:  # Ray gives an actor without CPUs one thread: the ranks share the node's cores instead
-            ranks_here = min(self.world_size, int(self._config.trainer.n_gpus_per_node))
+            ranks_here = min(self.world_size, self.settings.ranks_per_node)
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks_here))
         self.mesh = init_device_mesh(self.device, (self.world_size,))
 
-    def _load_critic(self, critic_section: DictConfig) -> Trainable:
-        if is_vision_language(critic_section.model.path):
+    def _load_critic(self, settings: CriticSettings) -> Trainable:
+        if is_vision_language(settings.model.path):
             raise ValueError(
                 "algorithm.adv_estimator=gae needs a critic, and a vision-language critic is not supported yet: use grpo"
             )
         # no dropout on the value head: the old values it is clipped against come from eval mode
-        critic_config = AutoConfig.from_pretrained(critic_section.model.path, num_labels=1)
+        critic_config = AutoConfig.from_pretrained(settings.model.path, num_labels=1)
         critic_config.classifier_dropout = 0.0  # (not a Qwen3Config field: from_pretrained would drop it)
-        critic_model = critic_section.model
-        critic = self._sharded(
-            AutoModelForTokenClassification,
-            critic_model.path,
-            critic_model.fsdp_config,
-            critic_model.enable_gradient_checkpointing,
-            config=critic_config,
-        )
+        critic = self._sharded(AutoModelForTokenClassification, settings.model, settings.fsdp, config=critic_config)
         return Trainable(
-            critic,
-            critic_section.optim,
-            self.total_steps,
-            "critic",
-            self.device,
-            bool(critic_model.fsdp_config.optimizer_offload),
+            critic, settings.optim, self.total_steps, "critic", self.device, settings.fsdp.optimizer_offload
         )
 
-    def _sharded(
-        self, auto_class: Any, path: str, fsdp_config: DictConfig, gradient_checkpointing: bool = False, **kwargs: Any
-    ) -> torch.nn.Module:
-        return load_sharded(auto_class, path, self.mesh, fsdp_config, bool(gradient_checkpointing), **kwargs)
+    def _sharded(self, auto_class: Any, model: ModelSettings, fsdp: FSDPSettings, **kwargs: Any) -> torch.nn.Module:
+        return load_sharded(auto_class, model.path, self.mesh, fsdp, model.enable_gradient_checkpointing, **kwargs)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: TensorDict, reference: bool = False) -> torch.Tensor:
@@ -244,8 +222,8 @@ class FSDPWorker(WeightSource):
                 "no reference policy on this worker: set actor.use_kl_loss or algorithm.use_kl_in_reward"
             )
         model.eval()
-        batching = self.ref_log_prob_batching if reference else self.log_prob_batching
-        with model.disable_adapter() if reference and self.lora.enabled else contextlib.nullcontext():
+        batching = self.settings.ref.batching if reference else self.settings.log_prob_batching
+        with model.disable_adapter() if reference and self.lora is not None else contextlib.nullcontext():
             return batching.score(
                 batch, self.device, lambda micro: response_log_probs(model, micro, self.temperature)[0]
             )
@@ -254,7 +232,9 @@ class FSDPWorker(WeightSource):
     def compute_values(self, batch: TensorDict) -> torch.Tensor:
         """The critic's values of this rank's slice."""
         self.critic.model.eval()
-        return self.value_batching.score(batch, self.device, lambda micro: response_values(self.critic.model, micro))
+        return self.settings.critic.batching.score(
+            batch, self.device, lambda micro: response_values(self.critic.model, micro)
+        )
 
     def update_policy(self, batch: TensorDict, correction: RolloutCorrection = RolloutCorrection()) -> dict[str, float]:
         """PPO updates of the policy on this rank's slice (see ``Trainable.update``); metrics as verl names them.
@@ -284,7 +264,7 @@ class FSDPWorker(WeightSource):
         self, batch: TensorDict, correction: RolloutCorrection, scoring_old: bool = False
     ) -> tuple[dict[str, float], torch.Tensor | None]:
         actor = self.actor
-        scale = actor.get("loss_scale_factor")
+        scale, mode = actor.loss_scale_factor, actor.update.loss_agg_mode
         old_log_probs = None
         if scoring_old:
             old_log_probs = torch.zeros(batch["responses"].shape, dtype=torch.float32)
@@ -300,26 +280,26 @@ class FSDPWorker(WeightSource):
                 if weights is not None:
                     micro["rollout_is_weights"] = weights
             pg_loss, mask, stats = policy_gradient_loss(micro, log_probs, actor, correction)
-            entropy_bonus = algorithms.aggregate_loss(entropy, mask, actor.loss_agg_mode, scale)
-            total = pg_loss - float(actor.entropy_coeff) * entropy_bonus
+            entropy_bonus = algorithms.aggregate_loss(entropy, mask, mode, scale)
+            total = pg_loss - actor.entropy_coeff * entropy_bonus
             if actor.use_kl_loss:
                 kl = algorithms.kl_penalty(log_probs, micro["ref_log_probs"], actor.kl_loss_type)
-                stats["actor/kl_loss"] = algorithms.aggregate_loss(kl, mask, actor.loss_agg_mode, scale)
-                stats["actor/kl_coef"] = float(actor.kl_loss_coef)
-                total = total + float(actor.kl_loss_coef) * stats["actor/kl_loss"]
+                stats["actor/kl_loss"] = algorithms.aggregate_loss(kl, mask, mode, scale)
+                stats["actor/kl_coef"] = actor.kl_loss_coef
+                total = total + actor.kl_loss_coef * stats["actor/kl_loss"]
             return total, {"actor/pg_loss": pg_loss, "actor/entropy": entropy_bonus, **stats}
 
-        return self.policy.update(batch, actor, self._mini_batch_size(actor, batch), loss), old_log_probs
+        return self.policy.update(batch, actor.update, self._mini_batch_size(actor.update, batch), loss), old_log_probs
 
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
         """Clipped value-loss updates of the critic against ``returns`` (``values`` are the old values)."""
-        config = self.critic_config
+        settings = self.settings.critic
 
         def loss(micro: TensorDict) -> tuple[torch.Tensor, dict[str, Any]]:
             mask = micro["response_mask"].float()
             values = response_values(self.critic.model, micro)
             value_loss, stats = algorithms.value_loss(
-                values, micro["values"], micro["returns"], mask, float(config.cliprange_value), config.loss_agg_mode
+                values, micro["values"], micro["returns"], mask, settings.cliprange_value, settings.update.loss_agg_mode
             )
             return value_loss, {
                 "critic/vf_loss": value_loss,
@@ -327,14 +307,14 @@ class FSDPWorker(WeightSource):
                 "critic/vpred_mean": algorithms.masked_mean(values, mask),
             }
 
-        return self.critic.update(batch, config, self._mini_batch_size(config, batch), loss)
+        return self.critic.update(batch, settings.update, self._mini_batch_size(settings.update, batch), loss)
 
-    def _mini_batch_size(self, config: DictConfig, batch: TensorDict) -> int:
+    def _mini_batch_size(self, update: UpdateSettings, batch: TensorDict) -> int:
         """Trajectories per mini-batch on this rank: ``ppo_mini_batch_size`` counts prompts over all ranks (verl's
         convention), each with ``rollout.n`` trajectories; null: the whole slice."""
-        if not config.ppo_mini_batch_size:
+        if not update.ppo_mini_batch_size:
             return len(trajectory_sizes(batch))
-        return int(config.ppo_mini_batch_size) * self.samples_per_prompt // self.world_size
+        return update.ppo_mini_batch_size * self.settings.samples_per_prompt // self.world_size
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every policy parameter, unsharded, on CPU — on rank 0 (other ranks return an empty dict).
@@ -346,7 +326,7 @@ class FSDPWorker(WeightSource):
     def packed_state_dict(self) -> PackedWeights | PackedAdapter | None:
         """``full_state_dict`` ready for the push: rank 0's weights as raw bytes that Ray stores without
         pickling them (None on the other ranks); with LoRA, the adapter only. A collective, like ``full_state_dict``."""
-        if self.lora.enabled:
+        if self.lora is not None:
             adapter = lora.gather_adapter(self.policy.model)
             return lora.pack_adapter(self.policy.model, adapter) if self.rank == 0 else None
         state = self.full_state_dict()
@@ -380,7 +360,7 @@ class FSDPWorker(WeightSource):
         LoRA: the adapter in PEFT's format in ``lora_adapter`` beside it, as verl does).
         """
         dcp.save(self._trainables_state(), checkpoint_id=directory)
-        if hf_directory and self.lora.enabled:
+        if hf_directory and self.lora is not None:
             adapter = lora.gather_adapter(self.policy.model)
             if self.rank == 0:
                 lora.save_adapter(self.policy.model, adapter, Path(hf_directory))
@@ -409,18 +389,18 @@ class FSDPWorker(WeightSource):
 
 
 def launch_workers(
-    config: DictConfig, world_size: int, total_steps: int, worker_class: Any = FSDPWorker
+    settings: RankSettings, world_size: int, total_steps: int, worker_class: Any = FSDPWorker
 ) -> tuple[list[ray.actor.ActorHandle], list[ray.ObjectRef]]:
     """Start ``world_size`` ranks without waiting for them: returns the actors and their ``init_group`` calls, which
     form the process group at rank 0's address and load the models while the caller starts everything else."""
     # One GPU per rank; on CPU the ranks claim no logical CPU (unless trainer.resources_per_rank says), so they
     # never wait behind the servers.
     options = {
-        **actor_resources(rank_resources(config), "trainer.resources_per_rank"),
-        "num_gpus": rank_gpus(config, world_size),
+        **actor_resources(settings.resources, "trainer.resources_per_rank"),
+        "num_gpus": rank_gpus(settings.device, world_size),
     }
     workers = [
-        worker_class.options(**options).remote(config, rank, world_size, total_steps) for rank in range(world_size)
+        worker_class.options(**options).remote(settings, rank, world_size, total_steps) for rank in range(world_size)
     ]
     rendezvous = workers[0].rendezvous_address.remote()  # Ray hands its value to each init_group once it is ready
     return workers, [worker.init_group.remote(rendezvous) for worker in workers]
@@ -444,17 +424,16 @@ def join_workers(
 
 
 def start_workers(
-    config: DictConfig, world_size: int, total_steps: int, timeout_s: float, worker_class: Any = FSDPWorker
+    settings: RankSettings, world_size: int, total_steps: int, timeout_s: float, worker_class: Any = FSDPWorker
 ) -> list[ray.actor.ActorHandle]:
     """Start ``world_size`` ranks, form their process group at rank 0's address, and wait for the models."""
-    return join_workers(*launch_workers(config, world_size, total_steps, worker_class), timeout_s)
+    return join_workers(*launch_workers(settings, world_size, total_steps, worker_class), timeout_s)
 
 
-def rank_gpus(config: DictConfig, world_size: int) -> int:
-    """GPUs per FSDP rank (0 or 1) for ``trainer.device``: auto takes GPUs when the Ray cluster has any."""
-    device, cluster_gpus = config.trainer.device, int(ray.cluster_resources().get("GPU", 0))
-    if device not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"trainer.device={device!r}; choose auto, cuda or cpu")
+def rank_gpus(device: str, world_size: int) -> int:
+    """GPUs per FSDP rank (0 or 1) for ``trainer.device`` (auto, cuda or cpu): auto takes GPUs when the Ray cluster
+    has any."""
+    cluster_gpus = int(ray.cluster_resources().get("GPU", 0))
     if device == "cpu" or (device == "auto" and cluster_gpus == 0):
         return 0
     if cluster_gpus < world_size:
@@ -463,20 +442,6 @@ def rank_gpus(config: DictConfig, world_size: int) -> int:
             f"and the Ray cluster has {cluster_gpus}; lower n_gpus_per_node, add GPUs, or set trainer.device=cpu"
         )
     return 1
-
-
-def rank_resources(config: DictConfig) -> dict[str, float]:
-    """``trainer.resources_per_rank``: what each rank asks of Ray besides the GPU ``trainer.device`` gives it."""
-    trainer = Section(config.trainer, "trainer")
-    resources = ray_resources(trainer, "resources_per_rank")
-    if "GPU" in resources:
-        raise trainer.error("resources_per_rank", "cannot hold GPU", "choose the ranks' GPUs with trainer.device")
-    return resources
-
-
-def needs_reference(config: DictConfig) -> bool:
-    """Whether a frozen reference policy is needed: KL in the loss or in the reward."""
-    return bool(config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
 
 
 def push_weights(

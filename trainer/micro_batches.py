@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from tensordict import TensorDict
 
 from agentloop.batch import trajectory_sizes as segments_per_trajectory
@@ -39,36 +38,12 @@ def split_trajectories(batch: TensorDict, trajectories: int) -> list[TensorDict]
 
 @dataclass(frozen=True)
 class MicroBatching:
-    """``size`` rows per micro-batch, or with ``dynamic`` about ``max_tokens`` tokens (prompt + response)."""
+    """``size`` rows per micro-batch, or with ``dynamic`` about ``max_tokens`` tokens (prompt + response); read from
+    their sections by ``trainer.rank_settings``."""
 
     size: int
     dynamic: bool = False
     max_tokens: int = 0
-
-    @classmethod
-    def for_update(cls, section: DictConfig) -> MicroBatching:
-        """The training micro-batches of an actor or critic section (``ppo_micro_batch_size_per_gpu``, ...)."""
-        return cls(
-            int(section.ppo_micro_batch_size_per_gpu),
-            bool(section.get("use_dynamic_bsz", False)),
-            int(section.get("ppo_max_token_len_per_gpu", 0)),
-        )
-
-    @classmethod
-    def for_log_probs(cls, section: DictConfig, actor: DictConfig) -> MicroBatching:
-        """A log-prob pass's micro-batches: ``rollout.log_prob_*`` (old log-probs) or ``ref.log_prob_*``;
-        without a size of their own, the actor's."""
-        size = section.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
-        return cls(int(size), bool(section.log_prob_use_dynamic_bsz), int(section.log_prob_max_token_len_per_gpu))
-
-    @classmethod
-    def for_values(cls, critic: DictConfig) -> MicroBatching:
-        """The critic's scoring micro-batches (``forward_micro_batch_size_per_gpu``, ...)."""
-        return cls(
-            int(critic.forward_micro_batch_size_per_gpu),
-            bool(critic.use_dynamic_bsz),
-            int(critic.forward_max_token_len_per_gpu),
-        )
 
     def groups(self, batch: TensorDict) -> list[list[int]]:
         """Row indices of each micro-batch; each group in the batch's order, every row in one group. As many groups

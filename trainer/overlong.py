@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 from tensordict import TensorDict
 
 from agentloop.batch import RolloutBatch, last_segments
 from agentloop.metrics import spread
+from agentloop.settings.reading import Section
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int, penalty_factor: float) -> torch.Tensor:
@@ -39,18 +39,20 @@ class OverlongBuffer:
     log: bool
 
     @classmethod
-    def from_config(cls, config: DictConfig) -> OverlongBuffer | None:
-        """The configured buffer, or None when ``enable`` is off; an error for a length outside (0, L_max]."""
-        buffer = config.reward_model.overlong_buffer
-        if not buffer.enable:
+    def from_section(cls, buffer: Section, max_length: int) -> OverlongBuffer | None:
+        """The buffer of ``buffer`` (``reward_model.overlong_buffer``), None when ``enable`` is off; ``max_length`` is
+        L_max (``data.max_response_length``), and ``len`` must be in (0, L_max]."""
+        if not buffer.bool("enable"):
             return None
-        max_length = int(config.data.max_response_length)
-        if not 0 < int(buffer.len) <= max_length:
-            raise ValueError(
-                f"reward_model.overlong_buffer.len={buffer.len} must be in (0, data.max_response_length={max_length}]: "
-                "the penalty ramps over the last len tokens of the response budget"
+        length = buffer.int("len")
+        if not 0 < length <= max_length:
+            raise buffer.error(
+                "len",
+                f"must be in (0, data.max_response_length={max_length}]: the penalty ramps over the last len tokens "
+                "of the response budget",
+                f"set it between 1 and {max_length}",
             )
-        return cls(max_length, int(buffer.len), float(buffer.penalty_factor), bool(buffer.log))
+        return cls(max_length, length, buffer.float("penalty_factor"), buffer.bool("log"))
 
     def penalties(self, rollout: RolloutBatch) -> torch.Tensor:
         """Each trajectory's penalty ``[trajectories]``, by its last segment's response length."""

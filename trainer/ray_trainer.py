@@ -40,16 +40,22 @@ from agentloop.waiting import wait_for
 from trainer import algorithms, checkpoint
 from trainer.config_checks import check_config, warn_ignored_keys, world_size
 from trainer.data import BatchSampler, load_dataset
-from trainer.dynamic_sampling import GroupFilter
 from trainer.lora import LoraSettings
-from trainer.fsdp_workers import join_workers, launch_workers, needs_reference, push_weights, rank_gpus
+from trainer.fsdp_workers import join_workers, launch_workers, push_weights, rank_gpus
 from trainer.micro_batches import split_trajectories, trajectory_sizes
-from trainer.async_training import async_settings, staleness_metrics
-from trainer.overlong import OverlongBuffer, mask_length_ended
-from trainer.rollout_correction import RolloutCorrection, correct_batch, old_log_probs_in_update
+from trainer.async_training import staleness_metrics
+from trainer.overlong import mask_length_ended
+from trainer.rollout_correction import correct_batch, old_log_probs_in_update
 from trainer.rollout_dump import RolloutDumps
-from trainer.rollout_source import RolloutSource, StepShape, StreamedRollouts, StreamShape, SynchronousRollouts
-from trainer.settings import RunSettings
+from trainer.rollout_source import RolloutSource, StepShape, StreamedRollouts, SynchronousRollouts
+from trainer.settings import (
+    RunSettings,
+    async_settings,
+    group_filter,
+    overlong_buffer,
+    rank_settings,
+    rollout_correction,
+)
 from trainer.tracking import Tracking, plot, summarize
 from trainer.trainable import EXTREMES
 
@@ -74,8 +80,8 @@ class RayPPOTrainer:
         self.rows = self._load(config.data.train_files)
         self.val_rows = self._load(config.data.val_files) if config.data.val_files else []
         check_job(config, {"train": self.rows, "validation": self.val_rows})
-        self.group_filter = GroupFilter.from_config(config)  # dynamic sampling (None: off)
-        self.overlong = OverlongBuffer.from_config(config)  # the overlong penalty (None: off)
+        self.group_filter = group_filter(config)  # dynamic sampling (None: off)
+        self.overlong = overlong_buffer(config)  # the overlong penalty (None: off)
         # rows per generation batch: verl's data.gen_batch_size (dynamic sampling), else the training batch's
         generation = "gen_batch_size" if config.data.gen_batch_size is not None else "train_batch_size"
         self.sampler = BatchSampler(
@@ -90,13 +96,16 @@ class RayPPOTrainer:
         )
         self.world_size = world_size(config)
         start_ray(config)  # unless a caller started it (``main_ppo.run`` does, beside the imports)
-        rank_gpus(config, self.world_size)  # a trainer.device the cluster lacks fails here, before any server starts
+        self.ranks = rank_settings(config)  # the FSDP ranks'
+        rank_gpus(
+            self.ranks.device, self.world_size
+        )  # a trainer.device the cluster lacks fails here, before any server starts
         self.output_dir = Path(config.trainer.default_local_dir)
         self.run_settings = RunSettings.from_config(config)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
-        self.max_staleness, self.partial_rollout, self.correction = async_settings(
-            config, RolloutCorrection.from_config(config)
+        self.async_training, self.correction = async_settings(config).for_run(
+            bool(config.actor_rollout_ref.rollout.free_cache_engine), rollout_correction(config)
         )
         self.rollouts: RolloutSource | None = None  # this run's (chosen as it fits)
         self.dumps = (
@@ -111,7 +120,7 @@ class RayPPOTrainer:
     def _start_services(self) -> tuple[AgentLoopManager, list[Any]]:
         """The ranks load while the servers and workers start; each failure leaves nothing running."""
         config = self.config
-        ranks, loading = launch_workers(config, self.world_size, self.total_steps)
+        ranks, loading = launch_workers(self.ranks, self.world_size, self.total_steps)
         with tqdm(total=2, desc="starting rollout servers and agent-loop workers", bar_format=STARTUP_BAR) as startup:
             try:
                 manager = AgentLoopManager(config)
@@ -196,16 +205,9 @@ class RayPPOTrainer:
             float(config.actor_rollout_ref.rollout.generate_timeout_s),
         )
         common = (steps, self.manager, self.rows, self.sampler, batches, self.group_filter)
-        if not self.max_staleness:
+        if not self.async_training.max_staleness:
             return SynchronousRollouts(*common, bool(config.actor_rollout_ref.rollout.free_cache_engine))
-        buffer = config.async_training.buffer_groups
-        stream = StreamShape(
-            self.max_staleness,
-            self.partial_rollout,
-            int(buffer) if buffer else None,
-            str(config.async_training.group_order),
-        )
-        return StreamedRollouts(*common, stream, version)
+        return StreamedRollouts(*common, self.async_training, version)
 
     def _skip(self, step: int, start: float, waited_s: float) -> dict[str, float]:
         """A step that dynamic sampling left nothing to train: the policy stays as it is, and is pushed as version
@@ -251,7 +253,7 @@ class RayPPOTrainer:
             {
                 **batch_metrics(batch, rewards),
                 **rollout.meta_info,
-                **staleness_metrics(rollout, step - 1, self.max_staleness),
+                **staleness_metrics(rollout, step - 1, self.async_training.max_staleness),
                 **{f"timing_s/{key}": value for key, value in timing.items()},
                 "timing_s/step": time.perf_counter() - start,
                 "perf/idle_share/ranks": waited_s / (time.perf_counter() - start),
@@ -265,7 +267,13 @@ class RayPPOTrainer:
         )  # verl's rule: the actor starts at step critic_warmup
         if self.correction.bypass_mode:
             old_log_probs = "rollout"
-        elif trains_actor and old_log_probs_in_update(self.config, self.correction, rollout.num_trajectories):
+        elif trains_actor and old_log_probs_in_update(
+            self.ranks.actor.update,
+            self.ranks.samples_per_prompt,
+            bool(self.config.algorithm.use_kl_in_reward),
+            self.correction,
+            rollout.num_trajectories,
+        ):
             old_log_probs = "update"
         else:
             old_log_probs = "scored"
@@ -281,7 +289,7 @@ class RayPPOTrainer:
             batch["old_log_probs"] = batch["rollout_log_probs"]
         elif plan.old_log_probs == "scored":
             batch["old_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch))
-        if needs_reference(self.config):
+        if self.ranks.ref is not None:
             batch["ref_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch, reference=True))
         rewards, metrics = batch["rm_scores"], {}
         if self.config.algorithm.use_kl_in_reward:

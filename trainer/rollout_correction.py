@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
 
 import torch
 from tensordict import TensorDict
 
+from agentloop.settings.reading import Section
 from trainer.algorithms import masked_mean
+from trainer.rank_settings import UpdateSettings
 
 IS_LEVELS = ("token", "sequence")
 RS_OPTIONS = (
@@ -46,7 +47,7 @@ LOG_RATIO_BOUND = 20.0
 
 @dataclass(frozen=True)
 class RolloutCorrection:
-    """The resolved ``algorithm.rollout_correction`` settings (see ``from_config`` for the older keys)."""
+    """The resolved ``algorithm.rollout_correction`` settings (see ``from_sections`` for the older keys)."""
 
     rollout_is: str | None = None
     rollout_is_threshold: float = 2.0
@@ -59,12 +60,13 @@ class RolloutCorrection:
     rejection_bounds: dict[str, tuple[float | None, float]] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def from_config(cls, config: Any) -> RolloutCorrection:
-        """Read and check ``algorithm.rollout_correction`` of the full config; raise ``ValueError`` naming the
-        key at fault. ``actor.rollout_is_threshold`` (agentloop's earlier knob) and ``actor.tis_imp_ratio_cap``
-        (verl's earlier one, > 0 on) both mean ``rollout_is=token`` with that threshold."""
-        section = dict(config.algorithm.get("rollout_correction") or {})
-        legacy = _legacy_token_threshold(config.actor_rollout_ref.actor)
+    def from_sections(cls, algorithm: Section, actor: Section) -> RolloutCorrection:
+        """Read and check ``algorithm.rollout_correction`` (``algorithm``: the ``algorithm`` section); raise
+        ``ValueError`` naming the key at fault. In ``actor`` (``actor_rollout_ref.actor``),
+        ``rollout_is_threshold`` (agentloop's earlier knob) and ``tis_imp_ratio_cap`` (verl's earlier one, > 0 on)
+        both mean ``rollout_is=token`` with that threshold."""
+        section = algorithm.mapping("rollout_correction")
+        legacy = _legacy_token_threshold(actor)
         if legacy is not None:
             if section.get("rollout_is") is not None:
                 raise ValueError(
@@ -119,13 +121,13 @@ class RolloutCorrection:
         return {option: _rejection_bound(option, spec) for option, spec in zip(options, specs)}
 
 
-def _legacy_token_threshold(actor: Any) -> tuple[str, float] | None:
+def _legacy_token_threshold(actor: Section) -> tuple[str, float] | None:
     """The older token-level TIS keys that are on, as (key, threshold); they must agree when both are."""
     found = {}
-    if actor.get("rollout_is_threshold") is not None:
-        found["actor_rollout_ref.actor.rollout_is_threshold"] = float(actor.rollout_is_threshold)
-    if actor.get("tis_imp_ratio_cap") is not None and float(actor.tis_imp_ratio_cap) > 0:
-        found["actor_rollout_ref.actor.tis_imp_ratio_cap"] = float(actor.tis_imp_ratio_cap)
+    if actor.raw("rollout_is_threshold") is not None:
+        found[f"{actor.key}.rollout_is_threshold"] = actor.float("rollout_is_threshold")
+    if actor.raw("tis_imp_ratio_cap") is not None and actor.float("tis_imp_ratio_cap") > 0:
+        found[f"{actor.key}.tis_imp_ratio_cap"] = actor.float("tis_imp_ratio_cap")
     if len(set(found.values())) > 1:
         raise ValueError(f"{' and '.join(found)} both set token-level truncation, to different values: keep one")
     return next(iter(found.items()), None)
@@ -171,17 +173,19 @@ def correct(
     return weights, mask, {f"rollout_corr/{key}": float(value) for key, value in metrics.items()}
 
 
-def old_log_probs_in_update(config: Any, settings: RolloutCorrection, batch_size: int) -> bool:
+def old_log_probs_in_update(
+    update: UpdateSettings, samples_per_prompt: int, kl_in_reward: bool, settings: RolloutCorrection, batch_size: int
+) -> bool:
     """Whether the policy update can take the old log-probs from its own forward passes, saving the re-scoring
     pass (``FSDPWorker.update_policy_scoring_old``): the update is one optimizer step (``ppo_epochs`` 1, one
     mini-batch), so the parameters have not moved when each micro-batch is scored; decoupled mode with weights
     taken row by row (no rejection sampling, no batch normalisation); and no KL penalty in the reward, which
-    needs the old log-probs before the advantages."""
-    actor = config.actor_rollout_ref.actor
-    samples_per_mini_batch = int(actor.ppo_mini_batch_size or 0) * int(config.actor_rollout_ref.rollout.n)
-    one_step = int(actor.ppo_epochs) == 1 and (not samples_per_mini_batch or samples_per_mini_batch >= batch_size)
+    needs the old log-probs before the advantages (``kl_in_reward``). ``update``: the actor's; ``samples_per_prompt``:
+    ``rollout.n``."""
+    samples_per_mini_batch = (update.ppo_mini_batch_size or 0) * samples_per_prompt
+    one_step = update.ppo_epochs == 1 and (not samples_per_mini_batch or samples_per_mini_batch >= batch_size)
     row_by_row = not (settings.bypass_mode or settings.rejection_bounds or settings.rollout_is_batch_normalize)
-    return one_step and row_by_row and not config.algorithm.use_kl_in_reward
+    return one_step and row_by_row and not kl_in_reward
 
 
 def correct_batch(batch: TensorDict, settings: RolloutCorrection) -> dict[str, float]:

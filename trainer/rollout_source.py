@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from agentloop import AgentLoopManager
 from agentloop.batch import RolloutBatch
+from trainer.async_training import AsyncSettings
 from trainer.data import BatchSampler
 from trainer.dynamic_sampling import GroupFilter, group_uids, trainable_groups
 
@@ -28,18 +29,6 @@ class StepShape:
     groups: int
     world_size: int
     generate_timeout_s: float
-
-
-@dataclass(frozen=True)
-class StreamShape:
-    """An async run's stream (``async_training.*``): how stale a trained group may be, whether weight pushes
-    interrupt the requests in flight, how many groups run ahead (None: ``(1 + max_staleness) * groups``) and in
-    which order finished groups are taken."""
-
-    max_staleness: int
-    partial_rollout: bool
-    buffer_groups: int | None
-    group_order: str
 
 
 class RolloutSource(Protocol):
@@ -157,14 +146,14 @@ class StreamedRollouts:
         sampler: BatchSampler,
         batches: Iterator[list[int]],
         group_filter: GroupFilter | None,
-        stream: StreamShape,
+        settings: AsyncSettings,
         version: int,
     ) -> None:
         self.steps, self.rows, self.sampler, self.group_filter = steps, rows, sampler, group_filter
-        self.max_staleness, self.partial_rollout = stream.max_staleness, stream.partial_rollout
+        self.max_staleness, self.partial_rollout = settings.max_staleness, settings.partial_rollout
         self.timeout_s = steps.generate_timeout_s
-        max_staleness, groups = stream.max_staleness, steps.groups
-        buffer = int(stream.buffer_groups or (1 + max_staleness) * groups)
+        max_staleness, groups = settings.max_staleness, steps.groups
+        buffer = int(settings.buffer_groups or (1 + max_staleness) * groups)
         keep, max_dropped = None, 0
         if group_filter is not None:  # groups dropped as they finish, up to max_num_gen_batches batches' worth a step
             keep, max_dropped = group_filter.keeps, max(0, group_filter.max_num_gen_batches) * groups
@@ -176,7 +165,7 @@ class StreamedRollouts:
             version=version,
             keep=keep,
             max_dropped=max_dropped,
-            order=stream.group_order,
+            order=settings.group_order,
         )
 
     def next(self, step: int) -> tuple[RolloutBatch | None, float, dict[str, float]]:

@@ -1,5 +1,9 @@
 """The trainer's own settings, read once from their sections of the composed config (``agentloop.settings``'s
-``Section`` reader: a bad value is refused naming its full key and the fix)."""
+``Section`` reader: a bad value is refused naming its full key and the fix): the run's bookkeeping (``RunSettings``),
+and the builders of each part's settings at the edge (the command, ``RayPPOTrainer``): the FSDP ranks'
+(``rank_settings``), the rollout correction, dynamic sampling, the overlong penalty and async training. Each part
+receives its own settings, never the composed config.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,20 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from agentloop.settings.reading import Section
+from agentloop.settings.server import ray_resources
+from trainer.async_training import AsyncSettings
+from trainer.dynamic_sampling import GroupFilter
+from trainer.overlong import OverlongBuffer
+from trainer.rank_settings import (
+    DEVICES,
+    ActorSettings,
+    CriticSettings,
+    ModelSettings,
+    RankSettings,
+    ReferenceSettings,
+    log_prob_batching,
+)
+from trainer.rollout_correction import RolloutCorrection
 
 RESUME_MODES = ("auto", "disable", "resume_path")
 BACKENDS = ("console", "tensorboard", "wandb")
@@ -44,3 +62,56 @@ class RunSettings:
     def from_config(cls, config: DictConfig) -> RunSettings:
         """Read from the composed config's ``trainer`` section (the command's edge)."""
         return cls.from_section(Section(config.get("trainer"), "trainer"))
+
+
+def rank_settings(config: DictConfig) -> RankSettings:
+    """The FSDP ranks' settings; the reference's and the critic's are checked whether or not the run loads them
+    (KL loss or in the reward; ``algorithm.adv_estimator=gae``)."""
+    policy, algorithm = Section(config.actor_rollout_ref, "actor_rollout_ref"), Section(config.algorithm, "algorithm")
+    trainer, rollout, actor_section = Section(config.trainer, "trainer"), policy.sub("rollout"), policy.sub("actor")
+    actor = ActorSettings.from_section(actor_section)
+    ref = ReferenceSettings.from_section(policy.sub("ref"), actor_section)
+    critic = CriticSettings.from_section(Section(config.critic, "critic"))
+    resources = ray_resources(trainer, "resources_per_rank")
+    if "GPU" in resources:
+        raise trainer.error("resources_per_rank", "cannot hold GPU", "choose the ranks' GPUs with trainer.device")
+    return RankSettings(
+        model=ModelSettings.from_section(policy.sub("model"), lora=True),
+        actor=actor,
+        samples_per_prompt=rollout.int("n", minimum=1),
+        temperature=rollout.float("temperature", minimum=0.0),
+        log_prob_batching=log_prob_batching(rollout, actor_section),
+        ref=ref if actor.use_kl_loss or algorithm.bool("use_kl_in_reward") else None,
+        critic=critic if algorithm.str("adv_estimator") == "gae" else None,
+        step_timeout_s=trainer.float("step_timeout_s", positive=True),
+        ranks_per_node=trainer.int("n_gpus_per_node", minimum=1),
+        device=trainer.str("device", DEVICES),
+        resources=resources,
+    )
+
+
+def rollout_correction(config: DictConfig) -> RolloutCorrection:
+    """``algorithm.rollout_correction``, with the actor's older token-level keys (``RolloutCorrection.from_sections``)."""
+    return RolloutCorrection.from_sections(
+        Section(config.algorithm, "algorithm"), Section(config.actor_rollout_ref.actor, "actor_rollout_ref.actor")
+    )
+
+
+def overlong_buffer(config: DictConfig) -> OverlongBuffer | None:
+    """``reward_model.overlong_buffer`` against ``data.max_response_length`` (None: off)."""
+    max_length = Section(config.data, "data").int("max_response_length", minimum=1)
+    return OverlongBuffer.from_section(
+        Section(config.reward_model.overlong_buffer, "reward_model.overlong_buffer"), max_length
+    )
+
+
+def group_filter(config: DictConfig) -> GroupFilter | None:
+    """``algorithm.filter_groups``, dynamic sampling (None: off), with the overlong penalty its metric may count."""
+    filter_groups = Section(config.algorithm.filter_groups, "algorithm.filter_groups")
+    return GroupFilter.from_section(filter_groups, overlong_buffer(config))
+
+
+def async_settings(config: DictConfig) -> AsyncSettings:
+    """``async_training`` for batches of ``data.train_batch_size`` groups."""
+    batch = Section(config.data, "data").int("train_batch_size", minimum=1)
+    return AsyncSettings.from_section(Section(config.async_training, "async_training"), batch)

@@ -14,18 +14,19 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from transformers import AutoConfig
+
+from trainer.rank_settings import FSDPSettings
 
 
 def load_sharded(
     auto_class: Any,
     path: str,
     mesh: DeviceMesh,
-    fsdp_config: DictConfig,
+    fsdp: FSDPSettings,
     gradient_checkpointing: bool = False,
     adapt: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     **kwargs: Any,
@@ -52,7 +53,7 @@ def load_sharded(
     if adapt is not None:
         model = adapt(model)
     whole = model.state_dict() if first else {}  # the loaded tensors, kept until every rank has its shards
-    offload = fsdp_config.get("param_offload", False) or fsdp_config.get("offload_policy", False)
+    offload = fsdp.param_offload
     # pinned host memory speeds the copies to the GPU; it needs CUDA
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     for layer in _blocks(model):

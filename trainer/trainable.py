@@ -5,15 +5,16 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from omegaconf import DictConfig
 from tensordict import TensorDict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from transformers import get_scheduler
 
-from trainer.micro_batches import MicroBatching, is_stand_in, micro_batch_weight, split_trajectories
+from trainer.micro_batches import is_stand_in, micro_batch_weight, split_trajectories
+from trainer.rank_settings import OptimSettings, UpdateSettings
 from trainer.sharding import clip_grad_norm, move_optimizer_state
 
-WARMUP_STYLES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
+# transformers' schedule of each optim.warmup_style
+SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
 
 
 class Trainable:
@@ -27,7 +28,7 @@ class Trainable:
     def __init__(
         self,
         model: torch.nn.Module,
-        optim: DictConfig,
+        optim: OptimSettings,
         total_steps: int,
         role: str,
         device: Any = "cpu",
@@ -42,18 +43,12 @@ class Trainable:
         # frozen parameters (a LoRA policy's base) are neither optimized nor checkpointed
         frozen = len(trained) < len(list(model.parameters()))
         self.state_options = StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else None
-        self.optimizer = torch.optim.AdamW(trained, lr=float(optim.lr), weight_decay=float(optim.weight_decay))
-        style = str(optim.get("warmup_style", "constant"))
-        if style not in WARMUP_STYLES:
-            raise ValueError(f"optim.warmup_style={style!r}; choose one of {sorted(WARMUP_STYLES)}")
-        warmup = int(optim.get("lr_warmup_steps", 0))
-        if warmup < 0:
-            warmup = int(float(optim.get("lr_warmup_steps_ratio", 0.0)) * total_steps)
-        extra = {"min_lr_rate": float(optim.get("min_lr_ratio", 0.0))} if style == "cosine" else {}
+        self.optimizer = torch.optim.AdamW(trained, lr=optim.lr, weight_decay=optim.weight_decay)
+        extra = {"min_lr_rate": optim.min_lr_ratio} if optim.warmup_style == "cosine" else {}
         self.scheduler = get_scheduler(
-            WARMUP_STYLES[style],
+            SCHEDULES[optim.warmup_style],
             self.optimizer,
-            num_warmup_steps=warmup,
+            num_warmup_steps=optim.warmup_steps(total_steps),
             num_training_steps=total_steps,
             scheduler_specific_kwargs=extra,
         )
@@ -61,33 +56,31 @@ class Trainable:
     def update(
         self,
         batch: TensorDict,
-        config: DictConfig,
+        settings: UpdateSettings,
         mini_batch_size: int,
         loss: Callable[[TensorDict], tuple[torch.Tensor, dict]],
     ) -> dict[str, float]:
-        """``config.ppo_epochs`` passes over ``batch`` in mini-batches of ``mini_batch_size`` trajectories (with all
-        their rows), one optimizer step each, gradients accumulated over micro-batches of
-        ``config.ppo_micro_batch_size_per_gpu`` rows (or ``ppo_max_token_len_per_gpu`` tokens with ``use_dynamic_bsz``);
+        """``settings.ppo_epochs`` passes over ``batch`` in mini-batches of ``mini_batch_size`` trajectories (with all
+        their rows), one optimizer step each, gradients accumulated over ``settings.micro_batching``'s micro-batches
+        (``ppo_micro_batch_size_per_gpu`` rows, or ``ppo_max_token_len_per_gpu`` tokens with ``use_dynamic_bsz``);
         then one LR-schedule step. Returns metrics averaged over micro-batches (``grad_norm`` over optimizer steps),
         named as ``loss`` names them. A collective: every rank runs as many passes as the others."""
         self.model.train()
         self._optimizer_state_to(self.parameters_device)
         metrics: dict[str, float] = {}
-        mini_batches = [
-            mini for _ in range(int(config.ppo_epochs)) for mini in split_trajectories(batch, mini_batch_size)
-        ]
+        mini_batches = [mini for _ in range(settings.ppo_epochs) for mini in split_trajectories(batch, mini_batch_size)]
         lr = self.scheduler.get_last_lr()[0]
         for mini in mini_batches:
-            micro_batches = MicroBatching.for_update(config).split(mini, self.device)
+            micro_batches = settings.micro_batching.split(mini, self.device)
             trained = sum(not is_stand_in(micro) for micro in micro_batches)
             for micro in micro_batches:
                 value, stats = loss(micro)
                 if is_stand_in(micro):  # its passes keep this rank in step with the others; its gradient is 0
                     (value * 0.0).backward()
                     continue
-                (value * micro_batch_weight(micro, mini, config.loss_agg_mode)).backward()
+                (value * micro_batch_weight(micro, mini, settings.loss_agg_mode)).backward()
                 _accumulate(metrics, stats, trained * len(mini_batches))
-            grad_norm = clip_grad_norm(self.model.parameters(), float(config.grad_clip), self.device)
+            grad_norm = clip_grad_norm(self.model.parameters(), settings.grad_clip, self.device)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             if torch.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
                 self.optimizer.step()

@@ -12,12 +12,13 @@ from tensordict import TensorDict
 from agentloop import AgentLoopManager
 from trainer.fsdp_workers import start_workers
 from trainer.micro_batches import split_trajectories, trajectory_sizes
+from trainer.settings import rank_settings
 
 
 def two_ranks(config: DictConfig) -> Iterator[list[Any]]:
     """Yield two FSDP ranks on ``config`` (resolved; a module fixture's body); shut them down and kill them afterwards."""
     OmegaConf.resolve(config)
-    workers = start_workers(config, 2, 10, 180)
+    workers = start_workers(rank_settings(config), 2, 10, 180)
     yield workers
     ray.get([worker.shutdown.remote() for worker in workers], timeout=60)
     for worker in workers:
@@ -27,7 +28,7 @@ def two_ranks(config: DictConfig) -> Iterator[list[Any]]:
 def manager_and_two_ranks(config: DictConfig) -> Iterator[tuple[AgentLoopManager, list[Any]]]:
     """Yield the manager and its two ranks (a module fixture's body); shut both down afterwards."""
     manager = AgentLoopManager(config)
-    actors = start_workers(manager.config, 2, 10, 120)
+    actors = start_workers(rank_settings(manager.config), 2, 10, 120)
     yield manager, actors
     ray.get([actor.shutdown.remote() for actor in actors], timeout=60)
     manager.shutdown()
