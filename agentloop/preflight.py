@@ -17,7 +17,7 @@ from agentloop.interactions import check_interaction_config
 from agentloop.registry import BUILTIN_AGENT_LOOPS, check_agent_names, resolve_agent_loops
 from agentloop.rewards import reward_function_for
 from agentloop.rows import verl_row_fields
-from agentloop.settings import AgentSettings, Section
+from agentloop.settings import AgentSettings, Section, reward_settings
 from agentloop.settings.judge import resolve_kind
 from agentloop.tools.toolset import check_tool_config
 
@@ -104,13 +104,14 @@ def _warn_unrewarded(config: DictConfig, rows: dict[str, list[dict[str, Any]]], 
         "discriminative"
     ):
         return
+    rewards = reward_settings(config)
     unrewarded = sorted(
         {
             str(row.get("data_source"))
             for split_rows in rows.values()
             for row in split_rows
             if (row.get("agent_name") or default_loop) not in LOOPS_WITH_REWARDS_OF_THEIR_OWN
-            and reward_function_for(config, row.get("data_source")) is None
+            and reward_function_for(rewards, row.get("data_source")) is None
         }
     )
     if unrewarded:

@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hydra.utils import get_method
-from omegaconf import DictConfig, OmegaConf
 
 from agentloop.protocol import AgentLoopOutput
 from agentloop.reward_score import default_compute_score, has_scorer
+from agentloop.settings.reward import RewardSettings
 
 
 # what a function that takes them (by name or **kwargs) is given with reward_model.enable (verl's GenRM arguments)
@@ -77,19 +77,18 @@ def _load_named(path: str, name: str) -> Callable[..., Any]:
     return getattr(module, name)
 
 
-def reward_function_for(config: DictConfig, data_source: str | None, builtin: bool = True) -> Callable[..., Any] | None:
+def reward_function_for(
+    settings: RewardSettings, data_source: str | None, builtin: bool = True
+) -> Callable[..., Any] | None:
     """The function that scores samples of ``data_source`` (rule 2 above), or None; the built-in scorers only with
     ``builtin``."""
-    section = config.get("custom_reward_function") or {}
     # a row without a data source (None: no key a config can name) falls to the next rule
-    dotted = (section.get("by_data_source") or {}).get(data_source) if data_source is not None else None
+    dotted = settings.by_data_source.get(data_source) if data_source is not None else None
     if dotted:
         return _load_dotted(dotted)
-    if section.get("path"):
-        function = _load_named(str(section.path), str(section.get("name") or "compute_score"))
-        kwargs = section.get("reward_kwargs") or {}
-        kwargs = OmegaConf.to_container(kwargs) if isinstance(kwargs, DictConfig) else dict(kwargs)
-        return functools.partial(function, **kwargs) if kwargs else function
+    if settings.path:
+        function = _load_named(settings.path, settings.name)
+        return functools.partial(function, **settings.reward_kwargs) if settings.reward_kwargs else function
     return default_compute_score if builtin and has_scorer(data_source) else None
 
 
@@ -140,7 +139,7 @@ def reward_model_text(tokenizer: Any, response: list[int]) -> str:
 
 
 async def score_output(
-    config: DictConfig,
+    settings: RewardSettings,
     tokenizer: Any,
     row: dict[str, Any],
     output: AgentLoopOutput,
@@ -148,7 +147,7 @@ async def score_output(
     solution_str: str | None = None,
 ) -> None:
     """Set ``output.reward_score`` and ``reward_source`` (and, from a reward function, ``reward_extra_info``) for a
-    finished sample, by the rule in this module's docstring. ``judge``: the worker's ``agentloop.judge.Judge``
+    finished sample, by the rule in this module's docstring (``settings``: ``custom_reward_function``'s). ``judge``: the worker's ``agentloop.judge.Judge``
     (``reward_model.enable``; None: no judge). ``solution_str``: the text a reward function scores instead of the
     decoded response (``external_agent``: the program's final assistant message)."""
     parts = output.reward_parts.by_source()
@@ -156,9 +155,9 @@ async def score_output(
         output.reward_source = output.reward_source or "agent_loop"
         return
     reward_model = judge is not None and judge.kind == "discriminative"
-    function = reward_function_for(config, row.get("data_source"), builtin=not reward_model)
+    function = reward_function_for(settings, row.get("data_source"), builtin=not reward_model)
     # every turn and observation once, each segment's response cut to the batch's response length as the batch holds it
-    response = output.whole_response_ids(int(config.actor_rollout_ref.rollout.response_length))
+    response = output.whole_response_ids(settings.response_length)
     if function is None and reward_model:
         conversation = [*row["prompt"], {"role": "assistant", "content": reward_model_text(tokenizer, response)}]
         output.reward_score, output.reward_source = await judge.score(conversation), "reward_model"
@@ -169,7 +168,7 @@ async def score_output(
         return
     score, extras = await call_reward_function(
         function,
-        float((config.get("custom_reward_function") or {}).get("timeout_s") or 60),
+        settings.timeout_s,
         data_source=row.get("data_source"),
         solution_str=tokenizer.decode(response, skip_special_tokens=True) if solution_str is None else solution_str,
         ground_truth=(row.get("reward_model") or {}).get("ground_truth"),

@@ -73,7 +73,8 @@ class AgentLoopWorker:
     def gateway(self) -> Gateway:
         """This worker's session gateway, over its router (made on first use; it serves from its first session)."""
         if self._gateway is None:
-            self._gateway = Gateway(self.router, self.tokenizer, self.config)
+            template_kwargs = self.config.data.get("apply_chat_template_kwargs")  # (verl's dataset_config)
+            self._gateway = Gateway(self.router, self.tokenizer, self.settings, template_kwargs)
         return self._gateway
 
     def shutdown(self) -> None:
@@ -186,10 +187,14 @@ class AgentLoopWorker:
                     processor=self.processor,
                     dataset_cls=None,
                     dataset_config=DictConfigWrap(self.config.data),
-                    offered={"gateway": self.gateway, "judge": lambda: self.judge},
+                    offered={
+                        "gateway": self.gateway,
+                        "judge": lambda: self.judge,
+                        "rewards": lambda: self.settings.rewards,
+                    },
                 )
                 output = await loop.run(dict(sampling_params), **row)
-                await score_output(self.config, self.tokenizer, row, output, self.judge)
+                await score_output(self.settings.rewards, self.tokenizer, row, output, self.judge)
                 check_reward_has_a_token(output)  # a reward the batch would drop fails its sample instead
                 return output
         except (

@@ -313,7 +313,7 @@ async def paths(
     servers: list[ray.actor.ActorHandle], tokenizer, config, params: dict[str, Any], clients: int, client: str
 ) -> Paths:
     """The two paths over ``servers``, each with its own router: what the gateway's router does is the gateway's."""
-    gateway = Gateway(Router(servers), tokenizer, config)
+    gateway = Gateway(Router(servers), tokenizer, rollout_settings(config))
     await gateway.start()
     return Paths(Router(servers), gateway, tokenizer, params, clients, client)
 

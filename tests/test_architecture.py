@@ -223,6 +223,7 @@ READS_SECTIONS = {
     "trainer/main_ppo.py": {"trainer"},  # the command
     "trainer/config_checks.py": {"actor_rollout_ref", "algorithm", "critic", "data", "trainer"},
     "trainer/ray_trainer.py": {"actor_rollout_ref", "algorithm", "data", "trainer"},
+    # builds the trainer's parts' settings (ranks, rollout correction, dynamic sampling, overlong, async)
     "trainer/settings.py": {
         "actor_rollout_ref",
         "algorithm",
@@ -232,11 +233,6 @@ READS_SECTIONS = {
         "reward_model",
         "trainer",
     },
-}
-# not converted to settings yet (issue 49.1): each still reads its sections from the whole config
-NOT_CONVERTED_YET = {
-    "agentloop/gateway/gateway.py": {"actor_rollout_ref", "data"},
-    "agentloop/rewards.py": {"actor_rollout_ref"},
 }
 
 
@@ -256,8 +252,8 @@ def sections_read() -> dict[str, set[str]]:
 
 def test_components_read_their_own_settings_not_the_whole_config():
     """Below the edges, a component gets its own section's settings (agentloop.settings), never the composed config
-    to read another section's keys from; the modules not converted yet are listed, and leave the list once done."""
-    allowed = {**READS_SECTIONS, **NOT_CONVERTED_YET}
+    to read another section's keys from (the edges, which build the settings, are listed in READS_SECTIONS)."""
+    allowed = READS_SECTIONS
     found = sections_read()
     new = {module: sections - allowed.get(module, set()) for module, sections in found.items()}
     assert not {module: sections for module, sections in new.items() if sections}, (

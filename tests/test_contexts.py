@@ -26,7 +26,7 @@ from tests.support.ranks import manager_and_two_ranks, scores
 from tests.support.thinking_model import QWEN3_CONFIG, with_qwen3_template
 from tests.support.vision import picture, picture_message
 from tests.test_tool_agent import run_loop, tool_config
-from agentloop.settings import rollout_settings
+from agentloop.settings import rollout_settings, reward_settings
 
 SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 STRATEGY = "actor_rollout_ref.rollout.multi_turn.context.strategy"
@@ -314,7 +314,7 @@ def solution_str(tokenizer, output: AgentLoopOutput, tmp_path) -> str:
         "custom_reward_function.name=echo",
         "data.max_response_length=512",
     )
-    asyncio.run(score_output(config, tokenizer, {"data_source": "any"}, output))
+    asyncio.run(score_output(reward_settings(config), tokenizer, {"data_source": "any"}, output))
     return output.reward_extra_info["solution_str"]
 
 

@@ -33,7 +33,7 @@ from tests.support.models import SCRIPTS, script_row
 from tests.support.ranks import manager_and_two_ranks, scores
 from tests.test_contexts import teacher_forced
 from tests.test_tool_agent import GREEDY, run_loop, tool_config
-from agentloop.settings import rollout_settings
+from agentloop.settings import rollout_settings, reward_settings
 
 SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 AGENTS = "tests.support.external_agents"
@@ -67,7 +67,7 @@ def model(scripted):
 async def run_external(server, tokenizer, scripted, *overrides, sampling=GREEDY, row=None, after=None, **loop_kwargs):
     """One ExternalAgentLoop in this process over the real server; ``after(gateway_url)`` runs once it is done."""
     router, config = Router([server]), tool_config(scripted, *overrides)
-    gateway = Gateway(router, tokenizer, config)
+    gateway = Gateway(router, tokenizer, rollout_settings(config))
     loop = ExternalAgentLoop(server_manager=router, tokenizer=tokenizer, config=config, gateway=gateway, **loop_kwargs)
     row = {**(row or script_row("multi")), "request_id": f"external-{id(loop)}"}
     with Router.running_sample(row["request_id"]):
@@ -170,7 +170,11 @@ def test_an_external_agents_reward_function_gets_the_arguments_a_tool_loops_gets
         server, tokenizer, scripted, reward, function=f"{AGENTS}.scripted_openai", row=script_row("multi", **fields)
     )
     tool_output = run_loop(server, tokenizer, scripted, "multi", reward, **fields)
-    asyncio.run(score_output(tool_config(scripted, reward), tokenizer, script_row("multi", **fields), tool_output))
+    asyncio.run(
+        score_output(
+            reward_settings(tool_config(scripted, reward)), tokenizer, script_row("multi", **fields), tool_output
+        )
+    )
     assert external_output.reward_source == tool_output.reward_source == "reward_function"
     assert external_output.reward_extra_info == tool_output.reward_extra_info
     assert external_output.reward_extra_info["extra_info"] == ["index", "num_turns", "rollout_reward_scores"]

@@ -71,7 +71,7 @@ def test_64_concurrent_sessions_on_two_servers_record_exactly_their_own_calls(se
     router = Router(servers)
 
     async def run_all() -> list[tuple[Session, list[Any]]]:
-        gateway = Gateway(router, tokenizer, config)
+        gateway = Gateway(router, tokenizer, rollout_settings(config))
         await gateway.start()
         try:
             return await asyncio.gather(*(agent(gateway, index) for index in range(SESSIONS)))

@@ -134,7 +134,7 @@ def teacher_forced(model, segment) -> torch.Tensor:
 def test_images_in_each_api_are_recorded_with_the_segments_images(server, config, processor, model, program):
     async def run():
         router = Router([server])
-        gateway = Gateway(router, processor.tokenizer, config)
+        gateway = Gateway(router, processor.tokenizer, rollout_settings(config))
         loop = ExternalAgentLoop(
             server_manager=router,
             tokenizer=processor.tokenizer,

@@ -102,7 +102,7 @@ def test_a_rewritten_trajectory_is_scored_on_its_whole_response(manager, reward_
     assert len(window.all_segments()) == 2
     judge = Judge.from_settings(manager.judge_settings, manager.judges.servers)
     with judge_session(judge, "rewritten"):
-        asyncio.run(score_output(manager.config, policy_tokenizer, {"prompt": prompt}, window, judge))
+        asyncio.run(score_output(manager.settings.rewards, policy_tokenizer, {"prompt": prompt}, window, judge))
     tokenizer = AutoTokenizer.from_pretrained(reward_model_path)
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_path, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -15,6 +15,7 @@ from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.dumps import mask_runs
 from agentloop.turn_totals import tool_errors_by_kind
 from agentloop.rewards import score_output
+from agentloop.settings import reward_settings
 from agentloop.router import Router
 from tests.support.config import small_config
 from tests.support.models import SCRIPTS, script_row
@@ -117,7 +118,9 @@ def test_reward_function_by_data_source(server, tokenizer, scripted):
     fields = {"data_source": "arith", "reward_model": {"ground_truth": "5"}}
     output = run_loop(server, tokenizer, scripted, "multi", reward, **fields)
     assert output.reward_score is None  # the loop leaves the reward to the worker's scoring step
-    asyncio.run(score_output(tool_config(scripted, reward), tokenizer, script_row("multi", **fields), output))
+    asyncio.run(
+        score_output(reward_settings(tool_config(scripted, reward)), tokenizer, script_row("multi", **fields), output)
+    )
     assert output.reward_score == 1.0 and output.reward_source == "reward_function"
     assert output.reward_extra_info == {"score": 1.0, "answer_found": 1.0}
     assert output.extra_fields == {}  # the loop's own: the framework writes nothing there

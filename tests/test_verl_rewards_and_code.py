@@ -17,6 +17,7 @@ from agentloop.preflight import check_job
 from agentloop.protocol import AgentLoopOutput, RewardParts
 from agentloop.reward_score import default_compute_score, gsm8k, math_reward
 from agentloop.rewards import score_output
+from agentloop.settings import reward_settings
 from agentloop.rows import verl_row_fields, write_rows
 from agentloop.tools.base_tool import BaseTool
 from agentloop.tools.schemas import (
@@ -81,7 +82,7 @@ def tokenizer(model_path):
 
 
 def scored(config, tokenizer, row, output):
-    asyncio.run(score_output(config, tokenizer, row, output))
+    asyncio.run(score_output(reward_settings(config), tokenizer, row, output))
     return output
 
 

@@ -36,6 +36,7 @@ from hydra.utils import get_method
 from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.protocol import AgentLoopOutput, EndReason
 from agentloop.rewards import score_output
+from agentloop.settings import RewardSettings, reward_settings
 
 STDERR_TAIL_CHARS = 2000
 
@@ -85,10 +86,13 @@ class ExternalAgentLoop(AgentLoopBase):
         max_tokens_per_call: int | None = None,
         gateway: SessionGateway | None = None,
         judge: Any = None,
+        rewards: RewardSettings | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.judge = judge  # the worker's (reward_model.enable), for the reward function, as every sample's gets it
+        # the worker's judge (reward_model.enable) and reward functions, for the reward step every sample goes through
+        self.judge = judge
+        self.rewards = rewards if rewards is not None else reward_settings(self.config)
         self.gateway = gateway
         settings = self.rollout.agent.external
         self.function, self.command = function or settings.function, command or settings.command
@@ -188,7 +192,7 @@ class ExternalAgentLoop(AgentLoopBase):
             output.reward_score = returned
         else:  # the reward rule every loop's sample is scored by, on the program's final answer
             final = session.conversation[-1].get("content") or ""
-            await score_output(self.config, self.tokenizer, row, output, self.judge, solution_str=final)
+            await score_output(self.rewards, self.tokenizer, row, output, self.judge, solution_str=final)
         return output
 
 

@@ -29,7 +29,6 @@ from typing import Any, AsyncIterator, TypeVar
 import orjson
 import uvicorn
 from fastapi.exceptions import RequestValidationError
-from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -39,7 +38,6 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from transformers import PreTrainedTokenizerBase
 
-from agentloop.agent_loop.context import max_model_len
 from agentloop.gateway import anthropic_api, responses_api
 from agentloop.gateway.call import ChatCall, Reply
 from agentloop.gateway.session import Session, SessionLimits, SessionOver
@@ -47,6 +45,7 @@ from agentloop.http_server import serve
 from agentloop.router import Router
 from agentloop.server.http.app import BodyLimit
 from agentloop.server.http.chat import ChatBody, completion_choice, template_messages, token_spelling
+from agentloop.settings import RolloutSettings
 from agentloop.tools.parsers import get_parser
 
 
@@ -79,20 +78,27 @@ class Gateway:
     An agent-loop worker owns one (``AgentLoopWorker.gateway``), made when a loop first asks for it and stopped with
     the worker."""
 
-    def __init__(self, router: Router, tokenizer: PreTrainedTokenizerBase, config: DictConfig) -> None:
+    def __init__(
+        self,
+        router: Router,
+        tokenizer: PreTrainedTokenizerBase,
+        settings: RolloutSettings,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """``settings``: the worker's rollout settings (its servers' model, tool-call format and budgets, and
+        ``agent.gateway``); ``template_kwargs``: ``data.apply_chat_template_kwargs``."""
         self.router = router
         self.tokenizer = tokenizer
-        self.rollout = config.actor_rollout_ref.rollout
-        self.settings = self.rollout.agent.gateway
-        self.model_name = str(config.actor_rollout_ref.model.path)
-        self.template_kwargs = dict(config.data.get("apply_chat_template_kwargs") or {})
-        self.parse_tool_calls = get_parser(self.rollout.multi_turn.format)
+        self.settings = settings.agent.gateway
+        servers = settings.servers
+        self.model_name = servers.model_path
+        self.template_kwargs = dict(template_kwargs or {})
+        self.parse_tool_calls = get_parser(servers.tool_format)
         self.spell = token_spelling(tokenizer)
-        # read once: resolving the config's interpolations costs a millisecond or two, and would for every session
         self.limits = SessionLimits(
-            budget=int(self.rollout.response_length),
-            prompt_length=int(self.rollout.prompt_length),
-            max_model_len=max_model_len(self.rollout),
+            budget=servers.response_length,
+            prompt_length=servers.prompt_length,
+            max_model_len=servers.context_length,
             max_tokens_per_call=None,
             deadline=0.0,
         )
@@ -108,8 +114,8 @@ class Gateway:
         await asyncio.shield(self._started)
 
     async def _serve(self) -> None:
-        host = str(self.settings.host)
-        self._server, port = await serve(self.app(), host, int(self.settings.port))
+        host = self.settings.host
+        self._server, port = await serve(self.app(), host, self.settings.port)
         self.url = f"http://{host}:{port}"
 
     def stop(self) -> None:

@@ -7,21 +7,38 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentloop.settings.reading import Section
+from agentloop.settings.reward import RewardSettings
 from agentloop.settings.server import ServerSettings, ray_resources
 
 ROLLOUT_KEY = "actor_rollout_ref.rollout"
 
 
 @dataclass(frozen=True)
+class GatewaySettings:
+    """``rollout.agent.gateway``: where a worker's session gateway serves (port 0: any free one), and the largest
+    request body it takes (larger ones get 413)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_body_bytes: int = 8388608
+
+    @classmethod
+    def from_section(cls, gateway: Section) -> GatewaySettings:
+        return cls(gateway.str("host"), gateway.int("port", minimum=0), gateway.int("max_body_bytes", minimum=1))
+
+
+@dataclass(frozen=True)
 class AgentSettings:
     """``rollout.agent``: the agent-loop workers (how many, and the Ray resources each asks for, which place them on
-    the nodes that offer those) and which loop a row without ``agent_name`` runs."""
+    the nodes that offer those), which loop a row without ``agent_name`` runs, and the workers' session gateways
+    (``external_agent``)."""
 
     num_workers: int = 2
     default_agent_loop: str = "single_turn_agent"
     agent_loop_config_path: str | None = None
     group_affinity_slack: int | None = 8
     resources: dict[str, float] = field(default_factory=dict)
+    gateway: GatewaySettings = GatewaySettings()
 
     @classmethod
     def from_section(cls, agent: Section, multi_turn: bool) -> AgentSettings:
@@ -39,6 +56,7 @@ class AgentSettings:
             agent.optional_str("agent_loop_config_path"),
             agent.optional_int("group_affinity_slack", minimum=0),
             ray_resources(agent, "resources_per_worker"),
+            GatewaySettings.from_section(agent.sub("gateway")),
         )
 
 
@@ -57,7 +75,9 @@ def _sampling(section: Section, response_length: int) -> dict[str, Any]:
 @dataclass(frozen=True)
 class RolloutSettings:
     """Samples per prompt (``n``, ``val_kwargs.n``) and their sampling, the budgets of a turn and of a whole call, the
-    share of failed samples a batch tolerates, the agent loops' workers, and the policy's servers (``servers``)."""
+    share of failed samples a batch tolerates, the agent loops' workers, the policy's servers (``servers``) and the
+    reward functions the workers score samples with (``rewards``: ``custom_reward_function``, set by
+    ``agentloop.settings.rollout_settings``)."""
 
     servers: ServerSettings
     n: int = 1
@@ -72,6 +92,7 @@ class RolloutSettings:
     max_failed_sample_ratio: float = 0.1
     free_cache_engine: bool = True
     agent: AgentSettings = AgentSettings()
+    rewards: RewardSettings = RewardSettings()
 
     @classmethod
     def from_section(cls, rollout: Section, model_path: str) -> RolloutSettings:
