@@ -54,9 +54,15 @@ class EnvAgentLoop(AgentLoopBase):
     """
 
     def __init__(
-        self, *, env_class: str | None = None, env_config: dict[str, Any] | None = None, **kwargs: Any
+        self,
+        *,
+        env_class: str | None = None,
+        env_config: dict[str, Any] | None = None,
+        judge: Any = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.judge = judge  # the worker's (reward_model.enable), handed to each env
         self.env_class = env_class
         self.env_config = dict(env_config or {})
 
@@ -72,7 +78,10 @@ class EnvAgentLoop(AgentLoopBase):
             cls = get_class(class_name)
         except Exception as error:
             raise ValueError(f"environment class {class_name!r} cannot be imported: {error}") from error
-        return cls(**{**(settings.config or {}), **self.env_config, **kwargs})
+        env = cls(**{**(settings.config or {}), **self.env_config, **kwargs})
+        if self.judge is not None:
+            env.judge = self.judge
+        return env
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         env = self._build_env(row)

@@ -34,8 +34,9 @@ CHARS_PER_TOKEN_BOUND = 16
 class ToolAgentLoop(AgentLoopBase):
     """Multi-turn tool calling with exact tokens; observation tokens get loss mask 0."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, judge: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.judge = judge  # the worker's (reward_model.enable), for the interactions
         self.multi_turn = self.rollout.multi_turn
         self.tool_set = load_tool_set(self.multi_turn.tool_config_path)
         self.parse = get_parser(self.multi_turn.format)
@@ -46,7 +47,7 @@ class ToolAgentLoop(AgentLoopBase):
         # config they mean nothing (the trainer checks every row's name against the config before it starts)
         if not kwargs or not self.multi_turn.interaction_config_path:
             return None
-        available = load_interactions(self.multi_turn.interaction_config_path)
+        available = load_interactions(self.multi_turn.interaction_config_path, self.judge)
         if kwargs.get("name") not in available:
             raise KeyError(
                 f"interaction_kwargs.name={kwargs.get('name')!r} is not among the interactions of "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentloop.judge.session import current_judge
+from agentloop.judge.session import require_judge
 
 
 class BaseEnv:
@@ -19,7 +19,8 @@ class BaseEnv:
     ``reset`` and after each step; turns that answer the same state form GiGPO's step groups. Without it, or when
     it returns None, the observation's text identifies the state.
 
-    With ``reward_model.enable``, an ``async`` step may await ``self.judge`` (``agentloop.judge.Judge``) to grade the
+    With ``reward_model.enable``, an ``async`` step may await ``self.judge`` (``agentloop.judge.Judge``, handed to the
+    env by its loop: ``env_agent`` sets it after building the env) to grade the
     turn: its grade as ``info["reward"]`` is the turn's reward (``TurnRecord.env_reward``), and its feedback may go
     into the observation. A judge call that fails fails the sample (it is not retried as the env's own failures are).
     """
@@ -29,8 +30,12 @@ class BaseEnv:
 
     @property
     def judge(self) -> Any:
-        """The judge of the sample this env serves (an ``agentloop.judge.Judge``; ``reward_model.*``)."""
-        return current_judge()
+        """The worker's judge (an ``agentloop.judge.Judge``; ``reward_model.*``), handed to this env by its loop."""
+        return require_judge(getattr(self, "_judge", None))
+
+    @judge.setter
+    def judge(self, judge: Any) -> None:
+        self._judge = judge
 
     def reset(self) -> Any:
         """Start the episode; its opening observation, or None (the row's prompt opens it)."""

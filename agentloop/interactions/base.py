@@ -5,13 +5,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from agentloop.judge.session import current_judge
+from agentloop.judge.session import require_judge
 from agentloop.yaml_entries import entry_class, read_entries
 
 
 class BaseInteraction:
     """A simulated user. One instance serves every trajectory; state lives under ``instance_id``. With
-    ``reward_model.enable``, ``generate_response`` may await ``self.judge`` to grade the turn (its ``turn_score``)."""
+    ``reward_model.enable``, ``generate_response`` may await ``self.judge`` to grade the turn (its ``turn_score``): the
+    worker's judge, given to the interactions built for it (``load_interactions``)."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = dict(config)
@@ -19,8 +20,12 @@ class BaseInteraction:
 
     @property
     def judge(self) -> Any:
-        """The judge of the sample being answered (an ``agentloop.judge.Judge``; ``reward_model.*``)."""
-        return current_judge()
+        """The worker's judge (an ``agentloop.judge.Judge``; ``reward_model.*``)."""
+        return require_judge(getattr(self, "_judge", None))
+
+    @judge.setter
+    def judge(self, judge: Any) -> None:
+        self._judge = judge
 
     async def start_interaction(self, instance_id: str, **kwargs: Any) -> str:
         """Begin a conversation (``kwargs`` come from the row's ``extra_info.interaction_kwargs``)."""
@@ -41,8 +46,9 @@ class BaseInteraction:
 
 
 @functools.lru_cache(maxsize=None)
-def load_interactions(path: str | None) -> dict[str, BaseInteraction]:
-    """Build the interactions listed in a YAML file (``interaction: [{name, class_name, config}]``)."""
+def load_interactions(path: str | None, judge: Any = None) -> dict[str, BaseInteraction]:
+    """Build the interactions listed in a YAML file (``interaction: [{name, class_name, config}]``), once per file and
+    ``judge`` (a worker's ``agentloop.judge.Judge``, their ``self.judge``; None: no judge is served)."""
     if not path:
         return {}
     interactions: dict[str, BaseInteraction] = {}
@@ -50,6 +56,8 @@ def load_interactions(path: str | None) -> dict[str, BaseInteraction]:
         cls = entry_class(entry, where, BaseInteraction)
         name = entry.get("name") or cls.__name__
         interactions[name] = cls({**(entry.get("config") or {}), "name": name})
+        if judge is not None:
+            interactions[name].judge = judge
     return interactions
 
 

@@ -3,6 +3,6 @@ client (``client``), the running sample's judge and the record of its calls (``s
 reward model's server (``reward_model_server``)."""
 
 from agentloop.judge.client import Judge, judge_session
-from agentloop.judge.session import JudgeCall, JudgeError, JudgeUnparsable, current_judge
+from agentloop.judge.session import JudgeCall, JudgeError, JudgeUnparsable
 
-__all__ = ["Judge", "JudgeCall", "JudgeError", "JudgeUnparsable", "current_judge", "judge_session"]
+__all__ = ["Judge", "JudgeCall", "JudgeError", "JudgeUnparsable", "judge_session"]

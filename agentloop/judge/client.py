@@ -1,8 +1,9 @@
 """``Judge``: an agent-loop worker's client of the judge servers (``reward_model.*``), for reward functions,
 environments and interactions (and, through its HTTP front, ``agentloop.judge.front``, for verl's GenRM functions).
 
-While a sample's loop and reward run, ``current_judge()`` is the worker's judge (``judge_session`` sets it for the
-sample's asyncio task), and every call is recorded for the sample as a ``JudgeCall`` (what was asked, what came
+The worker hands its judge to the reward step and, through their loops, to environments and interactions; while a
+sample's loop and reward run (``judge_session``, for the sample's asyncio task), every call is recorded for the sample
+as a ``JudgeCall`` (what was asked, what came
 back, tokens, seconds, the error): the batch carries them (``AgentLoopOutput.judge_calls``), the ``judge/*`` metrics
 count them and the viewer shows them. A call that times out (``reward_model.timeout_s``), whose server fails, or
 whose reply cannot be read (``grade`` with a reader that raises ``JudgeUnparsable``) raises ``JudgeError`` with the
@@ -23,7 +24,7 @@ import ray
 from transformers import AutoTokenizer
 
 from agentloop.judge.front import JudgeFront
-from agentloop.judge.session import JudgeCall, JudgeError, JudgeUnparsable, last_call, record, serving
+from agentloop.judge.session import JudgeCall, JudgeError, JudgeUnparsable, last_call, record, recording
 from agentloop.protocol import TokenOutput
 from agentloop.router import Router
 from agentloop.settings import JudgeSettings
@@ -31,9 +32,9 @@ from agentloop.settings import JudgeSettings
 
 @contextlib.contextmanager
 def judge_session(judge: Judge | None, sample: str) -> Iterator[list[JudgeCall]]:
-    """Within it, ``judge`` is the current judge of the sample ``sample`` (and its front's address the sample's); yields
-    the list its calls are recorded in."""
-    with serving(judge) as calls:
+    """Within it, the judge calls of this task are the sample ``sample``'s (and ``judge``'s front's address is the
+    sample's); yields the list they are recorded in."""
+    with recording() as calls:
         front = judge.front if judge is not None else None
         admitted = front.admitting(sample, calls) if front is not None else contextlib.nullcontext()
         try:

@@ -29,7 +29,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from agentloop.http_server import serve
-from agentloop.judge.session import JudgeCall, JudgeError, serving
+from agentloop.judge.session import JudgeCall, JudgeError, recording
 from agentloop.protocol import TokenOutput
 from agentloop.router import Router
 from agentloop.server.http.chat import ChatBody, completion_choice, engine_params, render_prompt, token_spelling
@@ -97,7 +97,7 @@ class JudgeFront:
             return await refusal(scope, receive, send)
         sample, calls = entry
         inner = {**scope, "path": f"/{rest}", "raw_path": f"/{rest}".encode()}
-        with serving(self.judge, calls), Router.running_sample(sample):
+        with recording(calls), Router.running_sample(sample):
             await self._app(inner, receive, send)
 
     def _routes(self) -> FastAPI:

@@ -1,7 +1,8 @@
-"""The running sample's judge and the record of its calls: what environments and interactions reach the judge by, below the router (``agentloop.judge.client`` holds the ``Judge`` itself).
+"""The record of a sample's judge calls, below the router (``agentloop.judge.client`` holds the ``Judge`` itself).
 
-The worker serves a judge for each sample's asyncio task (``serving``; ``agentloop.judge.client.judge_session``);
-``current_judge()`` is that judge, and every call it makes for the sample is recorded there as a ``JudgeCall``.
+The judge is handed to whatever uses it (reward functions, environments, interactions: ``require_judge``); which
+sample a call is made for is the running asyncio task's: the worker records the calls of each sample's task
+(``recording``; ``agentloop.judge.client.judge_session``), each as a ``JudgeCall``.
 """
 
 from __future__ import annotations
@@ -40,31 +41,28 @@ class JudgeUnparsable(JudgeError):
         super().__init__(f"the judge's reply cannot be read ({why})", text)
 
 
-# the worker's agentloop.judge.Judge (None: no judge is served) and the running sample's calls
-_current: ContextVar[Any] = ContextVar("agentloop_judge", default=None)
+# the running sample's judge calls
 _calls: ContextVar[list[JudgeCall] | None] = ContextVar("agentloop_judge_calls", default=None)
 
 
-def current_judge() -> Any:
-    """The ``agentloop.judge.Judge`` of the running sample, for its environments and interactions (the worker hands
-    it to the reward step itself: ``agentloop.rewards.score_output``)."""
-    judge = _current.get()
+def require_judge(judge: Any) -> Any:
+    """``judge`` (the worker's ``agentloop.judge.Judge``, handed to an environment or interaction by its loop), or an
+    error saying how to serve one when it is None."""
     if judge is None:
         raise RuntimeError("no judge is served: set reward_model.enable=true (and reward_model.model.path)")
     return judge
 
 
 @contextlib.contextmanager
-def serving(judge: Any, calls: list[JudgeCall] | None = None) -> Iterator[list[JudgeCall]]:
-    """Within it, ``judge`` is the current judge (None: none); yields the list the calls are recorded in: ``calls``
-    (a sample's, for a call made for it from another task: the judge's HTTP front), else a new one."""
+def recording(calls: list[JudgeCall] | None = None) -> Iterator[list[JudgeCall]]:
+    """Within it, the judge calls of this task are recorded in the list it yields: ``calls`` (a sample's, for a call
+    made for it from another task: the judge's HTTP front), else a new one."""
     calls = [] if calls is None else calls
-    tokens = _current.set(judge), _calls.set(calls)
+    token = _calls.set(calls)
     try:
         yield calls
     finally:
-        _current.reset(tokens[0])
-        _calls.reset(tokens[1])
+        _calls.reset(token)
 
 
 def record(call: JudgeCall) -> None:
