@@ -45,6 +45,9 @@ class TokenOutput:
     # verl's TokenOutput fields that loops written for verl read; not produced by these engines
     num_preempted: int | None = None
     routed_experts: Any = None
+    # each token's policy version (a turn continued across weight pushes spans several), set by the router
+    # (``agentloop.server.continued``): what ``Trajectory`` appends with the tokens; None from an engine itself
+    policy_versions: list[int] | None = None
 
 
 @dataclass
@@ -161,8 +164,10 @@ class AgentLoopOutput:
     ``multi_modal_inputs``: the processor's outputs for the trajectory's images, merged once at its end
     (``pixel_values [patches, dim]``, ``image_grid_thw [images, 3]``); None for text.
     ``multi_modal_data`` and ``routed_experts`` are accepted as verl's loops pass them.
-    ``policy_versions`` is set by the worker, not the loop: the policy version of each model
-    token (from the router's record of the session), -1 on observation tokens.
+    ``policy_versions``: the policy version of each response token, -1 on observation tokens, kept with the tokens
+    (``Trajectory`` appends each turn's ``TokenOutput.policy_versions``); for a loop that leaves them None (one
+    written for verl, which builds its output itself), the worker fills them from the router's record of the
+    sample's sessions, matched to the model tokens in order (``set_policy_versions``).
 
     What the framework reads of a trajectory is in typed fields, which a loop sets (``Trajectory.to_output`` sets
     ``turns``, ``observation_roles`` and ``num_turns``) and which default to "not reported": ``end_reason`` (None
@@ -238,6 +243,13 @@ class AgentLoopOutput:
         for segment in self.all_segments():
             ids += segment.response_ids[:segment_length] + segment.closing_observation_ids
         return ids
+
+    def has_policy_versions(self) -> bool:
+        """Whether every segment carries one policy version per response token (the loop kept them)."""
+        return all(
+            segment.policy_versions is not None and len(segment.policy_versions) == len(segment.response_mask)
+            for segment in self.all_segments()
+        )
 
     def set_policy_versions(self, generated: list[int]) -> None:
         """Set each segment's ``policy_versions`` (``agentloop.policy_versions.on_response``) from the sample's

@@ -32,6 +32,23 @@ class FixedLengthAgentLoop(AgentLoopBase):
         )
 
 
+@register("discarded_turn")
+class DiscardedTurnAgentLoop(AgentLoopBase):
+    """A turn of ``extra_info.length`` tokens (eos ignored) taken back, as the gateway takes back a cancelled call
+    (``Trajectory.checkpoint``/``restore``), then one of as many kept. ``extra_fields["discarded_versions"]``: the
+    taken-back turn's tokens' policy versions."""
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        length = row["extra_info"]["length"]
+        params = {**sampling_params, "max_new_tokens": length, "ignore_eos": True}
+        trajectory = self.start_trajectory(row)
+        before = trajectory.checkpoint()
+        discarded, _, _ = await trajectory.generate_turn(self.server_manager, row["request_id"], params, length)
+        trajectory.restore(before)
+        await trajectory.generate_turn(self.server_manager, row["request_id"], params, length)
+        return trajectory.to_output(end_reason="length", extra_fields={"discarded_versions": discarded.policy_versions})
+
+
 @register("picture_turns")
 class PictureTurnsAgentLoop(AgentLoopBase):
     """``extra_info.turns`` model turns of exactly ``extra_info.length`` tokens (eos ignored), each but the last

@@ -171,7 +171,9 @@ class AgentLoopWorker:
         with judge_session(self.judge, row["request_id"]) as judge_calls:
             output = await self._run_loop(row, sampling_params, agent_loops)
         output.judge_calls = judge_calls
-        output.set_policy_versions(self.router.take_versions(row["request_id"]))
+        generated = self.router.take_versions(row["request_id"])  # (taken either way: the router forgets them)
+        if not output.has_policy_versions():  # a loop that kept no versions with its tokens (one written for verl)
+            output.set_policy_versions(generated)
         return output, time.perf_counter() - start
 
     async def _run_loop(

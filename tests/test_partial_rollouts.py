@@ -15,7 +15,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import agentloop.testing  # noqa: F401  (registers fixed_length)
+import agentloop.testing  # noqa: F401  (registers fixed_length and discarded_turn)
 from agentloop import AgentLoopManager
 from agentloop.batch import RolloutBatch
 from tests.support.config import small_config
@@ -129,6 +129,27 @@ def test_a_push_mid_rollout_continues_each_trajectory_under_the_new_weights(mana
     )
     assert pushed, "the rollout ended before the push: raise LENGTH"
     check_tokens_of_two_policies(batch, old, new, versions=(1, 2))
+
+
+def test_a_turn_taken_back_leaves_no_version_on_the_tokens_kept(manager, model_path):
+    # each token's version travels with it: a turn the loop discards (here cut by a push, so of two versions) does
+    # not shift its versions onto the turn kept after it, as matching the sample's versions to its tokens by order
+    # would
+    row = {
+        "prompt": [{"role": "user", "content": "count"}],
+        "agent_name": "discarded_turn",
+        "extra_info": {"length": LENGTH},
+    }
+    manager.update_weights(perturbed(model_path, seed=0).state_dict(), version=5)
+    batch, pushed = pushed_mid_flight(
+        manager,
+        1,
+        lambda: manager.generate_sequences([row]),
+        lambda: manager.update_weights(perturbed(model_path, seed=1).state_dict(), version=6),
+    )
+    discarded = batch.non_tensor_batch["extra_fields"][0]["discarded_versions"]
+    assert pushed and 5 in discarded, "the push came after the first turn: raise LENGTH"
+    assert batch.batch["rollout_policy_versions"][0].tolist() == [6] * LENGTH
 
 
 def test_new_weights_mid_rollout_through_the_sglang_backend(manager, attached, model_path, tmp_path):

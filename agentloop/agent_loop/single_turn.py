@@ -27,4 +27,5 @@ class SingleTurnAgentLoop(AgentLoopBase):
             end_reason=end_after(output.finish_reason) or "stop",
             turns=[TurnRecord(model_tokens=len(output.token_ids))],
             multi_modal_inputs=trajectory.multi_modal_inputs,
+            policy_versions=output.policy_versions,
         )

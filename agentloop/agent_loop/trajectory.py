@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from agentloop.images import ProcessedImage, expand_image_pads, image_inputs, process_images, split_images
 from agentloop.agent_loop.context import ContextStrategy
+from agentloop.policy_versions import UNKNOWN
 from agentloop.protocol import AgentLoopOutput, EndReason, FinishReason, Segment, TokenOutput, TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class Observation(NamedTuple):
 
 
 class Trajectory:
-    """Prompt, exact response tokens with mask and logprobs, the chat messages they stand for, and a record of
+    """Prompt, exact response tokens with mask, logprobs and policy versions, the chat messages they stand for, and a record of
     each model turn (``turns``) with the observation that answered it (``observation_roles``: who spoke in each).
 
     With a vision-language ``processor``, ``images`` holds every image of the current context in order (the
@@ -125,6 +126,7 @@ class Trajectory:
         self.response_ids: list[int] = []
         self.response_mask: list[int] = []
         self.response_logprobs: list[float] = []
+        self.response_versions: list[int] = []  # each response token's policy version (UNKNOWN on observations)
         self.turns: list[TurnRecord] = []  # one per model turn; the loops add what their turn steps did
         self.observation_roles: list[str] = []  # per observation span, for readers of the trajectory
         self.unanswered: Observation | None = None  # the last observation while no model token follows it
@@ -183,6 +185,8 @@ class Trajectory:
         self.response_ids += output.token_ids
         self.response_mask += [1] * len(output.token_ids)
         self.response_logprobs += output.log_probs
+        versions = output.policy_versions
+        self.response_versions += versions if versions is not None else [UNKNOWN] * len(output.token_ids)
         if self.unanswered is not None:
             state = state_digest(self.unanswered.messages)
         else:  # the first turn answers the prompt; a turn after a rewritten context (start_segment) is not recorded
@@ -302,6 +306,7 @@ class Trajectory:
             list(self.response_ids),
             list(self.response_mask),
             list(self.response_logprobs),
+            policy_versions=list(self.response_versions),
             rewritten_by=self.rewritten_by,
         )
 
@@ -335,7 +340,7 @@ class Trajectory:
             self.closed.append((segment, list(self.images)))
         self.prompt_ids, self.rewritten_by, self.tools = list(context_ids), rewritten_by, tools
         self.images = list(images or [])
-        self.response_ids, self.response_mask, self.response_logprobs = [], [], []
+        self.response_ids, self.response_mask, self.response_logprobs, self.response_versions = [], [], [], []
         self.messages = [dict(message) for message in messages]
         self._remember_images(self.messages, self.images)
         self.unanswered = None
@@ -348,11 +353,12 @@ class Trajectory:
         if observation.closed is not None:
             self.closed.append(observation.closed)
             self.prompt_ids, self.images, self.rewritten_by = list(ids), list(observation.images), self.context.name
-            self.response_ids, self.response_mask, self.response_logprobs = [], [], []
+            self.response_ids, self.response_mask, self.response_logprobs, self.response_versions = [], [], [], []
         else:
             self.response_ids += ids
             self.response_mask += [0] * len(ids)
             self.response_logprobs += [0.0] * len(ids)
+            self.response_versions += [UNKNOWN] * len(ids)
             self.images += observation.images
             if self.turns:
                 self.turns[-1].observation_tokens += len(ids)
@@ -365,14 +371,16 @@ class Trajectory:
         if observation.closed is not None:
             segment, self.images = self.closed.pop()
             self.prompt_ids, self.rewritten_by = segment.prompt_ids, segment.rewritten_by
-            self.response_ids, self.response_mask, self.response_logprobs = (
+            self.response_ids, self.response_mask, self.response_logprobs, self.response_versions = (
                 segment.response_ids,
                 segment.response_mask,
                 segment.response_logprobs,
+                segment.policy_versions,
             )
         else:
             end = len(self.response_ids) - len(observation.ids)
             del self.response_ids[end:], self.response_mask[end:], self.response_logprobs[end:]
+            del self.response_versions[end:]
             del self.images[len(self.images) - len(observation.images) :]
             if self.turns:
                 self.turns[-1].observation_tokens -= len(observation.ids)
@@ -458,6 +466,7 @@ class Trajectory:
             response_ids=self.response_ids,
             response_mask=self.response_mask,
             response_logprobs=self.response_logprobs,
+            policy_versions=self.response_versions,
             turns=self.turns,
             observation_roles=self.observation_roles,
             segments=segments,

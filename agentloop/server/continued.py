@@ -35,6 +35,11 @@ async def generate_continued(
             output.finish_reason = "length"
             break
     whole = TokenOutput(
-        tokens, log_probs, output.finish_reason, output.cached_tokens, policy_version=output.policy_version
+        tokens,
+        log_probs,
+        output.finish_reason,
+        output.cached_tokens,
+        policy_version=output.policy_version,
+        policy_versions=versions.per_token(),
     )
     return whole, versions, interruptions
