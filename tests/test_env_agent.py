@@ -13,6 +13,7 @@ from agentloop.agent_loop.tool_agent import ToolAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta, state_digest
 from agentloop.turn_totals import env_retries_by_kind, turn_scores
 from agentloop.rewards import score_output
+from agentloop.settings import reward_settings
 from agentloop.router import Router
 from tests.support.config import small_config
 
@@ -105,7 +106,9 @@ def test_env_done_at_turn_two(server, tokenizer, ok_model, interactions_yaml):
     ]
     assert [turn.state_key for turn in output.turns] == ["position 0", "position 1"]  # the env's own state_key() hook
     # without a reward function for the row's data source, the env's rewards are the reward
-    asyncio.run(score_output(config(ok_model, interactions_yaml), tokenizer, {"data_source": "games"}, output))
+    asyncio.run(
+        score_output(reward_settings(config(ok_model, interactions_yaml)), tokenizer, {"data_source": "games"}, output)
+    )
     assert (
         output.reward_score == 1.0
         and output.reward_parts.by_source() == {"env": 1.0}
