@@ -165,7 +165,7 @@ def measure_paths(model_path: str, servers: int, paths: list[str], repeats: int)
             ]
         )
     )
-    ranks = start_workers(manager.config, RANKS, 1, TIMEOUT_S, worker_class=BenchRank)
+    ranks = start_workers(rank_settings(manager.config), RANKS, 1, TIMEOUT_S, worker_class=BenchRank)
     state, *_ = wait_for([rank.full_state_dict.remote() for rank in ranks], TIMEOUT_S, "the first gather")
     seconds: dict[str, list[float]] = {path: [] for path in paths}
     for repeat in range(repeats + 1):  # the first round warms up

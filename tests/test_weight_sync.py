@@ -19,6 +19,7 @@ from agentloop import AgentLoopManager
 from agentloop.server.collective import WeightGroup, WeightReceiver, WeightSource, bucket_plan
 from tests.support.config import small_config
 from trainer.fsdp_workers import FSDPWorker, push_weights, start_workers
+from trainer.settings import rank_settings
 from tests.test_supervision import GREEDY, PROMPT, perturbed
 
 # small buckets: the tiny model's weights go in many broadcasts, some tensors alone in theirs
@@ -204,7 +205,7 @@ class ScalableRank(FSDPWorker.__ray_actor_class__):  # the trainer's rank as is,
 def test_the_trainer_pushes_its_policy_on_every_path(local_ray, model_path):
     # trainer.fsdp_workers.push_weights from a real FSDP rank: after each push both servers serve the rank's policy
     manager = AgentLoopManager(collective_config("actor_rollout_ref.rollout.weight_sync_timeout_s=60"))
-    ranks = start_workers(manager.config, 1, 1, 300, worker_class=ScalableRank)
+    ranks = start_workers(rank_settings(manager.config), 1, 1, 300, worker_class=ScalableRank)
     try:
         for version, path in enumerate(["collective", "disk", "object_store"], start=1):
             ray.get(ranks[0].scale_policy.remote(1.0 + 0.2 * version), timeout=60)
