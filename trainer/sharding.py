@@ -35,7 +35,7 @@ def load_sharded(
 
     Only the mesh's first rank reads the checkpoint; the others build the model on the meta device and receive their
     shards from it, so one process per job holds the whole model once, not every rank (at 0.6B parameters in fp32
-    each rank's load peaked at 6.5 GB otherwise: benchmarks/real_size.py). ``adapt`` wraps the model before it is
+    a second rank's load peak fell from 3.7 to 2.1 GB: benchmarks/real_size.py). ``adapt`` wraps the model before it is
     sharded (LoRA: ``trainer.lora``); the first rank's new adapter weights are every rank's."""
     first = mesh.get_local_rank() == 0
     if first:
