@@ -11,6 +11,7 @@ from agentloop.rows import write_rows
 from agentloop.tasks.arithmetic.data import make_rows
 from tests.support.config import small_config
 from tests.test_main_ppo import TOOL_RUN
+from tests.test_weight_sync import hf_greedy, served
 from trainer.ray_trainer import RayPPOTrainer
 
 # one node per part of the job, each offering a resource of its own (as `ray start --resources` would)
@@ -60,16 +61,24 @@ def node_of(actor: ray.actor.ActorHandle) -> str:
     return ray.get(actor.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()), timeout=60)
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["synchronous", "asynchronous"])
-def test_training_places_each_part_on_its_node(three_node_cluster, tmp_path, asynchronous):
+RUNS = {
+    "synchronous": [],
+    "asynchronous": ["async_training.max_staleness=1", "async_training.partial_rollout=true"],
+    "collective": ["actor_rollout_ref.rollout.weight_sync=collective"],
+}
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_training_places_each_part_on_its_node(three_node_cluster, tmp_path, run):
     """Two ranks on the trainer's node, the server on the rollout node, two workers on the agents' node; three steps
-    train there (weights pushed across nodes each step), synchronously and with the asynchronous stream."""
+    train there, synchronously, with the asynchronous stream, and with weights broadcast over a process group of
+    rank 0 and the server; after the last push the server serves the trained policy."""
     train = write_rows(make_rows(8), str(tmp_path / "train.jsonl"))
-    stream = ["async_training.max_staleness=1", "async_training.partial_rollout=true"] if asynchronous else []
     config = small_config(
         *TOOL_RUN,
         *PLACEMENT,
-        *stream,
+        *RUNS[run],
+        "actor_rollout_ref.rollout.free_cache_engine=false",  # the server stays awake to be asked after the run
         f"data.train_files=[{train}]",
         "trainer.total_training_steps=3",
         "trainer.logger=[console]",
@@ -82,6 +91,9 @@ def test_training_places_each_part_on_its_node(three_node_cluster, tmp_path, asy
         workers = trainer.manager.workers.handles
         assert len(workers) == 2 and {node_of(worker) for worker in workers} == {three_node_cluster["agent_node"]}
         lines = trainer.fit()
+        trained = ray.get([rank.full_state_dict.remote() for rank in trainer.workers], timeout=120)[0]
+        expected = hf_greedy(config.actor_rollout_ref.model.path, trained)
+        assert served(trainer.manager) == [(expected, 3)]
     finally:
         trainer.shutdown(60.0)
     assert [line["step"] for line in lines] == [1, 2, 3]
