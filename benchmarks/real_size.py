@@ -27,11 +27,10 @@ from typing import Any
 import ray
 import torch
 from ray.cluster_utils import Cluster
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from agentloop.config import compose_config
-from agentloop.models.cache import build_once, cache_root
 from agentloop.models.tiny_qwen import tiny_model_path
+from benchmarks.models import scaled_tiny_model
 from trainer.ray_trainer import RayPPOTrainer
 
 TIMINGS = ("timing_s/step", "timing_s/gen", "timing_s/train", "timing_s/weight_push")
@@ -49,13 +48,9 @@ VARIANTS = {
 
 def real_size_model_path() -> str:
     """The Qwen3-0.6B-shaped model, built once into the agentloop cache (bf16 on disk, as Qwen3-0.6B ships)."""
-    return build_once(cache_root() / "models" / "qwen3-0.6b-shaped-v1", _build)
-
-
-def _build(directory: Path) -> None:
-    settings = AutoConfig.from_pretrained(tiny_model_path()).to_dict()
-    del settings["layer_types"]  # derived from the depth
-    settings.update(
+    return scaled_tiny_model(
+        "qwen3-0.6b-shaped-v1",
+        torch.bfloat16,
         hidden_size=1024,
         intermediate_size=3072,
         num_hidden_layers=28,
@@ -66,10 +61,6 @@ def _build(directory: Path) -> None:
         tie_word_embeddings=True,
         max_position_embeddings=40960,
     )
-    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
-    AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(directory)
 
 
 def overrides(model_path: str, steps: int, output_dir: Path) -> list[str]:

@@ -30,14 +30,13 @@ from typing import Callable
 
 import ray
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from agentloop import AgentLoopManager
 from agentloop.config import compose_config
-from agentloop.models.cache import build_once, cache_root
 from agentloop.models.tiny_qwen import tiny_model_path
 from agentloop.server.collective import bucket_plan
 from agentloop.waiting import wait_for
+from benchmarks.models import scaled_tiny_model
 from trainer.fsdp_workers import FSDPWorker, push_weights, start_workers
 from trainer.settings import rank_settings
 
@@ -48,14 +47,8 @@ Ranks = list[ray.actor.ActorHandle]
 
 def medium_model_path() -> str:
     """A Qwen3 like the tiny model but 768 wide and 12 layers deep (~77M parameters, ~310 MB in fp32)."""
-    return build_once(cache_root() / "models" / "bench-qwen3-medium-v1", _build_medium_model)
-
-
-def _build_medium_model(directory: Path) -> None:
-    # The tiny model's config and tokenizer, only wider and deeper: what is pushed is the weights.
-    settings = AutoConfig.from_pretrained(tiny_model_path()).to_dict()
-    del settings["layer_types"]  # derived from the depth
-    settings.update(
+    return scaled_tiny_model(
+        "bench-qwen3-medium-v1",
         hidden_size=768,
         intermediate_size=2048,
         num_hidden_layers=12,
@@ -63,10 +56,6 @@ def _build_medium_model(directory: Path) -> None:
         num_key_value_heads=4,
         head_dim=64,
     )
-    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(directory)
 
 
 @ray.remote
