@@ -53,7 +53,7 @@ def collective_config(*overrides: str):
     return small_config(
         "actor_rollout_ref.rollout.data_parallel_size=2",
         "actor_rollout_ref.rollout.weight_sync=collective",
-        f"actor_rollout_ref.rollout.weight_sync_bucket_megabytes={BUCKET_MB}",
+        f"actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes={BUCKET_MB}",
         *overrides,
     )
 
@@ -230,7 +230,7 @@ def test_a_collective_push_reaches_a_vllm_server(local_ray, model_path):
         small_config(
             *vllm_overrides(),
             "actor_rollout_ref.rollout.weight_sync=collective",
-            f"actor_rollout_ref.rollout.weight_sync_bucket_megabytes={BUCKET_MB}",
+            f"actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes={BUCKET_MB}",
         )
     )
     try:

@@ -54,7 +54,7 @@ class WeightSyncSettings:
     def from_section(cls, rollout: Section) -> WeightSyncSettings:
         return cls(
             rollout.str("weight_sync", WEIGHT_SYNC_PATHS, default="object_store"),
-            rollout.float("weight_sync_bucket_megabytes", positive=True, default=64.0),
+            rollout.sub("checkpoint_engine").float("update_weights_bucket_megabytes", positive=True, default=64.0),
             rollout.optional_str("weight_sync_master_addr"),
             rollout.int("weight_sync_master_port", minimum=0, default=0),
             rollout.float("weight_sync_timeout_s", positive=True, default=60.0),
