@@ -33,7 +33,7 @@ from agentloop.judge.session import JudgeCall, JudgeError, recording
 from agentloop.protocol import TokenOutput
 from agentloop.router import Router
 from agentloop.server.http.chat import ChatBody, completion_choice, engine_params, render_prompt, token_spelling
-from agentloop.server.http.native import Admission, ServerImages, add_generation_routes
+from agentloop.server.http.native import Admission, ServedAdapter, ServerImages, add_generation_routes
 from agentloop.tools.parsers import get_parser
 
 HOST = "127.0.0.1"
@@ -136,7 +136,7 @@ class JudgeFront:
             }
 
         generation = APIRouter()
-        add_generation_routes(generation, engine, tokenizer, images, Admission())
+        add_generation_routes(generation, engine, tokenizer, images, Admission(), ServedAdapter())  # (no adapters)
         app.include_router(generation)
         return app
 
