@@ -4,7 +4,7 @@ engines' request checks are in ``agentloop.server.sampling``, the continuation o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from agentloop.policy_versions import on_response
@@ -172,10 +172,12 @@ class AgentLoopOutput:
     What the framework reads of a trajectory is in typed fields, which a loop sets (``Trajectory.to_output`` sets
     ``turns``, ``observation_roles`` and ``num_turns``) and which default to "not reported": ``end_reason`` (None
     counts as ``unknown``), ``turns`` (one ``TurnRecord`` per model turn), ``observation_roles`` (who spoke in each
-    masked span, in order) and ``reward_parts``. The worker sets ``reward_source`` and ``reward_extra_info`` (what
-    a reward function returned) when it scores the sample, ``failure`` when its loop raised, and ``judge_calls`` (the
-    judge's calls for the sample, ``agentloop.judge.JudgeCall``) with ``reward_model.enable``.
-    ``extra_fields`` is the loop's own: the framework carries it into the batch and the dumps and never reads it.
+    masked span, in order) and ``reward_parts``. A loop that scores the sample itself sets ``reward_score`` and may
+    set ``reward_extra_info`` (what its scoring returned beside the score, as a reward function's dict); a loop whose
+    answer is not its decoded response (an external agent's final message) sets ``solution_str``, the text the
+    reward function scores instead. What the worker adds when it scores the sample is not here but in its
+    ``SampleScore``. ``extra_fields`` is the loop's own: the framework carries it into the batch and the dumps and
+    never reads it.
 
     A trajectory whose context was rewritten (a context strategy, or a loop that sends contexts that are not exact
     extensions of each other) has several segments: ``segments`` holds the earlier ones, oldest first, and the
@@ -200,10 +202,8 @@ class AgentLoopOutput:
     turns: list[TurnRecord] = field(default_factory=list)
     observation_roles: list[str] = field(default_factory=list)
     reward_parts: RewardParts = field(default_factory=RewardParts)
-    reward_source: RewardSource | None = None
     reward_extra_info: dict[str, Any] = field(default_factory=dict)
-    failure: Failure | None = None
-    judge_calls: list[Any] = field(default_factory=list)
+    solution_str: str | None = None
     rollout_log_probs_missing: bool = False
     segments: list[Segment] = field(default_factory=list)
     rewritten_by: str | None = None
@@ -263,6 +263,22 @@ class AgentLoopOutput:
         self.policy_versions = versions
 
 
+@dataclass
+class SampleScore:
+    """What the worker adds to a loop's output when it scores the sample (``agentloop.rewards.score_output``) or
+    its loop raised (``agentloop.worker.failed_output``): where the reward came from, what the reward function
+    returned beside the score (a loop-scored sample: the loop's ``AgentLoopOutput.reward_extra_info``), why the
+    sample failed, and the judge's calls for it (``agentloop.judge.JudgeCall``, with ``reward_model.enable``)."""
+
+    reward_source: RewardSource | None = None
+    reward_extra_info: dict[str, Any] = field(default_factory=dict)
+    failure: Failure | None = None
+    judge_calls: list[Any] = field(default_factory=list)
+
+
+# The fields of SampleScore that the padded batch carries per sample, as non_tensor_batch columns of these names.
+SCORE_FIELDS = tuple(item.name for item in fields(SampleScore))
+
 # The fields of AgentLoopOutput that the padded batch carries per sample, as non_tensor_batch columns of these names.
 BATCH_FIELDS = (
     "num_turns",
@@ -273,9 +289,5 @@ BATCH_FIELDS = (
     "turns",
     "observation_roles",
     "reward_parts",
-    "reward_source",
-    "reward_extra_info",
-    "failure",
-    "judge_calls",
     "rollout_log_probs_missing",
 )

@@ -18,9 +18,9 @@ The rule, in order:
 
 The parts are handed to the reward function by source in ``extra_info["rollout_reward_scores"]``
 (``RewardParts.by_source``), with ``extra_info["num_turns"]``, so a function can combine them. Which rule
-gave the reward is recorded in ``AgentLoopOutput.reward_source``. A function is ``fn(data_source,
+gave the reward is recorded in ``SampleScore.reward_source``. A function is ``fn(data_source,
 solution_str, ground_truth, extra_info, **reward_kwargs) -> float | dict`` (a dict has the score under
-``"score"``; every key goes to ``AgentLoopOutput.reward_extra_info``, and a plain float is recorded as
+``"score"``; every key goes to ``SampleScore.reward_extra_info``, and a plain float is recorded as
 ``acc``, as verl does), sync or ``async``. Sync functions run in a thread, off the
 worker's event loop; every call is bounded by ``custom_reward_function.timeout_s``, past which the
 sample fails (see ``rollout.max_failed_sample_ratio``). With ``reward_model.enable``, a function that takes them
@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 from hydra.utils import get_method
 
-from agentloop.protocol import AgentLoopOutput
+from agentloop.protocol import AgentLoopOutput, SampleScore
 from agentloop.reward_score import default_compute_score, has_scorer
 from agentloop.settings.reward import RewardSettings
 
@@ -144,36 +144,35 @@ async def score_output(
     row: dict[str, Any],
     output: AgentLoopOutput,
     judge: Any = None,
-    solution_str: str | None = None,
-) -> None:
-    """Set ``output.reward_score`` and ``reward_source`` (and, from a reward function, ``reward_extra_info``) for a
-    finished sample, by the rule in this module's docstring (``settings``: ``custom_reward_function``'s). ``judge``: the worker's ``agentloop.judge.Judge``
-    (``reward_model.enable``; None: no judge). ``solution_str``: the text a reward function scores instead of the
-    decoded response (``external_agent``: the program's final assistant message)."""
+) -> SampleScore:
+    """Set ``output.reward_score`` for a finished sample, by the rule in this module's docstring (``settings``:
+    ``custom_reward_function``'s), and return where it came from (and, from a reward function, what it returned;
+    from the loop, the loop's ``reward_extra_info``). ``judge``: the worker's ``agentloop.judge.Judge``
+    (``reward_model.enable``; None: no judge). A reward function scores ``output.solution_str`` when the loop set
+    it (``external_agent``: the program's final assistant message), else the decoded response."""
     parts = output.reward_parts.by_source()
-    if output.reward_score is not None:  # (a loop that scored with a reward function itself says so)
-        output.reward_source = output.reward_source or "agent_loop"
-        return
+    if output.reward_score is not None:
+        return SampleScore("agent_loop", dict(output.reward_extra_info))
     reward_model = judge is not None and judge.kind == "discriminative"
     function = reward_function_for(settings, row.get("data_source"), builtin=not reward_model)
     # every turn and observation once, each segment's response cut to the batch's response length as the batch holds it
     response = output.whole_response_ids(settings.response_length)
     if function is None and reward_model:
         conversation = [*row["prompt"], {"role": "assistant", "content": reward_model_text(tokenizer, response)}]
-        output.reward_score, output.reward_source = await judge.score(conversation), "reward_model"
-        return
+        output.reward_score = await judge.score(conversation)
+        return SampleScore("reward_model")
     if function is None:
-        output.reward_source = "reward_parts" if parts else "none"
         output.reward_score = sum(parts.values()) if parts else None
-        return
+        return SampleScore("reward_parts" if parts else "none")
+    solution = output.solution_str
     score, extras = await call_reward_function(
         function,
         settings.timeout_s,
         data_source=row.get("data_source"),
-        solution_str=tokenizer.decode(response, skip_special_tokens=True) if solution_str is None else solution_str,
+        solution_str=tokenizer.decode(response, skip_special_tokens=True) if solution is None else solution,
         ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
         extra_info={**(row.get("extra_info") or {}), "num_turns": output.num_turns, "rollout_reward_scores": parts},
         **await judge_arguments(function, judge),
     )
     output.reward_score = score
-    output.reward_source, output.reward_extra_info = "reward_function", extras
+    return SampleScore("reward_function", extras)

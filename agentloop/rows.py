@@ -15,10 +15,10 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from agentloop.protocol import BATCH_FIELDS
+from agentloop.protocol import BATCH_FIELDS, SCORE_FIELDS
 
 # the non_tensor_batch columns a rollout fills per sample; a row field of one of these names would be overwritten
-OUTPUT_COLUMNS = (*BATCH_FIELDS, "generate_time_s", "policy_version", "rewritten_by")
+OUTPUT_COLUMNS = (*BATCH_FIELDS, *SCORE_FIELDS, "generate_time_s", "policy_version", "rewritten_by")
 
 
 def check_row(row: Any, where: str) -> None:

@@ -22,7 +22,7 @@ from agentloop.batch import RolloutBatch, object_array
 from agentloop.gateway import Gateway
 from agentloop.models.loading import load_processor, structure
 from agentloop.postprocess import check_reward_has_a_token, pad_outputs
-from agentloop.protocol import BATCH_FIELDS, AgentLoopOutput, Failure
+from agentloop.protocol import BATCH_FIELDS, SCORE_FIELDS, AgentLoopOutput, Failure, SampleScore
 from agentloop.registry import build_agent_loop
 from agentloop.rewards import score_output
 from agentloop.router import Router, RouterStats
@@ -134,9 +134,11 @@ class AgentLoopWorker:
         self._group_done.clear()
         return cancelled
 
-    def _pad(self, rows: list[dict[str, Any]], results: list[tuple[AgentLoopOutput, float]]) -> RolloutBatch:
+    def _pad(
+        self, rows: list[dict[str, Any]], results: list[tuple[AgentLoopOutput, SampleScore, float]]
+    ) -> RolloutBatch:
         """One row per segment; a trajectory's per-sample columns repeat on each of its rows."""
-        outputs = [output for output, _ in results]
+        outputs = [output for output, _, _ in results]
         batch = pad_outputs(
             outputs,
             self.settings.servers.prompt_length,
@@ -152,7 +154,8 @@ class AgentLoopWorker:
 
         non_tensor = {key: column([row.get(key) for row in rows]) for key in rows[0]}
         non_tensor.update({name: column([getattr(output, name) for output in outputs]) for name in BATCH_FIELDS})
-        non_tensor["generate_time_s"] = column([seconds for _, seconds in results])
+        non_tensor.update({name: column([getattr(score, name) for _, score, _ in results]) for name in SCORE_FIELDS})
+        non_tensor["generate_time_s"] = column([seconds for _, _, seconds in results])
         non_tensor["rewritten_by"] = object_array([segment.rewritten_by for parts in segments for segment in parts])
         return RolloutBatch(batch, non_tensor, {"pad_token_id": self._pad_id})
 
@@ -166,19 +169,19 @@ class AgentLoopWorker:
 
     async def _run_one(
         self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
-    ) -> tuple[AgentLoopOutput, float]:
+    ) -> tuple[AgentLoopOutput, SampleScore, float]:
         start = time.perf_counter()
         with judge_session(self.judge, row["request_id"]) as judge_calls:
-            output = await self._run_loop(row, sampling_params, agent_loops)
-        output.judge_calls = judge_calls
+            output, score = await self._run_loop(row, sampling_params, agent_loops)
+        score.judge_calls = judge_calls
         generated = self.router.take_versions(row["request_id"])  # (taken either way: the router forgets them)
         if not output.has_policy_versions():  # a loop that kept no versions with its tokens (one written for verl)
             output.set_policy_versions(generated)
-        return output, time.perf_counter() - start
+        return output, score, time.perf_counter() - start
 
     async def _run_loop(
         self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
-    ) -> AgentLoopOutput:
+    ) -> tuple[AgentLoopOutput, SampleScore]:
         try:
             with self.router.running_sample(row["request_id"], row.get("uid")):
                 loop = build_agent_loop(
@@ -192,13 +195,12 @@ class AgentLoopWorker:
                     offered={
                         "gateway": self.gateway,
                         "judge": lambda: self.judge,
-                        "rewards": lambda: self.settings.rewards,
                     },
                 )
                 output = await loop.run(dict(sampling_params), **row)
-                await score_output(self.settings.rewards, self.tokenizer, row, output, self.judge)
+                score = await score_output(self.settings.rewards, self.tokenizer, row, output, self.judge)
                 check_reward_has_a_token(output)  # a reward the batch would drop fails its sample instead
-                return output
+                return output, score
         except (
             Exception
         ) as error:  # one sample's fault (a loop's bug, a reward function or judge that fails) stays its own
@@ -213,15 +215,16 @@ class AgentLoopWorker:
             return failed_output(error, self._pad_id)
 
 
-def failed_output(error: BaseException, pad_token_id: int) -> AgentLoopOutput:
+def failed_output(error: BaseException, pad_token_id: int) -> tuple[AgentLoopOutput, SampleScore]:
     """The sample of a loop that raised: one pad token of prompt, no response (nothing to train on, no
-    reward), end reason ``failed`` and the error with its traceback in ``failure``."""
-    return AgentLoopOutput(
+    reward), end reason ``failed``; and its score, the error with its traceback in ``failure``."""
+    failure = Failure(f"{type(error).__name__}: {error}", "".join(traceback.format_exception(error)))
+    output = AgentLoopOutput(
         prompt_ids=[pad_token_id],
         response_ids=[],
         response_mask=[],
         response_logprobs=[],
         num_turns=1,
         end_reason="failed",
-        failure=Failure(f"{type(error).__name__}: {error}", "".join(traceback.format_exception(error))),
     )
+    return output, SampleScore(failure=failure)

@@ -314,8 +314,8 @@ def solution_str(tokenizer, output: AgentLoopOutput, tmp_path) -> str:
         "custom_reward_function.name=echo",
         "data.max_response_length=512",
     )
-    asyncio.run(score_output(reward_settings(config), tokenizer, {"data_source": "any"}, output))
-    return output.reward_extra_info["solution_str"]
+    score = asyncio.run(score_output(reward_settings(config), tokenizer, {"data_source": "any"}, output))
+    return score.reward_extra_info["solution_str"]
 
 
 # two answered questions: each turn answered by a tool result, then the user asks again

@@ -106,13 +106,13 @@ def test_env_done_at_turn_two(server, tokenizer, ok_model, interactions_yaml):
     ]
     assert [turn.state_key for turn in output.turns] == ["position 0", "position 1"]  # the env's own state_key() hook
     # without a reward function for the row's data source, the env's rewards are the reward
-    asyncio.run(
+    score = asyncio.run(
         score_output(reward_settings(config(ok_model, interactions_yaml)), tokenizer, {"data_source": "games"}, output)
     )
     assert (
         output.reward_score == 1.0
         and output.reward_parts.by_source() == {"env": 1.0}
-        and output.reward_source == "reward_parts"
+        and score.reward_source == "reward_parts"
     )
     assert_exact(output, tokenizer, ["observation 1"])
 

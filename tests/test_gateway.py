@@ -151,15 +151,12 @@ def test_a_command_agent_gets_its_session_from_the_environment_and_its_reward_fr
 
 def test_without_a_returned_reward_the_data_source_scores_the_final_assistant_message(server, tokenizer, scripted):
     row = script_row("multi", data_source="arith", reward_model={"ground_truth": 5})
-    output = external(
-        server,
-        tokenizer,
-        scripted,
-        "+custom_reward_function.by_data_source.arith=agentloop.tasks.arithmetic.reward.arithmetic_score",
-        function=f"{AGENTS}.scripted_openai",
-        row=row,
-    )
-    assert output.reward_score == 1.0 and output.reward_source == "reward_function"
+    reward = "+custom_reward_function.by_data_source.arith=agentloop.tasks.arithmetic.reward.arithmetic_score"
+    output = external(server, tokenizer, scripted, reward, function=f"{AGENTS}.scripted_openai", row=row)
+    # the loop leaves the reward to the worker's scoring step, handing it the program's final answer to score
+    assert output.reward_score is None and output.solution_str == SCRIPTS["multi"][-1]
+    score = asyncio.run(score_output(reward_settings(tool_config(scripted, reward)), tokenizer, row, output))
+    assert output.reward_score == 1.0 and score.reward_source == "reward_function"
 
 
 def test_an_external_agents_reward_function_gets_the_arguments_a_tool_loops_gets(server, tokenizer, scripted):
@@ -170,15 +167,18 @@ def test_an_external_agents_reward_function_gets_the_arguments_a_tool_loops_gets
         server, tokenizer, scripted, reward, function=f"{AGENTS}.scripted_openai", row=script_row("multi", **fields)
     )
     tool_output = run_loop(server, tokenizer, scripted, "multi", reward, **fields)
-    asyncio.run(
-        score_output(
-            reward_settings(tool_config(scripted, reward)), tokenizer, script_row("multi", **fields), tool_output
+    external_score, tool_score = (
+        asyncio.run(
+            score_output(
+                reward_settings(tool_config(scripted, reward)), tokenizer, script_row("multi", **fields), output
+            )
         )
+        for output in (external_output, tool_output)
     )
-    assert external_output.reward_source == tool_output.reward_source == "reward_function"
-    assert external_output.reward_extra_info == tool_output.reward_extra_info
-    assert external_output.reward_extra_info["extra_info"] == ["index", "num_turns", "rollout_reward_scores"]
-    assert external_output.reward_extra_info["ground_truth"] == 5
+    assert external_score.reward_source == tool_score.reward_source == "reward_function"
+    assert external_score.reward_extra_info == tool_score.reward_extra_info
+    assert external_score.reward_extra_info["extra_info"] == ["index", "num_turns", "rollout_reward_scores"]
+    assert external_score.reward_extra_info["ground_truth"] == 5
 
 
 def test_the_worker_makes_its_gateway_for_the_first_external_agent_and_stops_it_at_shutdown(server, scripted):

@@ -154,7 +154,6 @@ def test_images_in_each_api_are_recorded_with_the_segments_images(server, config
     assert output.reward_score == 1.0 and output.metrics["gateway_calls"] == 3, (
         output.end_reason,
         output.metrics,
-        output.failure,
     )
     first, second = output.all_segments()
     assert second.rewritten_by == "client"

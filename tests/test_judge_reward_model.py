@@ -102,13 +102,13 @@ def test_a_rewritten_trajectory_is_scored_on_its_whole_response(manager, reward_
     assert len(window.all_segments()) == 2
     judge = Judge.from_settings(manager.judge_settings, manager.judges.servers)
     with judge_session(judge, "rewritten"):
-        asyncio.run(score_output(manager.settings.rewards, policy_tokenizer, {"prompt": prompt}, window, judge))
+        score = asyncio.run(score_output(manager.settings.rewards, policy_tokenizer, {"prompt": prompt}, window, judge))
     tokenizer = AutoTokenizer.from_pretrained(reward_model_path)
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_path, dtype=torch.float32).eval()
     with torch.no_grad():
         ids = verl_reward_model_input(policy_tokenizer, tokenizer, prompt, appended.response_ids)
         expected = float(model(input_ids=torch.tensor([ids])).logits[0, 0])
-    assert window.reward_source == "reward_model" and window.reward_score == pytest.approx(expected, abs=1e-5)
+    assert score.reward_source == "reward_model" and window.reward_score == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_verl_job_with_a_reward_model_trains_on_its_scores(reward_model_path, model_path, tmp_path):

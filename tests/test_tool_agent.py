@@ -118,11 +118,11 @@ def test_reward_function_by_data_source(server, tokenizer, scripted):
     fields = {"data_source": "arith", "reward_model": {"ground_truth": "5"}}
     output = run_loop(server, tokenizer, scripted, "multi", reward, **fields)
     assert output.reward_score is None  # the loop leaves the reward to the worker's scoring step
-    asyncio.run(
+    score = asyncio.run(
         score_output(reward_settings(tool_config(scripted, reward)), tokenizer, script_row("multi", **fields), output)
     )
-    assert output.reward_score == 1.0 and output.reward_source == "reward_function"
-    assert output.reward_extra_info == {"score": 1.0, "answer_found": 1.0}
+    assert output.reward_score == 1.0 and score.reward_source == "reward_function"
+    assert score.reward_extra_info == {"score": 1.0, "answer_found": 1.0}
     assert output.extra_fields == {}  # the loop's own: the framework writes nothing there
 
 

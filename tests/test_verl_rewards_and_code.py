@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from agentloop.agent_loop import AgentLoopBase, DictConfigWrap
 from agentloop.preflight import check_job
-from agentloop.protocol import AgentLoopOutput, RewardParts
+from agentloop.protocol import AgentLoopOutput, RewardParts, SampleScore
 from agentloop.reward_score import default_compute_score, gsm8k, math_reward
 from agentloop.rewards import score_output
 from agentloop.settings import reward_settings
@@ -82,8 +82,8 @@ def tokenizer(model_path):
 
 
 def scored(config, tokenizer, row, output):
-    asyncio.run(score_output(reward_settings(config), tokenizer, row, output))
-    return output
+    """The output, scored, and the worker's record of its scoring (``SampleScore``)."""
+    return output, asyncio.run(score_output(reward_settings(config), tokenizer, row, output))
 
 
 def test_reward_rule_for_every_loop(tokenizer, tmp_path):
@@ -94,28 +94,31 @@ def test_reward_rule_for_every_loop(tokenizer, tmp_path):
         return AgentLoopOutput([1, 2], list(response), [1] * len(response), None, **fields)
 
     # a plain single-turn sample gets the built-in scorer for its data source, on the decoded response
-    plain = scored(small_config(), tokenizer, gsm8k_row, output())
-    assert (
-        plain.reward_score == 1.0
-        and plain.reward_extra_info == {"acc": 1.0}
-        and plain.reward_source == "reward_function"
-    )
+    plain, plain_score = scored(small_config(), tokenizer, gsm8k_row, output())
+    assert plain.reward_score == 1.0 and plain_score == SampleScore("reward_function", {"acc": 1.0})
+    # the scoring is the worker's record: the loop's output holds only what the loop produced
+    assert plain.reward_extra_info == {}
     # verl's loops may keep no log-probs; the record says so, and the loop's own extra_fields stay its own
     assert plain.rollout_log_probs_missing and plain.extra_fields == {}
     # a loop's own parts (here a tool's calc_reward) do not change a data-source reward; they are reported
-    with_tool = scored(small_config(), tokenizer, gsm8k_row, output(reward_parts=RewardParts(tools={"calc": 0.25})))
+    with_tool, _ = scored(small_config(), tokenizer, gsm8k_row, output(reward_parts=RewardParts(tools={"calc": 0.25})))
     assert with_tool.reward_score == 1.0 and with_tool.reward_parts.by_source() == {"tool/calc": 0.25}
     # without a reward function the parts add up; a loop that set its reward keeps it
     unknown = {"data_source": "mine"}
-    parts = scored(
+    parts, parts_score = scored(
         small_config(), tokenizer, unknown, output(reward_parts=RewardParts(tools={"a": 0.5}, interaction=1.0))
     )
-    assert parts.reward_score == 1.5 and parts.reward_source == "reward_parts"
+    assert parts.reward_score == 1.5 and parts_score.reward_source == "reward_parts"
     # a loop's own key in extra_fields is carried, never read as a reward part
-    own = scored(small_config(), tokenizer, unknown, output(extra_fields={"tool_rewards": {"a": 0.5}}))
-    assert own.reward_score is None and own.reward_source == "none" and own.extra_fields == {"tool_rewards": {"a": 0.5}}
-    assert scored(small_config(), tokenizer, gsm8k_row, output(reward_score=-2.0)).reward_score == -2.0
-    assert scored(small_config(), tokenizer, unknown, output()).reward_score is None
+    own, own_score = scored(small_config(), tokenizer, unknown, output(extra_fields={"tool_rewards": {"a": 0.5}}))
+    assert own.reward_score is None and own_score.reward_source == "none"
+    assert own.extra_fields == {"tool_rewards": {"a": 0.5}}
+    # a loop that scored the sample keeps its reward, and what it returned beside it is the sample's extra info
+    kept, kept_score = scored(
+        small_config(), tokenizer, gsm8k_row, output(reward_score=-2.0, reward_extra_info={"mine": 1.0})
+    )
+    assert kept.reward_score == -2.0 and kept_score == SampleScore("agent_loop", {"mine": 1.0})
+    assert scored(small_config(), tokenizer, unknown, output())[0].reward_score is None
 
     # verl's custom_reward_function.path / .name / .reward_kwargs, sync or async, for every data source
     (tmp_path / "my_reward.py").write_text(
@@ -135,9 +138,11 @@ def test_reward_rule_for_every_loop(tokenizer, tmp_path):
         "custom_reward_function.name=judge",
         "+custom_reward_function.reward_kwargs.scale=2.0",
     )
-    judged = scored(custom, tokenizer, gsm8k_row, output(num_turns=4, reward_parts=RewardParts(tools={"a": 0.5})))
+    judged, judged_score = scored(
+        custom, tokenizer, gsm8k_row, output(num_turns=4, reward_parts=RewardParts(tools={"a": 0.5}))
+    )
     assert judged.reward_score == 2.0 * len("#### 7")  # special tokens are skipped, as verl decodes
-    assert judged.reward_extra_info == {"score": 12.0, "turns": 4, "parts": {"tool/a": 0.5}, "index": 3}
+    assert judged_score.reward_extra_info == {"score": 12.0, "turns": 4, "parts": {"tool/a": 0.5}, "index": 3}
     # by_data_source wins over path
     routed = small_config(
         f"custom_reward_function.path={tmp_path / 'my_reward.py'}", "custom_reward_function.name=judge"
@@ -146,7 +151,7 @@ def test_reward_rule_for_every_loop(tokenizer, tmp_path):
         routed.custom_reward_function.by_data_source["openai/gsm8k"] = (
             "agentloop.tasks.arithmetic.reward.arithmetic_score"
         )
-    assert scored(routed, tokenizer, gsm8k_row, output()).reward_extra_info["answer_found"] == 1.0
+    assert scored(routed, tokenizer, gsm8k_row, output())[1].reward_extra_info["answer_found"] == 1.0
     bounded = small_config(
         f"custom_reward_function.path={tmp_path / 'my_reward.py'}",
         "custom_reward_function.name=slow",
@@ -174,11 +179,11 @@ def test_a_row_without_a_data_source_falls_to_the_next_rule(tokenizer, tmp_path,
         return AgentLoopOutput([1, 2], list(response), [1] * len(response), None, reward_parts=RewardParts(env=0.5))
 
     with_path = small_config(by_source, f"custom_reward_function.path={tmp_path / 'length_reward.py'}")
-    scored_by_path = scored(with_path, tokenizer, no_source, output())
-    assert scored_by_path.reward_source == "reward_function" and scored_by_path.reward_score == len("#### 7")
+    scored_by_path, by_path_score = scored(with_path, tokenizer, no_source, output())
+    assert by_path_score.reward_source == "reward_function" and scored_by_path.reward_score == len("#### 7")
     only_by_source = small_config(by_source)
-    by_parts = scored(only_by_source, tokenizer, no_source, output())
-    assert by_parts.reward_source == "reward_parts" and by_parts.reward_score == 0.5
+    by_parts, by_parts_score = scored(only_by_source, tokenizer, no_source, output())
+    assert by_parts_score.reward_source == "reward_parts" and by_parts.reward_score == 0.5
     with caplog.at_level(logging.WARNING, logger="agentloop.preflight"):
         check_job(only_by_source, {"train": [no_source]})
     assert "no reward function for data_source ['None']" in caplog.text

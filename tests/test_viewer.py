@@ -27,7 +27,15 @@ from agentloop.batch import RolloutBatch, object_array
 from agentloop.dumps import FORMAT, read_rollout_dump, write_rollout_dump
 from agentloop.policy_versions import VersionRuns
 from agentloop.postprocess import pad_outputs
-from agentloop.protocol import BATCH_FIELDS, AgentLoopOutput, Segment, ToolCallRecord, TurnRecord
+from agentloop.protocol import (
+    BATCH_FIELDS,
+    SCORE_FIELDS,
+    AgentLoopOutput,
+    SampleScore,
+    Segment,
+    ToolCallRecord,
+    TurnRecord,
+)
 from agentloop.rows import write_rows
 from agentloop.viewer.store import RunStore
 from tests.support.config import small_config
@@ -384,6 +392,7 @@ def pad_like_the_worker(rows: list[dict], outputs: list[AgentLoopOutput], pad_to
 
     non_tensor = {key: column([row.get(key) for row in rows]) for key in rows[0]}
     non_tensor.update({name: column([getattr(output, name) for output in outputs]) for name in BATCH_FIELDS})
+    non_tensor.update({name: column([getattr(SampleScore(), name)] * len(outputs)) for name in SCORE_FIELDS})
     non_tensor["generate_time_s"] = column([1.5] * len(outputs))
     non_tensor["policy_version"] = column([3] * len(outputs))
     non_tensor["rewritten_by"] = object_array(

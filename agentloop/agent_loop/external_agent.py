@@ -11,11 +11,11 @@ program runs against it:
   ``AGENTLOOP_ROW``; what it returns is the last line of its stdout, when that is a number.
 
 Its reward is what it returns; None (or no number) leaves it to the rule every sample is scored by
-(``agentloop.rewards.score_output``, with the same arguments), a reward function scoring the final assistant
-message. The program is bounded by ``rollout.agent.external.timeout_s`` and killed when it runs past it or the
-rollout stops; past the deadline, exiting non-zero, raising, or making no model call fails the sample (a command's
-stderr tail is kept in the failure). Once the session's token budget is spent the gateway refuses the
-next call and the trajectory ends with ``length`` (or ``context_length``), whatever the program does then.
+(``agentloop.rewards.score_output``, in the worker), a reward function scoring the final assistant message (the
+output's ``solution_str``). The program is bounded by ``rollout.agent.external.timeout_s`` and killed when it runs
+past it or the rollout stops; past the deadline, exiting non-zero, raising, or making no model call fails the
+sample (a command's stderr tail is kept in the failure). Once the session's token budget is spent the gateway
+refuses the next call and the trajectory ends with ``length`` (or ``context_length``), whatever the program does then.
 A registry entry may set ``function``, ``command``, ``timeout_s`` or ``max_tokens_per_call`` for its loop alone.
 """
 
@@ -35,8 +35,6 @@ from hydra.utils import get_method
 
 from agentloop.agent_loop.base import AgentLoopBase
 from agentloop.protocol import AgentLoopOutput, EndReason
-from agentloop.rewards import score_output
-from agentloop.settings import RewardSettings, reward_settings
 
 STDERR_TAIL_CHARS = 2000
 
@@ -85,14 +83,9 @@ class ExternalAgentLoop(AgentLoopBase):
         timeout_s: float | None = None,
         max_tokens_per_call: int | None = None,
         gateway: SessionGateway | None = None,
-        judge: Any = None,
-        rewards: RewardSettings | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        # the worker's judge (reward_model.enable) and reward functions, for the reward step every sample goes through
-        self.judge = judge
-        self.rewards = rewards if rewards is not None else reward_settings(self.config)
         self.gateway = gateway
         settings = self.rollout.agent.external
         self.function, self.command = function or settings.function, command or settings.command
@@ -188,11 +181,9 @@ class ExternalAgentLoop(AgentLoopBase):
                 "gateway_calls": float(session.calls),
             },
         )
-        if returned is not None:
-            output.reward_score = returned
-        else:  # the reward rule every loop's sample is scored by, on the program's final answer
-            final = session.conversation[-1].get("content") or ""
-            await score_output(self.rewards, self.tokenizer, row, output, self.judge, solution_str=final)
+        output.reward_score = returned
+        # what the reward rule every sample is scored by reads when the program returned no reward: its final answer
+        output.solution_str = session.conversation[-1].get("content") or ""
         return output
 
 

@@ -177,11 +177,10 @@ class VerifiersAgentLoop(ExternalAgentLoop):
         timeout_s: float | None = None,
         max_tokens_per_call: int | None = None,
         gateway: SessionGateway | None = None,
-        judge: Any = None,
         **kwargs: Any,
     ) -> None:
         AgentLoopBase.__init__(self, **kwargs)  # (ExternalAgentLoop's own asks for a program; the env is the program)
-        self.gateway, self.judge = gateway, judge  # the worker's: ExternalAgentLoop.run opens the session there
+        self.gateway = gateway  # the worker's: ExternalAgentLoop.run opens the session there
         settings = self.rollout.agent.external
         self.env_id, self.env_args = env_id, dict(env_args or {})
         self.timeout_s = float(timeout_s or settings.timeout_s)

@@ -4,7 +4,7 @@ environments and interactions (and, through its HTTP front, ``agentloop.judge.fr
 The worker hands its judge to the reward step and, through their loops, to environments and interactions; while a
 sample's loop and reward run (``judge_session``, for the sample's asyncio task), every call is recorded for the sample
 as a ``JudgeCall`` (what was asked, what came
-back, tokens, seconds, the error): the batch carries them (``AgentLoopOutput.judge_calls``), the ``judge/*`` metrics
+back, tokens, seconds, the error): the batch carries them (``SampleScore.judge_calls``), the ``judge/*`` metrics
 count them and the viewer shows them. A call that times out (``reward_model.timeout_s``), whose server fails, or
 whose reply cannot be read (``grade`` with a reader that raises ``JudgeUnparsable``) raises ``JudgeError`` with the
 judge's text: the sample fails (``rollout.max_failed_sample_ratio``), never the batch.

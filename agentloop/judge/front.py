@@ -4,7 +4,7 @@ go through the worker's ``Judge`` and are recorded as the calling sample's.
 verl gives a GenRM reward function the ``host:port`` of a router over the reward model's servers, and the function
 posts to ``f"http://{address}/v1/chat/completions"``. Here each sample being scored has an address of its own,
 ``127.0.0.1:PORT/samples/<token>``: the token says whose call it is, so every call is a ``JudgeCall`` of that sample
-(``AgentLoopOutput.judge_calls``, the ``judge/*`` metrics), and it goes through the judge's ``Router`` as
+(``SampleScore.judge_calls``, the ``judge/*`` metrics), and it goes through the judge's ``Router`` as
 ``judge.chat`` does (placed, probed and re-homed like the policy's turns). An address serves while its sample is
 scored; a call after that gets 404. The front starts on the worker's event loop the first time a reward function asks
 for an address, on the loopback interface: the function runs in the worker's process.
