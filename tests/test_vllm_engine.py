@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import time
+from typing import Any, Awaitable, Callable
 
 import pytest
 import requests
@@ -85,6 +86,17 @@ async def running_in_the_server(engine, request: asyncio.Task, timeout: float = 
     )
 
 
+def cut_short(scenario: Callable[[], Awaitable[Any]]) -> Any:
+    """``scenario()``'s output, run again (up to three times) while vLLM finished its long request before the cut
+    (an abort, a weight push) reached it: on a quiet machine 3,000 tokens of the tiny model take about a second, and
+    such a run tests nothing."""
+    for _ in range(3):
+        output = run(scenario())
+        if output.finish_reason != "length":
+            break
+    return output
+
+
 def assert_logprobs_match(model, prompt, output, temperature=1.0):
     reference = teacher_forced_logprobs(model, prompt, output.token_ids, temperature)
     assert torch.allclose(torch.tensor(output.log_probs), reference, atol=LOGPROB_TOLERANCE)
@@ -148,7 +160,7 @@ def test_abort_returns_partial_with_reason(engine):
         assert await engine.abort("long") == 1
         return await asyncio.wait_for(task, timeout=30)
 
-    output = run(scenario())
+    output = cut_short(scenario)
     assert output.finish_reason == "abort"
     assert 0 < len(output.token_ids) == len(output.log_probs) < 3000
     assert engine.num_in_flight == 0
@@ -169,7 +181,7 @@ def test_weights_update_with_requests_in_flight_and_from_disk(engine, model_path
         assert await engine.update_weights(perturbed) == len(perturbed)
         return await asyncio.wait_for(long, timeout=30)
 
-    interrupted = run(update_during_a_request())
+    interrupted = cut_short(update_during_a_request)
     assert interrupted.finish_reason == "interrupted"  # its tokens so far, for the router to continue
     assert 0 < len(interrupted.token_ids) == len(interrupted.log_probs) < 3000
     # the new weights serve, exactly: a continuation of the interrupted request included
