@@ -222,7 +222,7 @@ READS_SECTIONS = {
     "agentloop/worker.py": {"data"},  # verl's dataset_config for the loops
     "trainer/main_ppo.py": {"trainer"},  # the command
     "trainer/config_checks.py": {"actor_rollout_ref", "algorithm", "critic", "data", "trainer"},
-    "trainer/ray_trainer.py": {"actor_rollout_ref", "algorithm", "data", "trainer"},
+    "trainer/ray_trainer.py": {"actor_rollout_ref", "data", "trainer"},
     # builds the trainer's parts' settings (ranks, rollout correction, dynamic sampling, overlong, async)
     "trainer/settings.py": {
         "actor_rollout_ref",

@@ -3,7 +3,6 @@ here; and the FSDP rank count the checks use."""
 
 from __future__ import annotations
 
-import math
 import warnings
 
 from omegaconf import DictConfig
@@ -11,9 +10,15 @@ from omegaconf import DictConfig
 from agentloop.config import check_known_keys, config_keys
 from agentloop.config_keys import ALWAYS_ON
 from agentloop.settings import judge_settings, rollout_settings
-from trainer import algorithms
 from trainer.lora import LoraSettings
-from trainer.settings import RunSettings, async_settings, group_filter, rank_settings, rollout_correction
+from trainer.settings import (
+    AlgorithmSettings,
+    RunSettings,
+    async_settings,
+    group_filter,
+    rank_settings,
+    rollout_correction,
+)
 
 
 class IgnoredKeysWarning(UserWarning):
@@ -39,7 +44,7 @@ def check_config(config: DictConfig) -> None:
     rollout_correction(config)
     group_filter(config)
     async_settings(config)
-    _check_estimator(config.algorithm)
+    algorithm = AlgorithmSettings.from_config(config)
     _check_generation_batch(config)
     if not config.data.train_files:
         raise ValueError("data.train_files is empty: name one or more .parquet / .jsonl files")
@@ -49,16 +54,6 @@ def check_config(config: DictConfig) -> None:
         raise ValueError(
             f"train_batch_size x rollout.n = {samples} samples do not split over {ranks} ranks "
             "(trainer.n_gpus_per_node x trainer.nnodes)"
-        )
-    algorithm = config.algorithm
-    if algorithm.kl_penalty not in algorithms.KL_ESTIMATORS:
-        raise ValueError(f"algorithm.kl_penalty={algorithm.kl_penalty!r}; choose one of {algorithms.KL_ESTIMATORS}")
-    control = algorithm.kl_ctrl
-    if control.type not in ("fixed", "adaptive"):
-        raise ValueError(f"algorithm.kl_ctrl.type={control.type!r}; choose fixed or adaptive")
-    if control.type == "adaptive" and not (float(control.target_kl) > 0 and float(control.horizon) > 0):
-        raise ValueError(
-            f"algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0 (got {control.target_kl}, {control.horizon})"
         )
     if int(config.trainer.critic_warmup) > 0 and algorithm.adv_estimator != "gae":
         raise ValueError(
@@ -84,39 +79,6 @@ def _check_lora(config: DictConfig) -> None:
             f"actor_rollout_ref.rollout.weight_sync={sync}: with LoRA each push is the adapter alone (megabytes), sent "
             "through Ray's object store; set weight_sync=object_store, or lora_rank=0 to push full weights"
         )
-
-
-def _check_estimator(algorithm: DictConfig) -> None:
-    """``algorithm.adv_estimator`` and its settings."""
-    if algorithm.adv_estimator not in algorithms.ADV_ESTIMATORS:
-        raise ValueError(
-            f"algorithm.adv_estimator={algorithm.adv_estimator!r}; choose one of {algorithms.ADV_ESTIMATORS}"
-        )
-    normalize, gamma, step_weight = algorithm.turn_grpo.normalize, algorithm.gamma, algorithm.gigpo.step_weight
-    if normalize not in algorithms.TURN_NORMALIZATIONS:
-        raise ValueError(f"algorithm.turn_grpo.normalize={normalize!r}; choose one of {algorithms.TURN_NORMALIZATIONS}")
-    if not _is_number(gamma) or not 0 <= gamma <= 1:
-        raise ValueError(
-            f"algorithm.gamma={gamma!r} must be a number in [0, 1] (the discount per token for gae, per turn for "
-            "turn_grpo and gigpo)"
-        )
-    if not _is_number(step_weight) or not 0 <= step_weight < math.inf:
-        raise ValueError(
-            f"algorithm.gigpo.step_weight={step_weight!r} must be a number >= 0 (the weight of GiGPO's step-level "
-            "advantage)"
-        )
-    if algorithm.gigpo.episode_normalize not in algorithms.GIGPO_EPISODE_NORMALIZATIONS:
-        raise ValueError(
-            f"algorithm.gigpo.episode_normalize={algorithm.gigpo.episode_normalize!r}; choose one of "
-            f"{algorithms.GIGPO_EPISODE_NORMALIZATIONS}"
-        )
-    first_turns = algorithm.gigpo.first_turn_step_advantage
-    if not isinstance(first_turns, bool):
-        raise ValueError(f"algorithm.gigpo.first_turn_step_advantage={first_turns!r} must be true or false")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_generation_batch(config: DictConfig) -> None:

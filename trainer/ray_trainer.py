@@ -49,6 +49,7 @@ from trainer.rollout_correction import correct_batch, old_log_probs_in_update
 from trainer.rollout_dump import RolloutDumps
 from trainer.rollout_source import RolloutSource, StepShape, StreamedRollouts, SynchronousRollouts
 from trainer.settings import (
+    AlgorithmSettings,
     RunSettings,
     async_settings,
     group_filter,
@@ -103,7 +104,8 @@ class RayPPOTrainer:
         self.output_dir = Path(config.trainer.default_local_dir)
         self.run_settings = RunSettings.from_config(config)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.kl_coef = float(config.algorithm.kl_ctrl.kl_coef)  # moves with kl_ctrl.type=adaptive; checkpointed
+        self.algorithm = AlgorithmSettings.from_config(config)
+        self.kl_coef = self.algorithm.kl_ctrl.kl_coef  # moves with kl_ctrl.type=adaptive; checkpointed
         self.async_training, self.correction = async_settings(config).for_run(
             bool(config.actor_rollout_ref.rollout.free_cache_engine), rollout_correction(config)
         )
@@ -235,7 +237,7 @@ class RayPPOTrainer:
         rewards, scoring = self._score(plan, batch)
         metrics.update(scoring)
         metrics.update(self._advantages(rollout, batch, rewards))
-        if self.config.algorithm.overlong_filtering:  # after the advantages: the group statistics still count them
+        if self.algorithm.overlong_filtering:  # after the advantages: the group statistics still count them
             metrics.update(mask_length_ended(rollout, batch))
         metrics.update(self._update(plan, batch))
         timing = {"gen": waited_s, "train": time.perf_counter() - start - waited_s}  # train: scoring passes and updates
@@ -270,7 +272,7 @@ class RayPPOTrainer:
         elif trains_actor and old_log_probs_in_update(
             self.ranks.actor.update,
             self.ranks.samples_per_prompt,
-            bool(self.config.algorithm.use_kl_in_reward),
+            self.algorithm.use_kl_in_reward,
             self.correction,
             rollout.num_trajectories,
         ):
@@ -292,7 +294,7 @@ class RayPPOTrainer:
         if self.ranks.ref is not None:
             batch["ref_log_probs"] = torch.cat(self._on_ranks("compute_log_prob", batch, reference=True))
         rewards, metrics = batch["rm_scores"], {}
-        if self.config.algorithm.use_kl_in_reward:
+        if self.algorithm.use_kl_in_reward:
             penalty, metrics = self._kl_in_reward(batch)
             rewards = rewards - penalty
         # (bypass mode corrects on the ranks, against the current policy; an update that scores the old log-probs
@@ -304,18 +306,18 @@ class RayPPOTrainer:
     def _kl_in_reward(self, batch: TensorDict) -> tuple[torch.Tensor, dict[str, float]]:
         """``algorithm.kl_penalty`` of the old log-probs to the reference's, times the current coefficient (which
         then moves if ``kl_ctrl.type=adaptive``), and its metrics."""
-        algorithm, mask = self.config.algorithm, batch["response_mask"].float()
-        kl = algorithms.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], algorithm.kl_penalty) * mask
+        mask = batch["response_mask"].float()
+        kl = algorithms.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], self.algorithm.kl_penalty) * mask
         penalty = self.kl_coef * kl
         observed_kl = float(algorithms.masked_mean(kl, mask, dim=-1).mean())  # per sequence, then over the batch
         metrics = {"actor/reward_kl_penalty": observed_kl, "actor/reward_kl_penalty_coeff": self.kl_coef}
-        control = algorithm.kl_ctrl
+        control = self.algorithm.kl_ctrl
         if control.type == "adaptive":
             self.kl_coef = algorithms.adaptive_kl_coef(
                 self.kl_coef,
                 observed_kl,
-                float(control.target_kl),
-                float(control.horizon),
+                control.target_kl,
+                control.horizon,
                 len(trajectory_sizes(batch)),
             )
         return penalty, metrics
@@ -325,12 +327,8 @@ class RayPPOTrainer:
                 or, on the token rewards with each turn's own reward on its last model token (``turn_token_rewards``), GAE on
                 the critic's values (along each trajectory's segments), turn-level GRPO or GiGPO (one advantage per turn). Returns
         the critic's metrics (GAE)."""
-        algorithm, mask, segment_index = self.config.algorithm, batch["response_mask"].float(), batch["segment_index"]
-        estimator, gamma, by_std = (
-            algorithm.adv_estimator,
-            float(algorithm.gamma),
-            bool(algorithm.norm_adv_by_std_in_grpo),
-        )
+        algorithm, mask, segment_index = self.algorithm, batch["response_mask"].float(), batch["segment_index"]
+        estimator, gamma, by_std = algorithm.adv_estimator, algorithm.gamma, algorithm.norm_adv_by_std_in_grpo
         if estimator == "grpo":
             batch["advantages"], _ = algorithms.grpo_outcome_advantage(
                 rewards, mask, grpo_groups(rollout), by_std, segment_index=segment_index
@@ -340,7 +338,7 @@ class RayPPOTrainer:
         if estimator == "gae":
             batch["values"] = torch.cat(self._on_ranks("compute_values", batch))
             batch["advantages"], batch["returns"] = algorithms.gae_advantage_return(
-                rewards, batch["values"], mask, gamma, float(algorithm.lam), segment_index
+                rewards, batch["values"], mask, gamma, algorithm.lam, segment_index
             )
             return {
                 "critic/values/mean": float(algorithms.masked_mean(batch["values"], mask)),
@@ -353,31 +351,30 @@ class RayPPOTrainer:
                 mask,
                 grpo_groups(rollout),
                 gamma,
-                str(algorithm.turn_grpo.normalize),
+                algorithm.turn_normalize,
                 by_std,
                 segment_index=segment_index,
             )
         else:
-            gigpo = algorithm.gigpo
             batch["advantages"], _ = algorithms.gigpo_advantage(
                 rewards,
                 batch["turn_index"],
                 mask,
                 grpo_groups(rollout),
                 turn_states(rollout),
-                float(gigpo.step_weight),
+                algorithm.gigpo_step_weight,
                 gamma,
                 by_std,
                 segment_index=segment_index,
-                episode_normalize=str(gigpo.episode_normalize),
-                first_turn_step_advantage=bool(gigpo.first_turn_step_advantage),
+                episode_normalize=algorithm.gigpo_episode_normalize,
+                first_turn_step_advantage=algorithm.gigpo_first_turn_step_advantage,
             )
         return {}
 
     def _update(self, plan: StepPlan, batch: TensorDict) -> dict[str, float]:
         """The critic's update (GAE), then the policy's (from step ``critic_warmup`` on); their metrics."""
         metrics: dict[str, float] = {}
-        if self.config.algorithm.adv_estimator == "gae":
+        if self.algorithm.adv_estimator == "gae":
             metrics.update(_mean_over_ranks(self._on_ranks("update_critic", batch)))
         if plan.old_log_probs == "update":
             updates = self._on_ranks("update_policy_scoring_old", batch, correction=self.correction)

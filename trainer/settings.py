@@ -1,18 +1,20 @@
 """The trainer's own settings, read once from their sections of the composed config (``agentloop.settings``'s
 ``Section`` reader: a bad value is refused naming its full key and the fix): the run's bookkeeping (``RunSettings``),
-and the builders of each part's settings at the edge (the command, ``RayPPOTrainer``): the FSDP ranks'
+and the algorithm's (``AlgorithmSettings``), and the builders of each part's settings at the edge (the command, ``RayPPOTrainer``): the FSDP ranks'
 (``rank_settings``), the rollout correction, dynamic sampling, the overlong penalty and async training. Each part
 receives its own settings, never the composed config.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
 from agentloop.settings.reading import Section
 from agentloop.settings.server import ray_resources
+from trainer import algorithms
 from trainer.async_training import AsyncSettings
 from trainer.dynamic_sampling import GroupFilter
 from trainer.overlong import OverlongBuffer
@@ -62,6 +64,83 @@ class RunSettings:
     def from_config(cls, config: DictConfig) -> RunSettings:
         """Read from the composed config's ``trainer`` section (the command's edge)."""
         return cls.from_section(Section(config.get("trainer"), "trainer"))
+
+
+@dataclass(frozen=True)
+class KLControl:
+    """``algorithm.kl_ctrl``: the KL-in-reward coefficient, fixed or adaptive (toward ``target_kl`` over ``horizon``
+    samples)."""
+
+    type: str
+    kl_coef: float
+    target_kl: float
+    horizon: float
+
+    @classmethod
+    def from_section(cls, control: Section) -> KLControl:
+        """Read and check ``algorithm.kl_ctrl``."""
+        kind = control.str("type", ("fixed", "adaptive"))
+        target_kl, horizon = control.float("target_kl", default=0.0), control.float("horizon", default=0.0)
+        if kind == "adaptive" and not (target_kl > 0 and horizon > 0):
+            raise control.error(
+                "type", f"needs target_kl > 0 and horizon > 0 (got {target_kl:g}, {horizon:g})", "set both above 0"
+            )
+        return cls(kind, control.float("kl_coef", minimum=0.0), target_kl, horizon)
+
+
+@dataclass(frozen=True)
+class AlgorithmSettings:
+    """``algorithm.*`` as the trainer applies it: the advantage estimator and its settings (``gamma``/``lam`` for
+    GAE and the per-turn discount, GRPO's std normalisation, turn-level GRPO's and GiGPO's options), the KL penalty
+    in the reward and its controller, and whether length-ended samples leave the loss (``overlong_filtering``).
+    Rollout correction and dynamic sampling have settings of their own."""
+
+    adv_estimator: str
+    gamma: float
+    lam: float
+    norm_adv_by_std_in_grpo: bool
+    use_kl_in_reward: bool
+    kl_penalty: str
+    kl_ctrl: KLControl
+    overlong_filtering: bool
+    turn_normalize: str
+    gigpo_step_weight: float
+    gigpo_episode_normalize: str
+    gigpo_first_turn_step_advantage: bool
+
+    @classmethod
+    def from_section(cls, algorithm: Section) -> AlgorithmSettings:
+        """Read and check the ``algorithm`` section."""
+        for name in ("gamma", "lam"):
+            if not 0 <= algorithm.float(name) <= 1:
+                raise algorithm.error(
+                    name,
+                    "must be a number in [0, 1]",
+                    "set it between 0 and 1 (gamma: the discount per token for gae, per turn for turn_grpo and gigpo)",
+                )
+        gigpo = algorithm.sub("gigpo")
+        step_weight = gigpo.float("step_weight", minimum=0.0)
+        if math.isinf(step_weight):
+            raise gigpo.error("step_weight", "is infinite", "set it to a number >= 0")
+        return cls(
+            adv_estimator=algorithm.str("adv_estimator", algorithms.ADV_ESTIMATORS),
+            gamma=algorithm.float("gamma"),
+            lam=algorithm.float("lam"),
+            norm_adv_by_std_in_grpo=algorithm.bool("norm_adv_by_std_in_grpo"),
+            use_kl_in_reward=algorithm.bool("use_kl_in_reward"),
+            kl_penalty=algorithm.str("kl_penalty", algorithms.KL_ESTIMATORS),
+            kl_ctrl=KLControl.from_section(algorithm.sub("kl_ctrl")),
+            overlong_filtering=algorithm.bool("overlong_filtering"),
+            turn_normalize=algorithm.sub("turn_grpo").str("normalize", algorithms.TURN_NORMALIZATIONS),
+            gigpo_step_weight=step_weight,
+            gigpo_episode_normalize=gigpo.str("episode_normalize", algorithms.GIGPO_EPISODE_NORMALIZATIONS),
+            gigpo_first_turn_step_advantage=gigpo.bool("first_turn_step_advantage"),
+        )
+
+    @classmethod
+    def from_config(cls, config: DictConfig) -> AlgorithmSettings:
+        """Read from the composed config's ``algorithm`` section (the command's edge)."""
+        return cls.from_section(Section(config.algorithm, "algorithm"))
 
 
 def rank_settings(config: DictConfig) -> RankSettings:
