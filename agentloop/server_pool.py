@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
@@ -271,6 +272,9 @@ class ServerPool:
             "nccl" if self.bundle.get("GPU") else "gloo",
             self.settings.section,
             self.role,
+            name=f"agentloop-weights-{uuid.uuid4().hex[:8]}",  # a group SGLang failed to destroy never clashes
+            wire="tensors" if self.settings.name == "sglang" else "buckets",
+            members_per_server=self.settings.sglang.tensor_parallel_size if self.settings.name == "sglang" else 1,
         )
         sent = source.broadcast_weights.remote(group)
         refs = {rank: self.servers[rank].update_weights_collective.remote(group, self.version) for rank in ranks}

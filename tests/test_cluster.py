@@ -2,6 +2,8 @@
 both and the batch still comes back), and training on three nodes, each component placed on its own node by the custom
 resources the settings name."""
 
+import time
+
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -11,7 +13,8 @@ from agentloop.rows import write_rows
 from agentloop.tasks.arithmetic.data import make_rows
 from tests.support.config import small_config
 from tests.test_main_ppo import TOOL_RUN
-from tests.test_weight_sync import hf_greedy, served
+from tests.test_supervision import perturbed
+from tests.test_weight_sync import Source, hf_greedy, served
 from trainer.ray_trainer import RayPPOTrainer
 
 # one node per part of the job, each offering a resource of its own (as `ray start --resources` would)
@@ -138,3 +141,54 @@ def test_servers_spread_over_two_nodes(two_node_cluster):
         assert all(count > 0 for count in batch.meta_info["rollout/requests_per_server"])
     finally:
         manager.shutdown()
+
+
+def test_a_lost_node_moves_its_server_where_resources_allow_and_ends_the_run_where_none_do(tmp_path):
+    """Two nodes offer the servers' resource: the one holding the server is removed between pushes, the server comes
+    back on the other with the latest weights (a collective group of its own) and the next push reaches it; once no
+    node offers the resource, the next rollout fails within server_startup_timeout_s naming the bundle and what the
+    cluster has free."""
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    spare = [cluster.add_node(num_cpus=1, resources={"rollout_node": 1}) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    startup_timeout_s = 20
+    manager = AgentLoopManager(
+        small_config(
+            "+actor_rollout_ref.rollout.resources_per_server.rollout_node=1",
+            "actor_rollout_ref.rollout.weight_sync=collective",
+            "actor_rollout_ref.rollout.weight_sync_timeout_s=30",
+            f"actor_rollout_ref.rollout.server_startup_timeout_s={startup_timeout_s}",
+            "actor_rollout_ref.rollout.agent.num_workers=1",
+        )
+    )
+    model_path, rows = manager.config.actor_rollout_ref.model.path, [{"prompt": [{"role": "user", "content": "q"}]}]
+    try:
+        state = perturbed(model_path, 1)
+        manager.update_weights_collective(Source.remote(state), version=1)
+        [first] = [node for node in spare if node.node_id == manager.server_info()[0]["node_id"]]
+        cluster.remove_node(first)
+        assert len(manager.generate_sequences(rows)) == 1
+        [event] = manager.pool.events
+        assert (event.rank, event.kind) == (0, "restarted")
+        [survivor] = [node for node in spare if node is not first]
+        assert manager.server_info()[0]["node_id"] == survivor.node_id
+        assert served(manager) == [(hf_greedy(model_path, state), 1)]
+        state = perturbed(model_path, 2)
+        manager.update_weights_collective(Source.remote(state), version=2)
+        assert served(manager) == [(hf_greedy(model_path, state), 2)]
+
+        cluster.remove_node(survivor)
+        start = time.monotonic()
+        with pytest.raises(Exception) as failure:
+            manager.generate_sequences(rows)
+        elapsed = time.monotonic() - start
+        message = str(failure.value)
+        assert "the replacement of rollout server 0 to start" in message and "'rollout_node': 1.0" in message, message
+        assert "the cluster now offers" in message and elapsed < startup_timeout_s + 30, (elapsed, message)
+    finally:
+        manager.shutdown()
+        ray.shutdown()
+        cluster.shutdown()

@@ -3,19 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import ray
+
 from agentloop import AgentLoopManager
 from agentloop.server.adapters import PackedAdapter
 from agentloop.server.sglang_engine import ADAPTER_NAME, SGLangEngine, launch_args
-from agentloop.server.sglang_requests import build_generate_request, load_adapter_request, unload_adapter_request
+from agentloop.server.collective import WeightGroup, WeightReceiver, WeightSource
+from agentloop.server.sglang_requests import (
+    build_generate_request,
+    init_weights_group_request,
+    load_adapter_request,
+    unload_adapter_request,
+    weights_from_distributed_request,
+)
 from agentloop.settings import rollout_settings
 from tests.support.config import small_config
-from tests.support.sglang_contract import load_api_types, parse_lora_flags, route_request_fields
+from tests.support.sglang_contract import (
+    load_api_types,
+    parse_lora_flags,
+    route_request_fields,
+    run_sglang_group_member,
+)
 from tests.test_hf_engine import teacher_forced_logprobs
 from tests.test_lora import LORA, random_adapter
 
@@ -206,3 +221,69 @@ def test_launch_failure_reports_the_log_tail(tmp_path):
     # The sglang wheel here has no GPU dependencies, so its server dies at start-up: the error says so.
     with pytest.raises((RuntimeError, TimeoutError), match="log tail"):
         SGLangEngine(str(tmp_path), port=30555, startup_timeout_s=60)
+
+
+@pytest.mark.skipif(api_types is None, reason="sglang (installed with --no-deps) and msgspec are needed")
+def test_distributed_weight_requests_validate_against_the_wheel():
+    slots = [("model.embed_tokens.weight", "float32", (64, 16)), ("model.norm.weight", "bfloat16", (16,))]
+    for route, body in (
+        ("/init_weights_update_group", init_weights_group_request("10.0.0.1", 29500, 1, 3, "g", "nccl")),
+        ("/update_weights_from_distributed", weights_from_distributed_request(slots, "g", 7)),
+        ("/update_weights_from_distributed", weights_from_distributed_request(slots, "g", None)),
+        ("/destroy_weights_update_group", {"group_name": "g"}),
+    ):
+        required, optional = route_request_fields(route)
+        assert required <= body.keys() <= required | optional, (route, body.keys(), required, optional)
+
+
+@pytest.mark.skipif(api_types is None, reason="sglang (installed with --no-deps) and msgspec are needed")
+def test_sglangs_own_group_code_joins_our_push_and_receives_every_tensor(tmp_path):
+    # the wheel's init_custom_process_group (behind /init_weights_update_group) forms the group with our source over
+    # real gloo, and receives tensor by tensor as its /update_weights_from_distributed does
+    state = {"a": torch.randn(3, 5), "b": torch.randn(4).to(torch.bfloat16), "c": torch.arange(6).reshape(2, 3)}
+    source = WeightSource()
+    source.keep_weights(state)
+    _, port = source.open_weight_group(0, 30)
+    group = WeightGroup("127.0.0.1", port, (0,), 1 << 20, 30, name="agentloop-weights-test", wire="tensors")
+    gathered = threading.Thread(target=WeightReceiver(group, 0).gather)  # the server actor's part
+    gathered.start()
+    slots = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()]
+    member = run_sglang_group_member("127.0.0.1", port, 2, 1, group.name, slots, str(tmp_path / "received.pt"))
+    try:
+        sent = source.broadcast_weights(group)
+        assert member.wait(timeout=60) == 0, member.stderr.read()
+    finally:
+        member.kill()
+    gathered.join(timeout=30)
+    received = torch.load(tmp_path / "received.pt")
+    assert sent == sum(t.numel() * t.element_size() for t in state.values())
+    for name, tensor in state.items():
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor)
+
+
+def test_a_collective_push_reaches_sglang_through_its_distributed_routes(client, hf_manager, model_path):
+    # rollout.name=sglang attached to our hf server, which speaks SGLang's distributed routes: the server joins the
+    # push's gloo group over HTTP, receives tensor by tensor, and serves the pushed policy under its version
+    from tests.test_weight_sync import Source, hf_greedy
+    from tests.test_supervision import GREEDY, PROMPT as PROBE, perturbed
+
+    manager = AgentLoopManager(
+        small_config(
+            "actor_rollout_ref.rollout.name=sglang",
+            f"actor_rollout_ref.rollout.sglang.urls=[{hf_manager.server_addresses[0]}]",
+            "actor_rollout_ref.rollout.sglang.api_key=k",
+            "actor_rollout_ref.rollout.weight_sync=collective",
+            "actor_rollout_ref.rollout.weight_sync_timeout_s=60",
+            "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=0.05",
+        )
+    )
+    try:
+        state = perturbed(model_path, 4)
+        manager.update_weights_collective(Source.remote(state), version=6)
+        output = ray.get(hf_manager.servers[0].generate.remote(PROBE, GREEDY, "probe"), timeout=120)
+        assert (output.token_ids, output.policy_version) == (hf_greedy(model_path, state), 6)
+        served = asyncio.run(client.generate(PROBE, GREEDY, "through-sglang"))
+        assert served.token_ids == output.token_ids
+    finally:
+        manager.shutdown()
+        asyncio.run(client.update_weights_from_disk(model_path))  # the module's other tests expect the base model

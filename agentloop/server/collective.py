@@ -4,10 +4,12 @@ server loads as they arrive.
 
 The group is apart from the trainer's own: the source hosts a TCP store for it (``WeightSource.open_weight_group``)
 and every member builds a ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPUs) on that store directly, so the
-servers never touch the trainer's default group. It is made per push over the servers alive then, so a server that
-supervision replaced is in the next one. A bucket travels as raw bytes: tensors of any dtype share one, and each
-arrives in the dtype it left in. Every wait is bounded by ``weight_sync_timeout_s``; its error names the member and
-the setting.
+servers never touch the trainer's default group. Its keys lie in the store as those of a group that SGLang's
+``/init_weights_update_group`` forms (``group_store``), so an SGLang server joins it itself. It is made per push over
+the servers alive then, so a server that supervision replaced is in the next one. A bucket travels as raw bytes:
+tensors of any dtype share one, and each arrives in the dtype it left in; to SGLang, which receives tensor by tensor
+(``/update_weights_from_distributed``), each tensor of a bucket travels in a broadcast of its own
+(``WeightGroup.wire``). Every wait is bounded by ``weight_sync_timeout_s``; its error names the member and the setting.
 """
 
 from __future__ import annotations
@@ -43,14 +45,17 @@ class WeightGroup:
     backend: str = "gloo"
     section: str = "actor_rollout_ref.rollout"
     role: str = "rollout server"
+    name: str = "agentloop-weights"  # the group's name (SGLang's group_name): its keys' prefix in the store
+    wire: str = "buckets"  # "buckets": one broadcast of raw bytes per bucket; "tensors": one per tensor (SGLang)
+    members_per_server: int = 1  # an SGLang server's tensor-parallel ranks each join
 
     @property
     def world_size(self) -> int:
-        return len(self.ranks) + 1
+        return len(self.ranks) * self.members_per_server + 1
 
     def member(self, rank: int) -> int:
-        """Server ``rank``'s place in the group."""
-        return self.ranks.index(rank) + 1
+        """Server ``rank``'s (first) place in the group."""
+        return self.ranks.index(rank) * self.members_per_server + 1
 
     @property
     def device(self) -> str:
@@ -69,18 +74,47 @@ class WeightGroup:
 
     def process_group(self, store: dist.Store, member: int, who: str) -> dist.ProcessGroup:
         """This member's handle on the group (every member must call it; bounded by the timeout)."""
-        prefixed, timeout = dist.PrefixStore("weights", store), datetime.timedelta(seconds=self.timeout_s)
-        if self.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            return self.bounded(
-                who,
-                "joining the weight group",
-                lambda: dist.ProcessGroupNCCL(prefixed, member, self.world_size, options),
-            )
         return self.bounded(
-            who, "joining the weight group", lambda: dist.ProcessGroupGloo(prefixed, member, self.world_size, timeout)
+            who,
+            "joining the weight group",
+            lambda: form_group(store, self.name, self.backend, member, self.world_size, self.timeout_s),
         )
+
+
+def group_store(store: dist.Store, name: str, device: str) -> dist.Store:
+    """Where the group ``name`` keeps its keys in ``store``: as torch's ``_new_process_group_helper`` lays out a
+    group formed from a ``tcp://`` rendezvous and given a name, which is what SGLang's ``init_custom_process_group``
+    (behind ``/init_weights_update_group``) does: the name as the rendezvous's prefix, again as the group's, then the
+    device of the group's one backend (``cpu`` for gloo, ``cuda`` for NCCL). Members whose keys differ never meet."""
+    return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)))
+
+
+def form_group(
+    store: dist.Store, name: str, backend: str, member: int, world_size: int, timeout_s: float
+) -> dist.ProcessGroup:
+    """Member ``member``'s handle on the group ``name`` of ``world_size`` (blocks until all have come)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(group_store(store, name, "cuda"), member, world_size, options)
+    if backend != "gloo":
+        raise ValueError(f"weight group backend {backend!r}: use gloo (CPU) or nccl (GPUs)")
+    return dist.ProcessGroupGloo(group_store(store, name, "cpu"), member, world_size, timeout)
+
+
+def receive_tensors(
+    process_group: dist.ProcessGroup, slots: list[tuple[str, str, tuple[int, ...]]], device: str
+) -> dict[str, torch.Tensor]:
+    """A member's receipt of one broadcast per ``(name, dtype, shape)`` in order, from member 0 (SGLang's
+    ``/update_weights_from_distributed``: the source's ``wire="tensors"``); bounded by the group's timeout."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    received = {}
+    for name, dtype, shape in slots:
+        received[name] = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
+        process_group.broadcast([received[name]], options).wait()
+    return received
 
 
 @dataclass(frozen=True)
@@ -142,10 +176,17 @@ class WeightSource:
         _wait_for_servers(store, group)
         process_group, sent = group.process_group(store, 0, SOURCE), 0
         for index, (size, slots) in enumerate(plan := bucket_plan(manifest, group.bucket_bytes)):
+            what = f"sending bucket {index + 1}/{len(plan)}"
+            if group.wire == "tensors":
+                for slot in slots:
+                    tensor = state[slot.name].detach().contiguous().to(group.device)
+                    _broadcast(process_group, tensor, group, SOURCE, f"{what} ({slot.name})")
+                    sent += slot.nbytes
+                continue
             flat = torch.zeros(size, dtype=torch.uint8)
             for slot in slots:
                 flat[slot.offset : slot.offset + slot.nbytes] = state[slot.name].detach().reshape(-1).view(torch.uint8)
-            _broadcast(process_group, flat.to(group.device), group, SOURCE, f"sending bucket {index + 1}/{len(plan)}")
+            _broadcast(process_group, flat.to(group.device), group, SOURCE, what)
             sent += size
         return sent
 
@@ -201,10 +242,18 @@ class WeightReceiver:
     def __init__(self, group: WeightGroup, rank: int) -> None:
         self.group, self.rank, self.who = group, rank, f"{group.role} {rank}"
         self.process_group: dist.ProcessGroup | None = None
+        self.store: dist.Store | None = None
         self.manifest: Manifest = []
 
     def join(self) -> Manifest:
         """Reach the source's store, read what this push sends, and join the group."""
+        manifest = self.gather()
+        self.process_group = self.group.process_group(self.store, self.group.member(self.rank), self.who)
+        return manifest
+
+    def gather(self) -> Manifest:
+        """Reach the source's store and read what this push sends; the group is formed next, by ``join`` or by a
+        server that joins it itself (SGLang's ``/init_weights_update_group``)."""
         group, timeout = self.group, datetime.timedelta(seconds=self.group.timeout_s)
         store = group.bounded(
             self.who,
@@ -220,7 +269,7 @@ class WeightReceiver:
         self.manifest = pickle.loads(
             group.bounded(self.who, "reading the push's manifest", lambda: store.get("manifest"))
         )
-        self.process_group = group.process_group(store, group.member(self.rank), self.who)
+        self.store = store
         return self.manifest
 
     def buckets(self) -> Iterator[dict[str, torch.Tensor]]:

@@ -121,8 +121,13 @@ class RolloutServer:
     async def update_weights_collective(self, group: WeightGroup, version: int | None = None) -> int:
         """Join ``group`` (``rollout.weight_sync=collective``) and load the weights its source broadcasts, bucket by
         bucket as they arrive where the engine can (``update_weights_in_buckets``), else all at once; ``version`` as
-        for ``update_weights``. Returns how many tensors were updated."""
+        for ``update_weights``. An engine whose server joins the group itself (SGLang: ``update_weights_over_group``)
+        gets it once every member has reached the store. Returns how many tensors were updated."""
         receiver = WeightReceiver(group, self.rank)
+        if hasattr(self.engine, "update_weights_over_group"):
+            manifest = await asyncio.to_thread(receiver.gather)
+            async with self._weights_changing(version):
+                return await self.engine.update_weights_over_group(group, self.rank, manifest, version)
         manifest = await asyncio.to_thread(receiver.join)  # requests keep running while the members gather
         async with self._weights_changing(version):
             if hasattr(self.engine, "update_weights_in_buckets"):

@@ -16,6 +16,11 @@ that opened it), so a turn does not pay for a new connection.
 
 Request bodies and answers are in ``sglang_requests`` (images included).
 
+A collective push (``rollout.weight_sync=collective``) reaches SGLang through its own distributed update: the server
+joins the push's group (``/init_weights_update_group``), receives each bucket's tensors
+(``/update_weights_from_distributed``, one broadcast per tensor) and leaves the group
+(``/destroy_weights_update_group``), with generation paused; every call bounded by ``weight_sync_timeout_s``.
+
 LoRA runs push adapters: each is written in PEFT's format to ``rollout.sglang.weights_dir`` and loaded through
 ``/load_lora_adapter`` under one fixed name, the previous one unloaded first (``/unload_lora_adapter``), with
 generation paused; every request names it (``lora_path``). The fixed name matters: a request that reaches SGLang
@@ -43,15 +48,18 @@ from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
 from agentloop.server.sampling import finish_reason_of, id_list, validate_sampling_params
 from agentloop.server.adapters import PackedAdapter
+from agentloop.server.collective import Manifest, WeightGroup, bucket_plan
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess
 from agentloop.settings import ServerSettings
 from agentloop.server.sglang_requests import (
     build_generate_request,
     check_prompt_tokens,
+    init_weights_group_request,
     load_adapter_request,
     parse_generate_response,
     unload_adapter_request,
+    weights_from_distributed_request,
 )
 
 ADAPTER_NAME = "agentloop-policy"  # what each pushed LoRA adapter is loaded as (see the module's docstring)
@@ -302,18 +310,53 @@ class SGLangEngine:
                 shutil.rmtree(stale, ignore_errors=True)
         return len(adapter.scalings)
 
+    async def update_weights_over_group(
+        self, group: WeightGroup, rank: int, manifest: Manifest, version: int | None = None
+    ) -> int:
+        """Receive a collective push: the SGLang server joins ``group`` as server ``rank``'s members and takes each
+        bucket of ``manifest`` tensor by tensor as the source broadcasts it, between begin/end with generation paused
+        (as ``update_weights``), then leaves the group. Every call is bounded by the group's timeout."""
+        world, member = group.world_size, group.member(rank)
+        init = init_weights_group_request(group.address, group.port, member, world, group.name, group.backend)
+        async with self._weights_paused():
+            await self._within(group, "/init_weights_update_group", init)
+            try:
+                for _, slots in bucket_plan(manifest, group.bucket_bytes):
+                    entries = [(slot.name, slot.dtype, slot.shape) for slot in slots]
+                    body = weights_from_distributed_request(entries, group.name, version)
+                    await self._within(group, "/update_weights_from_distributed", body)
+            finally:  # a group that failed to form is unknown to SGLang: it answers 400
+                await self._post("/destroy_weights_update_group", {"group_name": group.name}, accept=(200, 400))
+        return len(manifest)
+
+    async def _within(self, group: WeightGroup, route: str, body: dict[str, Any]) -> Any:
+        """``route`` within the group's timeout (SGLang's own wait on the group is torch's default, many minutes)."""
+        try:
+            return await asyncio.wait_for(self._post(route, body), group.timeout_s + 5)
+        except asyncio.TimeoutError:
+            raise RuntimeError(
+                f"SGLang at {self.http_url}: {route} did not answer within {group.section}.weight_sync_timeout_s="
+                f"{group.timeout_s:g}s (+5): the server cannot reach the group's store at {group.address}:{group.port} "
+                f"({group.section}.weight_sync_master_addr / weight_sync_master_port), or a member is missing"
+            ) from None
+
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Load a checkpoint directory the server can read, between begin/end, then flush the cache (requests in
         flight end ``interrupted``, as with ``update_weights``)."""
         await self._update_paused("/update_weights_from_disk", {"model_path": model_path})
 
     async def _update_paused(self, route: str, body: dict[str, Any]) -> None:
-        """``route`` between ``/begin_weight_update`` and ``/end_weight_update`` with generation paused, then the
-        prefix cache flushed."""
+        async with self._weights_paused():
+            await self._post(route, body)
+
+    @contextlib.asynccontextmanager
+    async def _weights_paused(self) -> AsyncIterator[None]:
+        """Between ``/begin_weight_update`` and ``/end_weight_update`` with generation paused, then the prefix cache
+        flushed."""
         async with self._generation_paused():
             await self._post("/begin_weight_update", {})
             try:
-                await self._post(route, body)
+                yield
             finally:
                 await self._post("/end_weight_update", {})
             await self.flush_cache()

@@ -80,6 +80,38 @@ def unload_adapter_request(lora_name: str) -> dict[str, Any]:
     return {"lora_name": lora_name}
 
 
+def init_weights_group_request(
+    address: str, port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+) -> dict[str, Any]:
+    """SGLang ``/init_weights_update_group`` body: join the push's group, whose store is at ``address:port``, as its
+    members ``rank_offset`` and up (one per tensor-parallel rank)."""
+    return {
+        "master_address": address,
+        "master_port": port,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
+def weights_from_distributed_request(
+    slots: list[tuple[str, str, tuple[int, ...]]], group_name: str, version: int | None
+) -> dict[str, Any]:
+    """SGLang ``/update_weights_from_distributed`` body: receive one broadcast per ``(name, dtype, shape)`` of a
+    bucket, in order, and load them; the cache is flushed once the whole push is in (not per bucket)."""
+    body: dict[str, Any] = {
+        "names": [name for name, _, _ in slots],
+        "dtypes": [dtype for _, dtype, _ in slots],
+        "shapes": [list(shape) for _, _, shape in slots],
+        "group_name": group_name,
+        "flush_cache": False,
+    }
+    if version is not None:
+        body["weight_version"] = str(version)
+    return body
+
+
 def collapse_image_pads(ids: list[int], images: list[ProcessedImage], pad_id: int) -> list[int]:
     """``ids`` with each image's run of ``num_tokens`` pads replaced by one pad, as SGLang takes them
     (the inverse of ``agentloop.images.expand_image_pads``)."""

@@ -120,3 +120,38 @@ def parse_lora_flags(flags: list[str]) -> dict[str, Any]:
     if completed.returncode:
         raise ValueError(f"SGLang's parser refused {flags}: {completed.stderr[-2000:]}")
     return json.loads(completed.stdout)
+
+
+SGLANG_GROUP_MEMBER = """
+import ast, json, sys
+import torch
+import torch.distributed as dist
+common, address, port, world_size, rank, group_name, slots, out = sys.argv[1:]
+# SGLang's own init_custom_process_group, from the wheel's source (its module needs SGLang's GPU dependencies)
+tree = ast.parse(open(common).read())
+function = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "init_custom_process_group")
+namespace = {"torch_release": tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])}
+exec(compile(ast.Module([function], []), common, "exec"), namespace)
+# SGLang's scheduler has its default group before it joins a weight group (weight_updater asserts so)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+group = namespace["init_custom_process_group"](
+    backend="gloo", init_method=f"tcp://{address}:{port}", world_size=int(world_size), rank=int(rank),
+    group_name=group_name,
+)
+received = {}
+for name, dtype, shape in json.loads(slots):  # as weight_updater.receive_weights_from_distributed does
+    received[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+    dist.broadcast(received[name], src=0, group=group)
+torch.save(received, out)
+"""
+
+
+def run_sglang_group_member(
+    address: str, port: int, world_size: int, rank: int, group_name: str, slots: list, out: str
+) -> subprocess.Popen:
+    """A process that joins the weight group ``group_name`` with the installed wheel's own
+    ``init_custom_process_group`` (what ``/init_weights_update_group`` runs), receives one broadcast per
+    ``(name, dtype, shape)`` of ``slots`` as its ``/update_weights_from_distributed`` does, and saves them to ``out``."""
+    common = str(wheel_file("srt/utils/common.py"))
+    arguments = [common, address, str(port), str(world_size), str(rank), group_name, json.dumps(slots), out]
+    return subprocess.Popen([sys.executable, "-c", SGLANG_GROUP_MEMBER, *arguments], stderr=subprocess.PIPE, text=True)

@@ -31,6 +31,7 @@ from agentloop.images import ProcessedImage, expand_image_pads, load_image, proc
 from agentloop.policy_versions import VersionRuns
 from agentloop.protocol import TokenOutput
 from agentloop.server.adapters import PackedAdapter
+from agentloop.server.http.distributed import add_distributed_weight_routes
 from agentloop.server.sampling import SAMPLING_DEFAULTS
 from agentloop.server.weights import PackedWeights
 
@@ -256,6 +257,7 @@ def native_routes(
     add_admission_routes(router, server, admission)
     add_weight_and_memory_routes(router, server)
     add_adapter_routes(router, server, adapter)
+    add_distributed_weight_routes(router, server)
     return router
 
 
