@@ -35,18 +35,21 @@ def free_port() -> int:
 
 
 def start_node(flags: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    """``ray start --block`` in a session of its own (its raylet and helpers are its process group), once its log
-    says the node runs."""
-    node = subprocess.Popen(
+    """``ray start --block`` in a session of its own (its raylet and helpers are its process group)."""
+    return subprocess.Popen(
         [RAY, "start", "--block", "--node-ip-address=127.0.0.1", f"--dashboard-agent-listen-port={free_port()}",
          "--object-store-memory=100000000", *flags],
         env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while "Ray runtime started" not in log.read_text():
-        assert node.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.5)
-    return node
+
+
+def wait_until_started(nodes: list[tuple[subprocess.Popen, Path]]) -> None:
+    """Until each node's log says it runs (a failed start fails here with its log)."""
+    deadline = time.monotonic() + 90
+    for node, log in nodes:
+        while "Ray runtime started" not in log.read_text():
+            assert node.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
 
 
 def stop(nodes: list[subprocess.Popen]) -> None:
@@ -70,21 +73,24 @@ def with_group(node: subprocess.Popen, signum: int) -> None:
 
 
 def test_the_documented_recipe_trains_on_ray_start_nodes(tmp_path):
-    # a token of this cluster's own: Ray >= 2.5x starts a head with token authentication, and a node or job joins
-    # only with the head's token (docs/guides/multi-node.md)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    # a token of this cluster's own, in a file as examples/cluster/*.sh make it: Ray >= 2.5x starts a head with token
+    # authentication, and a node or a job joins only with the head's token (docs/guides/multi-node.md)
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
     # Ray's socket paths must stay under 107 bytes: a short directory of its own, not pytest's
     port, nodes, temp = free_port(), [], tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     try:
-        nodes.append(
-            start_node(
-                ["--head", f"--port={port}", f"--ray-client-server-port={free_port()}", "--include-dashboard=false",
-                 f"--temp-dir={temp}", "--num-cpus=1", '--resources={"trainer_node": 8}'],
-                env, tmp_path / "head.log",
-            )
+        head = start_node(
+            ["--head", f"--port={port}", f"--ray-client-server-port={free_port()}", "--include-dashboard=false",
+             f"--temp-dir={temp}", "--num-cpus=1", '--resources={"trainer_node": 8}'],
+            env, tmp_path / "head.log",
         )  # fmt: skip
-        for role in ("rollout_node", "agent_node"):
+        nodes.append(head)
+        wait_until_started([(head, tmp_path / "head.log")])
+        for role in ("rollout_node", "agent_node"):  # both at once
             flags = [
                 f"--address=127.0.0.1:{port}",
                 f"--temp-dir={temp}",
@@ -92,6 +98,9 @@ def test_the_documented_recipe_trains_on_ray_start_nodes(tmp_path):
                 f"--resources={json.dumps({role: 8})}",
             ]
             nodes.append(start_node(flags, env, tmp_path / f"{role}.log"))
+        wait_until_started(
+            [(node, tmp_path / f"{role}.log") for node, role in zip(nodes[1:], ("rollout_node", "agent_node"))]
+        )
         train = write_rows(make_rows(4), str(tmp_path / "train.jsonl"))
         command = [
             sys.executable, "-m", "trainer.main_ppo", *SMALL, *TOOL_RUN, f"data.train_files=[{train}]",
@@ -105,3 +114,15 @@ def test_the_documented_recipe_trains_on_ray_start_nodes(tmp_path):
     finally:
         stop(nodes)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_the_cluster_scripts_parse_and_run_the_tested_placement():
+    for script in ("start_ray_ssh.sh", "slurm_job.sbatch"):
+        path = REPO / "examples" / "cluster" / script
+        checked = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
+        assert checked.returncode == 0, (script, checked.stderr)
+        text = path.read_text()
+        for override in (PLACEMENT[0], PLACEMENT[1], PLACEMENT[3]):  # as the shell reads them: mappings quoted
+            key, value = override.split("=", 1)
+            assert f"{key}='{value}'" in text if "{" in value else override in text, (script, override)
+        assert "RAY_AUTH_MODE=token" in text and "RAY_AUTH_TOKEN_PATH" in text and "trainer.ray_address=" in text
