@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json as _json
 import statistics
 import time
 import urllib.parse
@@ -44,6 +43,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+import orjson
 import ray
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -78,7 +78,7 @@ class RawResponse:
             raise RuntimeError(f"HTTP {self.status}: {self.body[:200]!r}")
 
     def json(self) -> Any:
-        return _json.loads(self.body)
+        return orjson.loads(self.body)
 
 
 class RawClient:
@@ -96,7 +96,7 @@ class RawClient:
         if self.streams is None or self.streams[0].at_eof():  # (uvicorn closes a connection idle for 5 s)
             self.streams = await asyncio.open_connection(parts.hostname, parts.port)
         reader, writer = self.streams
-        body = _json.dumps(json).encode()
+        body = orjson.dumps(json)
         head = "".join(f"{key}: {value}\r\n" for key, value in headers.items())
         writer.write(
             f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n{head}Content-Type: application/json\r\n"
@@ -259,16 +259,21 @@ class WorkerPaths:
         self.paths: Paths | None = None
         gc.freeze()  # as AgentLoopWorker does
 
-    async def run(self, arm: str, tag: str, calls: int) -> int:
-        """This worker's sessions of ``calls`` calls each on ``arm`` ("direct" or "gateway"), checked; their calls."""
+    async def run(self, arm: str, tag: str, calls: int) -> tuple[int, float]:
+        """This worker's sessions of ``calls`` calls each on ``arm`` ("direct" or "through_gateway"): their calls, and
+        this process's CPU milliseconds in them."""
         if self.paths is None:
             self.paths = await paths(
                 self.servers, self.tokenizer, self.config, _params(self.args), self.share, self.args.client
             )
         self.paths.sessions.clear()
-        await concurrent(getattr(self.paths, arm), tag, self.share, calls)
+        _, cpu_ms = await concurrent(getattr(self.paths, arm), tag, self.share, calls)
+        return self.share * calls, cpu_ms * self.share * calls
+
+    def check(self) -> None:
+        """The last gateway run's sessions each recorded exactly its own conversation: called once the driver's clock
+        has stopped, so that the gateway arm's rate, like the direct one's, times the calls alone."""
         check_own_trajectories(self.tokenizer, self.paths.sessions)
-        return self.share * calls
 
 
 async def scaling(args: argparse.Namespace, servers: list[ray.actor.ActorHandle], config) -> list[tuple]:
@@ -280,10 +285,13 @@ async def scaling(args: argparse.Namespace, servers: list[ray.actor.ActorHandle]
         workers = [WorkerPaths.remote(servers, config, args, share) for share in shares]
         try:
 
-            async def rate(arm: str, tag: str, calls: int) -> float:
+            async def rate(arm: str, tag: str, calls: int) -> tuple[float, float]:
                 start = time.perf_counter()
                 done = await asyncio.gather(*(w.run.remote(arm, f"{tag}-w{k}", calls) for k, w in enumerate(workers)))
-                return sum(done) / (time.perf_counter() - start)
+                seconds = time.perf_counter() - start
+                await asyncio.gather(*(worker.check.remote() for worker in workers))
+                count = sum(calls for calls, _ in done)
+                return count / seconds, sum(cpu_ms for _, cpu_ms in done) / count
 
             await rate("direct", "warm-up-direct", 1), await rate("through_gateway", "warm-up-gateway", 1)
             runs = [
@@ -296,8 +304,10 @@ async def scaling(args: argparse.Namespace, servers: list[ray.actor.ActorHandle]
         finally:
             for worker in workers:
                 ray.kill(worker)
-        direct_rate, gateway_rate = (statistics.median(column) for column in zip(*runs))
-        rows.append((count, direct_rate, gateway_rate))
+        (direct_rate, direct_cpu), (gateway_rate, gateway_cpu) = (
+            [statistics.median(column) for column in zip(*arm)] for arm in zip(*runs)
+        )
+        rows.append((count, direct_rate, gateway_rate, direct_cpu, gateway_cpu))
     return rows
 
 
@@ -383,10 +393,11 @@ async def measure(args: argparse.Namespace, servers: list[ray.actor.ActorHandle]
         f"{len(both.sessions)} sessions' trajectories checked after each repeat: each exactly its own; "
         f"this process's CPU per call: (a) {direct_cpu:.2f} ms, (b) {gateway_cpu:.2f} ms (its client's included)"
     )
-    for count, direct_rate, gateway_rate in await scaling(args, servers, config):
+    for count, direct_rate, gateway_rate, direct_cpu, gateway_cpu in await scaling(args, servers, config):
         print(
             f"{args.sessions} sessions over {count} worker process(es): (a) direct {direct_rate:.1f} calls/s, "
-            f"(b) gateway {gateway_rate:.1f} calls/s, b/a {gateway_rate / direct_rate:.3f} (medians of {args.repeats})"
+            f"(b) gateway {gateway_rate:.1f} calls/s, b/a {gateway_rate / direct_rate:.3f} (medians of {args.repeats}); "
+            f"the workers' CPU per call: (a) {direct_cpu:.2f} ms, (b) {gateway_cpu:.2f} ms"
         )
 
 

@@ -194,6 +194,12 @@ def test_the_worker_makes_its_gateway_for_the_first_external_agent_and_stops_it_
         url = worker.gateway().url
         async with httpx.AsyncClient(timeout=10) as http:
             assert (await http.get(f"{url}/sessions/none/v1/models")).status_code == 404  # serving
+            unknown, wrong_method = (
+                await http.get(f"{url}/sessions/none/v1/nowhere"),
+                await http.get(f"{url}/sessions/none/v1/chat/completions"),
+            )
+            assert (unknown.status_code, unknown.json()["error"]["code"]) == (404, "not_found")
+            assert (wrong_method.status_code, wrong_method.json()["error"]["code"]) == (405, "method_not_allowed")
             worker.shutdown()
             for _ in range(100):  # uvicorn notices should_exit within a tick (0.1 s)
                 try:

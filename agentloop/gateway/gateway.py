@@ -21,21 +21,20 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import random
+import re
 import secrets
 import time
-import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any, AsyncIterator, TypeVar
 
 import orjson
 import uvicorn
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
 from agentloop.gateway import anthropic_api, responses_api
@@ -43,7 +42,6 @@ from agentloop.gateway.call import ChatCall, Reply
 from agentloop.gateway.session import Session, SessionLimits, SessionOver
 from agentloop.http_server import serve
 from agentloop.router import Router
-from agentloop.server.http.app import BodyLimit
 from agentloop.server.http.chat import ChatBody, completion_choice, template_messages, token_spelling
 from agentloop.settings import RolloutSettings
 from agentloop.tools.parsers import get_parser
@@ -54,6 +52,10 @@ from agentloop.tools.parsers import get_parser
 CLOSE_WAIT_S = 10.0
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
+
+# completion ids: unique, not secret (no system call per call, as uuid4's urandom is), and a generator of its own,
+# seeded once from the system: a worker that seeds ``random`` for its rollouts does not repeat another's ids
+_IDS = random.Random()
 
 
 class SessionChatBody(ChatBody):
@@ -170,26 +172,20 @@ class Gateway:
                     "after they were cancelled at its close: its trajectory cannot be taken as final"
                 )
 
-    def app(self) -> Starlette:
-        """The gateway's ASGI app: a bare Starlette app, whose routes take the request as it comes. FastAPI's parameter
-        and body handling (the JSON decoded to objects, then validated through its dependency machinery, cookies
-        parsed) cost as much again as the rest of a call's server side, and its middleware layers a few percent more;
-        a body is validated by ``_body``, straight from its bytes."""
+    def app(self) -> GatewayApp:
+        """The gateway's ASGI app (``GatewayApp``): its routes by the path after a session's ``/v1/``."""
+        return GatewayApp(
+            {
+                "models": ("GET", self._models),
+                "chat/completions": ("POST", self._chat_completions),
+                "messages": ("POST", self._messages),
+                "messages/count_tokens": ("POST", self._count_tokens),
+                "responses": ("POST", self._responses),
+            },
+            int(self.settings.max_body_bytes),
+        )
 
-        routes = [
-            Route(f"/sessions/{{sid}}/v1/{path}", route, methods=[method])
-            for path, route, method in (
-                ("models", self._models, "GET"),
-                ("chat/completions", self._chat_completions, "POST"),
-                ("messages", self._messages, "POST"),
-                ("messages/count_tokens", self._count_tokens, "POST"),
-                ("responses", self._responses, "POST"),
-            )
-        ]
-        limit = Middleware(BodyLimit, max_bytes=int(self.settings.max_body_bytes))
-        return Starlette(routes=routes, middleware=[limit], exception_handlers=_error_handlers())
-
-    async def _models(self, request: Request) -> Response:
+    async def _models(self, request: Request, body: bytes) -> Response:
         self._session(request)
         return _Json(
             {
@@ -198,8 +194,8 @@ class Gateway:
             }
         )
 
-    async def _chat_completions(self, request: Request) -> Response:
-        body = _body(SessionChatBody, await request.body())
+    async def _chat_completions(self, request: Request, raw: bytes) -> Response:
+        body = _body(SessionChatBody, raw)
         session = self._session(request)
         if body.n != 1:
             raise ValueError("only n=1 is supported: a session is one trajectory")
@@ -216,23 +212,23 @@ class Gateway:
             return StreamingResponse(_as_events(completion, include_usage), media_type="text/event-stream")
         return _Json(completion)
 
-    async def _messages(self, request: Request) -> Response:
-        body = _body(anthropic_api.MessagesBody, await request.body())
+    async def _messages(self, request: Request, raw: bytes) -> Response:
+        body = _body(anthropic_api.MessagesBody, raw)
         reply = await self._answer(self._session(request), anthropic_api.chat_call(body))
         message = anthropic_api.message(reply, body.model or self.model_name)
         if body.stream:
             return StreamingResponse(anthropic_api.events(message), media_type="text/event-stream")
         return _Json(message)
 
-    async def _count_tokens(self, request: Request) -> Response:
-        body = _body(anthropic_api.CountTokensBody, await request.body())
+    async def _count_tokens(self, request: Request, raw: bytes) -> Response:
+        body = _body(anthropic_api.CountTokensBody, raw)
         session = self._session(request)
         call = anthropic_api.chat_call(body)
         _check_images(session, call.messages)
         return _Json({"input_tokens": session.count(call.messages, call.tools, call.prefill)})
 
-    async def _responses(self, request: Request) -> Response:
-        body = _body(responses_api.ResponsesBody, await request.body())
+    async def _responses(self, request: Request, raw: bytes) -> Response:
+        body = _body(responses_api.ResponsesBody, raw)
         session = self._session(request)
         call = responses_api.chat_call(body, session.responses)
         reply = await self._answer(session, call)
@@ -343,7 +339,7 @@ def _body(model: type[BodyT], raw: bytes) -> BodyT:
 def _chat_completion(reply: Reply, model: str) -> dict[str, Any]:
     prompt_tokens, completion_tokens = reply.usage()
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "id": f"chatcmpl-{_IDS.getrandbits(128):032x}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
@@ -388,30 +384,77 @@ async def _as_events(completion: dict[str, Any], include_usage: bool) -> AsyncIt
     yield "data: [DONE]\n\n"
 
 
-def _error_handlers() -> dict[Any, Any]:
-    """Errors in the shape of the API the request came in: Anthropic's on its Messages routes, OpenAI's elsewhere. A
-    body that fails validation gets 400 naming the fields, as OpenAI's and Anthropic's APIs answer; a path or method
-    the gateway does not serve, its 404 or 405."""
+Handler = Callable[[Request, bytes], Awaitable[Response]]
 
-    async def gateway_error(request: Request, error: GatewayError) -> Response:
+# a session's routes: its id, then the route's path (a trailing slash allowed)
+_ROUTE = re.compile(r"/sessions/([^/]+)/v1/(.+?)/?")
+
+
+class GatewayApp:
+    """The gateway's ASGI app: a route by the path after a session's ``/v1/`` and its method (else 404 or 405), the
+    body read whole within ``max_bytes`` (declared in ``Content-Length`` or counted as a chunked body streams in: 413
+    past it), and errors in the shape of the API the request came in (``_error_response``). The handlers take the
+    request and its body and return Starlette responses. Not a Starlette app: at 64 sessions its middleware stack,
+    route matching and request wrapping were a fifth of the gateway's HTTP work in the worker's event loop."""
+
+    def __init__(self, routes: dict[str, tuple[str, Handler]], max_bytes: int) -> None:
+        self.routes, self.max_bytes = routes, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # (lifespan events are off, and no websocket is served)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await self._respond(request)
+        except ClientDisconnect:
+            return  # gone before its body arrived: nobody to answer
+        except Exception as error:
+            response = _error_response(request, error)
+        await response(scope, receive, send)
+
+    async def _respond(self, request: Request) -> Response:
+        route = _ROUTE.fullmatch(request.scope["path"])
+        method, handler = self.routes.get(route[2], ("", None)) if route else ("", None)
+        if handler is None:
+            return _error(request, 404, f"{request.method} {request.scope['path']}: Not Found", "not_found")
+        if request.method != method and not (method == "GET" and request.method == "HEAD"):
+            text = f"{request.method} {request.scope['path']}: Method Not Allowed"
+            return _error(request, 405, text, "method_not_allowed")
+        request.scope["path_params"] = {"sid": route[1]}
+        declared = request.headers.get("content-length")
+        if declared is not None and int(declared) > self.max_bytes:
+            return self._too_large()
+        chunks, size = [], 0
+        while True:  # (the server reads exactly the declared length; a chunked body is counted as it comes)
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return self._too_large()
+            if not message.get("more_body"):
+                return await handler(request, b"".join(chunks))
+
+    def _too_large(self) -> Response:
+        message = (
+            f"request body over the limit of {self.max_bytes} bytes (actor_rollout_ref.rollout.agent.gateway."
+            "max_body_bytes)"
+        )
+        return _Json({"error": {"message": message, "code": 413}}, status_code=413)
+
+
+def _error_response(request: Request, error: Exception) -> Response:
+    """An error in the shape of the API the request came in: Anthropic's on its Messages routes, OpenAI's elsewhere.
+    A body that fails validation gets 400 naming the fields, as OpenAI's and Anthropic's APIs answer; any other
+    ValueError 400 with its message. Anything else is re-raised (the server answers 500 and logs it)."""
+    if isinstance(error, GatewayError):
         return _error(request, error.status, str(error), error.code)
-
-    async def bad_request(request: Request, error: ValueError) -> Response:
-        return _error(request, 400, str(error), "invalid_request_error")
-
-    async def malformed(request: Request, error: RequestValidationError) -> Response:
+    if isinstance(error, RequestValidationError):
         return _error(request, 400, f"malformed request: {_named_fields(error)}", "invalid_request_error")
-
-    async def not_served(request: Request, error: HTTPException) -> Response:
-        code = "not_found" if error.status_code == 404 else "method_not_allowed"
-        return _error(request, error.status_code, f"{request.method} {request.url.path}: {error.detail}", code)
-
-    return {
-        GatewayError: gateway_error,
-        ValueError: bad_request,
-        RequestValidationError: malformed,
-        HTTPException: not_served,
-    }
+    if isinstance(error, ValueError):
+        return _error(request, 400, str(error), "invalid_request_error")
+    raise error
 
 
 class _Json(Response):
@@ -436,7 +479,7 @@ def _named_fields(error: RequestValidationError) -> str:
 
 
 def _error(request: Request, status: int, message: str, code: str) -> Response:
-    if request.url.path.endswith(("/v1/messages", "/v1/messages/count_tokens")):
+    if request.scope["path"].rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens")):
         return _Json(anthropic_api.error_body(status, message), status_code=status)
     kind = "invalid_request_error" if status < 500 else "server_error"
     return _Json({"error": {"message": message, "type": kind, "code": code}}, status_code=status)
