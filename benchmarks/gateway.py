@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import statistics
 import time
@@ -83,16 +84,16 @@ class RawResponse:
 
 class RawClient:
     """The least an HTTP/1.1 client can do (one keep-alive connection, opened again once the server has closed it, a
-    request written in one piece, a response read by its ``Content-Length``): with it the gateway arm measures the gateway, not ``httpx``'s per-call work,
-    which is the agent's (in its own process for a command) and at 64 sessions costs this process as much as the
-    gateway's whole server side."""
+    request written in one piece, a response read by its ``Content-Length`` within one timeout, JSON by orjson both
+    ways): with it the gateway arm measures the gateway, not ``httpx``'s per-call work, which is the agent's (in its
+    own process for a command) and at 64 sessions costs this process as much as the gateway's whole server side."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def post(self, url: str, headers: dict[str, str], json: Any) -> RawResponse:
-        parts = urllib.parse.urlsplit(url)
+        parts = _split(url)
         if self.streams is None or self.streams[0].at_eof():  # (uvicorn closes a connection idle for 5 s)
             self.streams = await asyncio.open_connection(parts.hostname, parts.port)
         reader, writer = self.streams
@@ -103,13 +104,19 @@ class RawClient:
             f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        lines = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout)).decode().split("\r\n")
-        fields = dict(line.lower().split(": ", 1) for line in lines[1:] if line)
-        return RawResponse(int(lines[0].split()[1]), await reader.readexactly(int(fields["content-length"])))
+        async with asyncio.timeout(self.timeout):  # (not wait_for: a task per call)
+            lines = (await reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")
+            fields = dict(line.lower().split(": ", 1) for line in lines[1:] if line)
+            return RawResponse(int(lines[0].split()[1]), await reader.readexactly(int(fields["content-length"])))
 
     async def aclose(self) -> None:
         if self.streams is not None:
             self.streams[1].close()
+
+
+@functools.lru_cache(maxsize=1024)
+def _split(url: str) -> urllib.parse.SplitResult:
+    return urllib.parse.urlsplit(url)
 
 
 class Paths:

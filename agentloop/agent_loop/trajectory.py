@@ -392,9 +392,14 @@ class Trajectory:
         """Its state now, for ``restore`` to go back to when a step must leave nothing (a gateway call cancelled or
         failed before its reply). Lists and dicts are copied, as they change in place; of the turn records only the
         last one is: a step changes no earlier one (it adds the observation answering the last turn, its calls'
-        results, and new turns), and copying every record at every step would cost more as the trajectory grows."""
+        results, and new turns), and copying every record at every step would cost more as the trajectory grows. That
+        one is copied as far as a step changes it (its calls' results, its counts), not deep: ``copy.deepcopy`` costs
+        several times as much, once per gateway call."""
         state = {name: value.copy() if isinstance(value, (list, dict)) else value for name, value in vars(self).items()}
-        state["turns"] = [*self.turns[:-1], copy.deepcopy(self.turns[-1])] if self.turns else []
+        if self.turns:
+            last = copy.copy(self.turns[-1])
+            last.calls, last.env_retries = [copy.copy(call) for call in last.calls], dict(last.env_retries)
+            state["turns"][-1] = last
         return state
 
     def restore(self, state: dict[str, Any]) -> None:

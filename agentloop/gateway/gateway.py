@@ -264,12 +264,13 @@ class Gateway:
             raise GatewayError(
                 404, f"no open session {_short(sid)} (unknown, or its agent finished)", "session_not_found"
             )
-        # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key
-        authorization = request.headers.get("authorization", "")
-        bearer = authorization.removeprefix("Bearer ") if authorization.startswith("Bearer ") else ""
+        # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key (read from the raw headers, whose
+        # names the server gives in lower case: no header mapping built per call)
+        key = session.api_key.encode()
         if not any(
-            hmac.compare_digest(sent.encode(), session.api_key.encode())
-            for sent in (bearer, request.headers.get("x-api-key", ""))
+            hmac.compare_digest(_sent_key(name, value), key)
+            for name, value in request.scope["headers"]
+            if name in (b"authorization", b"x-api-key")
         ):
             raise GatewayError(
                 401,
@@ -307,6 +308,13 @@ class Gateway:
                 choice = completion_choice(output, context, self.tokenizer, parse, self.spell)
                 session.replied(messages, _as_sent_back(choice["message"]), output, end, call.prefill)
         return Reply(choice, context)
+
+
+def _sent_key(name: bytes, value: bytes) -> bytes:
+    """The key a header sends: an ``x-api-key`` value, or an ``authorization`` value's bearer token (else nothing)."""
+    if name == b"x-api-key":
+        return value
+    return value[len(b"Bearer ") :] if value.startswith(b"Bearer ") else b""
 
 
 def _check_images(session: Session, messages: list[dict[str, Any]]) -> None:
