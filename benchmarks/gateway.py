@@ -52,6 +52,7 @@ from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.config import compose_config
 from agentloop.preparation import prepare
 from agentloop.gateway import Gateway, Session
+from agentloop.protocol import TokenOutput
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
 from agentloop.settings import rollout_settings
@@ -408,6 +409,43 @@ async def measure(args: argparse.Namespace, servers: list[ray.actor.ActorHandle]
         )
 
 
+class InstantRouter:
+    """The router's stand-in in ``--no-engine`` runs: every call answered at once (in the event loop's next turn, as
+    a router's answer comes) with the same tokens, so that what each arm costs this process is measured without the
+    engines competing for the cores."""
+
+    async def generate(
+        self, request_id: str, ids: list[int], params: dict[str, Any], image_data: Any = None
+    ) -> TokenOutput:
+        await asyncio.sleep(0)
+        count = params["max_new_tokens"]
+        return TokenOutput([1000 + k for k in range(count)], [-0.5] * count, "length")
+
+
+async def engine_free(args: argparse.Namespace, tokenizer, config) -> None:
+    """``--no-engine``: ``--sessions`` conversations of ``--session-calls`` calls at once on each arm over an
+    ``InstantRouter``, ``--repeats`` times interleaved: this process's CPU per call of each, and the difference (the
+    gateway's own cost, its client's included), steadier than calls/s on a machine shared with other jobs."""
+    router = InstantRouter()
+    gateway = Gateway(router, tokenizer, rollout_settings(config))
+    await gateway.start()
+    both = Paths(router, gateway, tokenizer, _params(args), args.sessions, args.client)
+    cpu: dict[str, list[float]] = {"direct": [], "through_gateway": []}
+    for repeat in range(-1, args.repeats):  # (the first, one call a session, opens the clients' connections)
+        for arm, runs in cpu.items():
+            both.sessions.clear()
+            calls = 1 if repeat < 0 else args.session_calls
+            cpu_ms = (await concurrent(getattr(both, arm), f"{arm}{repeat}", args.sessions, calls))[1]
+            runs += [] if repeat < 0 else [cpu_ms]
+        check_own_trajectories(tokenizer, both.sessions)
+    direct_cpu, gateway_cpu = (statistics.median(runs) for runs in cpu.values())
+    print(
+        f"no engine, {args.sessions} sessions x {args.session_calls} calls at once, {args.client} client, "
+        f"{args.repeats} repeats: this process's CPU per call (medians): (a) direct {direct_cpu:.3f} ms, "
+        f"(b) gateway {gateway_cpu:.3f} ms, b-a {gateway_cpu - direct_cpu:.3f} ms"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=100, help="timed calls per path, single-turn and multi-turn")
@@ -429,6 +467,11 @@ def main() -> None:
         default="httpx",
         help="the gateway arm's HTTP client: httpx (as the OpenAI SDK's), or raw (a minimal keep-alive HTTP/1.1 client)",
     )
+    parser.add_argument(
+        "--no-engine",
+        action="store_true",
+        help="only the CPU per call of both arms at --sessions at once, over a router that answers at once",
+    )
     args = parser.parse_args()
     config = compose_config(
         [
@@ -439,6 +482,10 @@ def main() -> None:
     )
     prepare(config)
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+    if args.no_engine:
+        gc.freeze()
+        asyncio.run(engine_free(args, tokenizer, config))
+        return
     # a cluster of its own, even when another job has left one as the current cluster
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     gc.freeze()  # as an agent-loop worker does once it is set up
