@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import gc
 import statistics
 import time
@@ -94,7 +93,7 @@ class RawClient:
         self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def post(self, url: str, headers: dict[str, str], json: Any) -> RawResponse:
-        parts = _split(url)
+        parts = urllib.parse.urlsplit(url)  # (cached by urllib)
         if self.streams is None or self.streams[0].at_eof():  # (uvicorn closes a connection idle for 5 s)
             self.streams = await asyncio.open_connection(parts.hostname, parts.port)
         reader, writer = self.streams
@@ -113,11 +112,6 @@ class RawClient:
     async def aclose(self) -> None:
         if self.streams is not None:
             self.streams[1].close()
-
-
-@functools.lru_cache(maxsize=1024)
-def _split(url: str) -> urllib.parse.SplitResult:
-    return urllib.parse.urlsplit(url)
 
 
 class Paths:

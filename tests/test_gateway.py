@@ -5,6 +5,7 @@ programs failing only their own sample."""
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import threading
 import time
@@ -21,6 +22,7 @@ from agentloop.agent_loop.external_agent import ExternalAgentLoop
 from agentloop.agent_loop.trajectory import observation_delta
 from agentloop.dumps import mask_runs
 from agentloop.gateway import Gateway
+from agentloop.gateway.session import _key
 from agentloop.postprocess import pad_outputs
 from agentloop.preflight import check_job
 from agentloop.rewards import score_output
@@ -461,3 +463,24 @@ def test_through_the_manager_each_failure_stays_its_own_and_the_ranks_rescore_ev
     assert "timeout_s=3s after 1 model call" in fields["failure"][3].error
     assert "exited with 3; stderr tail:\nboom" in fields["failure"][4].error
     assert fields["metrics"][0]["gateway_calls"] >= 1 and fields["end_reason"][2] in ("stop", "length")
+
+
+def test_a_message_sent_back_is_the_recorded_one_only_when_its_json_value_is():
+    # the key a call's messages are matched on (orjson, the standard library's where orjson writes null): key order
+    # and the fields clients drop from a reply do not count; a value's JSON type and NaN against null do
+    def same(sent: dict, recorded: dict) -> bool:
+        return _key(sent) == _key(recorded)
+
+    assert same({"content": "x", "role": "user"}, {"role": "user", "content": "x"})
+    assert same({"role": "assistant", "content": "a"}, {"role": "assistant", "content": "a", "reasoning_content": "r"})
+    assert same(
+        {"role": "tool", "content": "7", "extra": {"n": 2**70}}, {"role": "tool", "content": "7", "extra": {"n": 2**70}}
+    )
+    for sent, recorded in [(1, True), (1, 1.0), (math.nan, None), (math.inf, None), ("null", None), (None, [])]:
+        assert not same({"role": "user", "content": "x", "v": sent}, {"role": "user", "content": "x", "v": recorded})
+    assert same({"role": "user", "v": None, "w": [None]}, {"w": [None], "v": None, "role": "user"})
+    calls = [{"function": {"name": "f", "arguments": {"a": 1}}}]
+    assert not same(
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": True}}}]},
+    )
