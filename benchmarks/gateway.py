@@ -2,7 +2,7 @@
 through gateway sessions.
 
     python -m benchmarks.gateway [--calls 100] [--tokens 8] [--turns 5] [--sessions 64] [--session-calls 3] [--repeats 3]
-        [--client httpx|raw] [--workers 1 2 4]
+        [--client httpx|raw] [--workers 1 2 4] [--no-engine]
 
 One ``hf`` server on one CPU thread, the routers and the gateway in this process (as in an agent-loop worker), the
 tiny default model, every turn exactly ``--tokens`` new tokens (``ignore_eos``). (a) ``router.generate`` of the turn's
@@ -17,7 +17,7 @@ The overhead per call (target <= 5 ms): median (b) minus median (a), and the med
 carry the engine's noise, which on a shared machine is larger than the overhead. Without it: ``own``, (b) less the
 ``generate`` of the gateway's router within that call, split into the handler's work (``Gateway._complete`` less that
 ``generate``: rendering or delta, the reply decoded, the records) and HTTP (the call as the client times it less
-``Gateway._complete``: client, uvicorn, FastAPI, JSON both ways).
+``Gateway._complete``: client, uvicorn, the gateway's app, JSON both ways).
 
 Then ``--sessions`` conversations of ``--session-calls`` calls at once on two servers, through the gateway and
 directly through one router, ``--repeats`` times interleaved: calls/s of each (medians) and b/a, and this process's
@@ -28,7 +28,11 @@ tokens of another session). (a) includes no HTTP client; (b) includes its client
 
 Last, the scaling with ``rollout.agent.num_workers``: for each of ``--workers`` counts, the same sessions spread over
 that many worker processes (Ray actors, each with its own routers and gateway, its sessions' clients in it, as an
-in-process agent's are), both arms ``--repeats`` times interleaved, calls/s as the driver times the whole batch.
+in-process agent's are), both arms ``--repeats`` times interleaved, calls/s as the driver times the whole batch (the
+sessions' check after its clock stops), and the workers' CPU per call.
+
+``--no-engine``: only each arm's CPU per call at ``--sessions`` at once over a router that answers at once
+(``engine_free``).
 """
 
 from __future__ import annotations
