@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import statistics
 import time
 import urllib.parse
@@ -59,6 +58,7 @@ from agentloop.protocol import TokenOutput
 from agentloop.router import Router
 from agentloop.server.rollout_server import RolloutServer
 from agentloop.settings import rollout_settings
+from agentloop.worker import settle_collector
 
 THREADS = 1  # per server: two servers share the two cores with this process, which serves the gateway
 
@@ -263,7 +263,7 @@ class WorkerPaths:
         self.servers, self.config, self.args, self.share = servers, config, args, share
         self.tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         self.paths: Paths | None = None
-        gc.freeze()  # as AgentLoopWorker does
+        settle_collector()  # as AgentLoopWorker does
 
     async def run(self, arm: str, tag: str, calls: int) -> tuple[int, float]:
         """This worker's sessions of ``calls`` calls each on ``arm`` ("direct" or "through_gateway"): their calls, and
@@ -481,12 +481,12 @@ def main() -> None:
     prepare(config)
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
     if args.no_engine:
-        gc.freeze()
+        settle_collector()
         asyncio.run(engine_free(args, tokenizer, config))
         return
     # a cluster of its own, even when another job has left one as the current cluster
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    gc.freeze()  # as an agent-loop worker does once it is set up
+    settle_collector()  # as an agent-loop worker does once it is set up
     servers = [RolloutServer.remote(rollout_settings(config).servers, rank) for rank in range(2)]
     try:
         ray.get([server.__ray_ready__.remote() for server in servers], timeout=600)
