@@ -5,6 +5,8 @@ and the top of the heap is trimmed), so the next step's tensors of the same size
 again. On CPU that is a large share of a step: the engine's per-layer gathers in ``hf_varlen`` took 2-4x
 longer with it. Serving allocations up to glibc's 32 MiB ceiling from the heap and never trimming it
 keeps the pages for reuse; the process then holds on to its peak heap, as a caching allocator does.
+After a one-off peak (a model read whole before it is sharded, the whole model gathered for a push) that heap
+is gigabytes at real size: ``release_freed_memory`` hands its free pages back.
 """
 
 from __future__ import annotations
@@ -24,3 +26,14 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``), after a one-off peak that the next
+    steps will not reuse; False where the C library is not glibc."""
+    try:
+        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(malloc_trim(0))

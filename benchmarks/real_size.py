@@ -1,6 +1,6 @@
 """A model of real size on CPU: a Qwen3-0.6B-shaped policy trained with the quick start's loop.
 
-    python -m benchmarks.real_size [--steps 2] [--variants default,checkpointing,offload] [--model tiny]
+    python -m benchmarks.real_size [--steps 2] [--variants checkpointing,lora] [--layers 28] [--model tiny]
 
 The policy has Qwen3-0.6B's shape (28 layers 1024 wide, 16 query and 8 key-value heads of 128, MLP 3072, the
 151,936-token vocabulary, tied embeddings: 596M parameters) with random weights (no hub here) and the tiny model's
@@ -9,9 +9,11 @@ variant runs the arithmetic quick start (``--config-name arithmetic_grpo``: tool
 ``--steps`` steps on a simulated two-node Ray cluster, one FSDP rank on each node, one rollout server, and reports
 per rank the peak resident memory (the process's high-water mark), seconds per step and its parts, the weight push,
 and the size and seconds of one checkpoint (saved after the last step). Variants differ in the ranks' memory
-settings (gradient checkpointing; the optimizer state offloaded) or train LoRA adapters instead of the weights
-(``lora``: the size of each push is the adapter's). Absolute seconds vary with the machine's load:
-compare variants within one run.
+settings (gradient checkpointing; the optimizer state offloaded; bf16 compute, ``mixed``) or train LoRA adapters
+instead of the weights (``lora``: the size of each push is the adapter's). The default pair, full weights beside
+LoRA in one run, is issue 51's comparison. ``--layers`` keeps the widths and vocabulary at a smaller depth, for a
+machine whose memory does not hold full-weight training at 28 layers. Absolute seconds vary with the machine's
+load: compare variants within one run.
 """
 
 from __future__ import annotations
@@ -41,19 +43,25 @@ VARIANTS = {
         "actor_rollout_ref.model.enable_gradient_checkpointing=true",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
     ],
+    # bf16 compute in the ranks (FSDP2's MixedPrecisionPolicy), the weights and AdamW's state kept fp32
+    "mixed": [
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: bf16, reduce_dtype: fp32}",
+    ],
     # LoRA instead of full weights (docs/guides/lora.md): rank 16 on every linear layer
     "lora": ["actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32"],
 }
 
 
-def real_size_model_path() -> str:
-    """The Qwen3-0.6B-shaped model, built once into the agentloop cache (bf16 on disk, as Qwen3-0.6B ships)."""
+def real_size_model_path(layers: int = 28) -> str:
+    """The Qwen3-0.6B-shaped model, built once into the agentloop cache (bf16 on disk, as Qwen3-0.6B ships);
+    ``layers`` below 28: the same widths and vocabulary at that depth (14: 375M parameters)."""
     return scaled_tiny_model(
-        "qwen3-0.6b-shaped-v1",
+        "qwen3-0.6b-shaped-v1" if layers == 28 else f"qwen3-0.6b-shaped-{layers}-layers-v1",
         torch.bfloat16,
         hidden_size=1024,
         intermediate_size=3072,
-        num_hidden_layers=28,
+        num_hidden_layers=layers,
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=128,
@@ -95,12 +103,15 @@ def peak_rss_gb(actor: ray.actor.ActorHandle) -> float:
     return ray.get(actor.__ray_call__.remote(lambda _: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)) / 2**20
 
 
-def trained_mb(rank: ray.actor.ActorHandle) -> float:
-    """The size of what trains, and so of each push: every parameter, or the adapter only (global sizes of the
-    sharded parameters)."""
+def push_mb(rank: ray.actor.ActorHandle, served: torch.dtype) -> float:
+    """The size of each push: every parameter in the servers' dtype (each cast as it is gathered), or the adapter
+    only, as it trains (global sizes of the sharded parameters; a tied weight counted once)."""
 
     def size(worker: Any) -> int:
-        return sum(p.numel() * p.element_size() for p in worker.policy.model.parameters() if p.requires_grad)
+        trained = [p for p in worker.policy.model.parameters() if p.requires_grad]  # (unique parameters)
+        if worker.lora is not None:
+            return sum(p.numel() * p.element_size() for p in trained)
+        return sum(p.numel() for p in trained) * served.itemsize
 
     return ray.get(rank.__ray_call__.remote(size)) / 1e6
 
@@ -128,7 +139,7 @@ def run_variant(name: str, model_path: str, steps: int, output_dir: Path) -> dic
             save_s = time.perf_counter() - start
             peaks = [peak_rss_gb(rank) for rank in trainer.workers]
             server_peak = peak_rss_gb(trainer.manager.servers[0])
-            push_mb = trained_mb(trainer.workers[0])
+            pushed_mb = push_mb(trainer.workers[0], getattr(torch, config.actor_rollout_ref.rollout.dtype))
         finally:
             trainer.shutdown(60.0)
     finally:
@@ -141,7 +152,7 @@ def run_variant(name: str, model_path: str, steps: int, output_dir: Path) -> dic
         "server_peak_rss_gb": round(server_peak, 2),
         "startup_s": round(lines[0]["timing_s/startup"], 1),
         **{key.removeprefix("timing_s/") + "_s": round(value, 2) for key, value in median.items()},
-        "push_mb": round(push_mb, 1),
+        "push_mb": round(pushed_mb, 1),
         "checkpoint_gb": round(directory_gb(output_dir / f"global_step_{steps}"), 2),
         "checkpoint_s": round(save_s, 1),
     }
@@ -150,11 +161,12 @@ def run_variant(name: str, model_path: str, steps: int, output_dir: Path) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--variants", default="default,checkpointing,offload")
+    parser.add_argument("--variants", default="checkpointing,lora")
     parser.add_argument("--output", default="outputs/bench_real_size")
     parser.add_argument("--model", choices=("real", "tiny"), default="real", help="tiny: a quick run of this script")
+    parser.add_argument("--layers", type=int, default=28, help="the real model's depth (28: Qwen3-0.6B's)")
     args = parser.parse_args()
-    model_path = real_size_model_path() if args.model == "real" else tiny_model_path()
+    model_path = real_size_model_path(args.layers) if args.model == "real" else tiny_model_path()
     for name in args.variants.split(","):
         try:
             result = run_variant(name, model_path, args.steps, Path(args.output) / name)

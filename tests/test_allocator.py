@@ -42,3 +42,21 @@ def test_kept_memory_is_reused_without_page_faults():
     baseline, kept = page_faults("baseline"), page_faults("keep")
     assert baseline > 5 * pages_per_step  # the freed tensors went back to the kernel and faulted in again
     assert kept * 5 < baseline, (kept, baseline)
+
+
+RELEASE = """
+import psutil, torch
+from agentloop import allocator
+assert allocator.keep_freed_memory()
+process = psutil.Process()
+tensors = [torch.ones(1024 * 1024) for _ in range(64)]  # 4 MiB each, 256 MiB in all: on the kept heap
+del tensors
+kept = process.memory_info().rss
+assert allocator.release_freed_memory()
+print(kept - process.memory_info().rss)
+"""
+
+
+def test_released_memory_goes_back_to_the_kernel():
+    done = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120, check=True)
+    assert int(done.stdout.split()[-1]) > 200 * 2**20  # the freed 256 MiB left the process's resident memory

@@ -125,3 +125,14 @@ def test_update_scoring_its_own_old_log_probs_is_the_rescore_then_update_step(se
     for (metrics, _), expected in zip(updates, expected_metrics):
         assert metrics == pytest.approx(expected, rel=1e-4, abs=1e-6)
     assert all(torch.allclose(value, expected_weights[key], atol=1e-6) for key, value in weights().items())
+
+
+def test_a_push_in_the_servers_dtype_is_the_policy_cast_as_it_is_gathered(setup):
+    _, actors = setup
+    state, _ = ray.get([actor.full_state_dict.remote() for actor in actors], timeout=120)
+    packed, other = ray.get([actor.packed_state_dict.remote(torch.bfloat16) for actor in actors], timeout=120)
+    assert other is None
+    pushed = packed.tensors()
+    assert set(pushed) == set(state)  # (a tied output head included, as the float32 push has it)
+    for name, tensor in state.items():
+        assert pushed[name].dtype == torch.bfloat16 and torch.equal(pushed[name], tensor.to(torch.bfloat16)), name

@@ -25,6 +25,7 @@ from trainer.fsdp_workers import response_log_probs
 from trainer.trainable import Trainable
 from trainer.micro_batches import MicroBatching, balanced_groups, bins_needed
 from trainer.rank_settings import OptimSettings, UpdateSettings
+from trainer.settings import rank_settings
 
 PROMPT, RESPONSE = 8, 8
 # (prompt tokens, response tokens) per sample: unequal, so that splits differ in tokens and in samples
@@ -156,6 +157,44 @@ def test_ranks_checkpoint_offload_and_pack_log_prob_micro_batches_by_tokens(rank
         assert state["checkpointing"] is True
         assert (state["policy"], state["ref"]) == ("CPUOffloadPolicy", "CPUOffloadPolicy")
         assert state["parameters"] == "cpu" and state["optimizer"] == ["cpu"]
+
+
+def _scores_and_update(batch: TensorDict, *overrides: str) -> tuple[torch.Tensor, list[dict], set[str]]:
+    """Two fresh ranks on ``overrides``: their log-probs of ``batch`` (half each), one update's metrics, and the
+    dtypes of the policy's sharded parameters and AdamW state after it."""
+    ranks = two_ranks(small_config(*overrides))
+    workers = next(ranks)
+    try:
+        halves = (batch[:3], batch[3:])
+        scores = ray.get([worker.compute_log_prob.remote(half) for worker, half in zip(workers, halves)], timeout=120)
+        updates = ray.get([worker.update_policy.remote(half) for worker, half in zip(workers, halves)], timeout=120)
+
+        def dtypes(self) -> set[str]:
+            state = [v for s in self.policy.optimizer.state.values() for k, v in s.items() if k != "step"]
+            return {str(tensor.dtype) for tensor in [*self.policy.model.parameters(), *state]}
+
+        return torch.cat(scores), updates, ray.get(workers[0].__ray_call__.remote(dtypes), timeout=60)
+    finally:
+        next(ranks, None)
+
+
+def test_mixed_precision_computes_in_bf16_and_keeps_float32_weights_and_optimizer_state(local_ray):
+    batch = make_batch(LENGTHS)
+    mask = batch["response_mask"].bool()
+    exact, _, _ = _scores_and_update(batch)
+    mixed, updates, dtypes = _scores_and_update(
+        batch, "actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: bf16, reduce_dtype: fp32}"
+    )
+    gap = (mixed - exact)[mask].abs().max().item()
+    assert 1e-4 < gap < 0.25, f"bf16 compute is close to float32, and not float32 itself: {gap}"
+    assert all(update["actor/grad_norm"] > 0 for update in updates)
+    assert dtypes == {"torch.float32"}, "the shards and AdamW's moments stay float32"
+
+
+def test_mixed_precision_names_its_key_on_a_bad_dtype():
+    config = small_config("actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: bf8}")
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype='bf8'"):
+        rank_settings(config)
 
 
 def test_do_sample_false_decodes_greedily_and_multi_turn_enable_picks_tool_agent():

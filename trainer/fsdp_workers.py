@@ -25,10 +25,11 @@ import torch.nn.functional as F
 import torch.distributed.checkpoint as dcp
 from tensordict import TensorDict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoConfig, AutoModelForTokenClassification
 
-from agentloop.allocator import keep_freed_memory
+from agentloop.allocator import keep_freed_memory, release_freed_memory
 from agentloop.cluster import actor_resources
 from agentloop.models.loading import is_vision_language, model_class
 from agentloop.server.adapters import PackedAdapter
@@ -61,7 +62,7 @@ def response_log_probs(
     columns of right padding in every row, which the forward pass skips)."""
     responses = batch["responses"]
     width = held_response_columns(batch)
-    logits = forward_logits(model, batch)[:, -width - 1 : -1].float() / temperature
+    logits = forward_logits(model, batch, last=width + 1)[:, :-1].float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses[:, :width].unsqueeze(-1)).squeeze(-1)
     padding = (0, responses.shape[1] - width)
     return F.pad(log_probs, padding), F.pad(algorithms.entropy_from_logits(logits), padding)
@@ -323,14 +324,30 @@ class FSDPWorker(WeightSource):
         """
         return get_model_state_dict(self.policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def packed_state_dict(self) -> PackedWeights | PackedAdapter | None:
+    def packed_state_dict(self, dtype: torch.dtype | None = None) -> PackedWeights | PackedAdapter | None:
         """``full_state_dict`` ready for the push: rank 0's weights as raw bytes that Ray stores without
-        pickling them (None on the other ranks); with LoRA, the adapter only. A collective, like ``full_state_dict``."""
+        pickling them (None on the other ranks); with LoRA, the adapter only. A collective, like ``full_state_dict``.
+
+        ``dtype``: the servers' (``rollout.dtype``), each tensor cast to it as it is gathered: what a server would
+        load anyway, and in bf16 half the bytes to gather, store and read, the float32 model never whole on rank 0."""
         if self.lora is not None:
             adapter = lora.gather_adapter(self.policy.model)
             return lora.pack_adapter(self.policy.model, adapter) if self.rank == 0 else None
-        state = self.full_state_dict()
+        state = self.full_state_dict() if dtype in (None, torch.float32) else self._gathered_as(dtype)
         return PackedWeights.pack(state) if state else None
+
+    def _gathered_as(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """``full_state_dict`` cast to ``dtype`` tensor by tensor (a tied weight gathered once)."""
+        state: dict[str, torch.Tensor] = {}
+        gathered: dict[int, torch.Tensor | None] = {}  # by the sharded tensor's id: tied weights share it
+        for name, shard in get_model_state_dict(self.policy.model).items():
+            if id(shard) not in gathered:
+                whole = shard.full_tensor() if isinstance(shard, DTensor) else shard
+                gathered[id(shard)] = whole.to("cpu", dtype) if self.rank == 0 else None  # (the others keep none)
+            if self.rank == 0:
+                state[name] = gathered[id(shard)]
+        release_freed_memory()  # the float32 layers gathered one by one (see agentloop.allocator)
+        return state
 
     def keep_for_push(self) -> None:
         """Gather the policy and keep it on rank 0 for ``broadcast_weights`` (``rollout.weight_sync=collective``). A
@@ -470,7 +487,8 @@ def push_weights(
         saved = [worker.save_for_push.remote(sync.dir, version) for worker in workers]
         manager.update_weights_from_disk(wait_for(saved, timeout_s, "the weights written for the push")[0], version)
         return
-    refs = [worker.packed_state_dict.remote() for worker in workers]
+    dtype = getattr(torch, manager.settings.servers.dtype, None)  # (an engine's "auto" casts nothing here)
+    refs = [worker.packed_state_dict.remote(dtype if isinstance(dtype, torch.dtype) else None) for worker in workers]
     # every rank first (a failed rank surfaces as itself), without fetching rank 0's weights here
     _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
     if pending:

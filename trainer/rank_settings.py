@@ -42,10 +42,15 @@ class ModelSettings:
 @dataclass(frozen=True)
 class FSDPSettings:
     """``fsdp_config``: the parameters in CPU memory (``param_offload`` or ``offload_policy``: FSDP2's
-    ``CPUOffloadPolicy``), or only the optimizer state between updates (``optimizer_offload``)."""
+    ``CPUOffloadPolicy``), or only the optimizer state between updates (``optimizer_offload``); and verl's
+    ``mixed_precision`` (FSDP2's ``MixedPrecisionPolicy``): the forward and backward passes run on parameters
+    gathered in ``param_dtype`` (torch's name; None: float32 throughout) and gradients are reduced in
+    ``reduce_dtype``, while the sharded parameters and the optimizer state stay float32."""
 
     param_offload: bool = False
     optimizer_offload: bool = False
+    param_dtype: str | None = None
+    reduce_dtype: str = "float32"
 
     @classmethod
     def from_section(cls, fsdp: Section) -> FSDPSettings:
@@ -54,7 +59,30 @@ class FSDPSettings:
         def flag(name: str) -> bool:
             return fsdp.raw(name) is not None and fsdp.bool(name)
 
-        return cls(flag("param_offload") or flag("offload_policy"), flag("optimizer_offload"))
+        offload = (flag("param_offload") or flag("offload_policy"), flag("optimizer_offload"))
+        if fsdp.raw("mixed_precision") is None:
+            return cls(*offload)
+        fsdp.mapping("mixed_precision")  # ({}: verl's defaults, bf16 parameters and fp32 reductions)
+        precision = fsdp.sub("mixed_precision")
+        # FSDP2 casts no buffers (verl's buffer_dtype): they stay as loaded, float32
+        if _precision(precision, "buffer_dtype", "fp32") != "float32":
+            raise precision.error("buffer_dtype", "is not supported: FSDP2 keeps buffers in float32", "remove it")
+        return cls(
+            *offload, _precision(precision, "param_dtype", "bf16"), _precision(precision, "reduce_dtype", "fp32")
+        )
+
+
+# verl's precision names (verl.utils.torch_dtypes.PrecisionType) and torch's, as torch names them
+PRECISIONS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16"}
+PRECISIONS |= {"float16": "float16", "float32": "float32", "16": "float16", "32": "float32"}
+
+
+def _precision(section: Section, name: str, default: str) -> str:
+    """A dtype of ``mixed_precision`` (verl's spelling or torch's), as torch names it."""
+    value = str(section.raw(name, default))
+    if value not in PRECISIONS:
+        raise section.error(name, "is not a floating-point precision", "use bf16, fp16 or fp32")
+    return PRECISIONS[value]
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import AutoConfig
 
+from agentloop.allocator import release_freed_memory
 from trainer.rank_settings import FSDPSettings
 
 
@@ -56,9 +57,13 @@ def load_sharded(
     offload = fsdp.param_offload
     # pinned host memory speeds the copies to the GPU; it needs CUDA
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
+    precision = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, fsdp.param_dtype) if fsdp.param_dtype else None,
+        reduce_dtype=getattr(torch, fsdp.reduce_dtype) if fsdp.param_dtype else None,
+    )
     for layer in _blocks(model):
-        fully_shard(layer, mesh=mesh, offload_policy=policy)
-    model = fully_shard(model, mesh=mesh, offload_policy=policy)
+        fully_shard(layer, mesh=mesh, offload_policy=policy, mp_policy=precision)
+    model = fully_shard(model, mesh=mesh, offload_policy=policy, mp_policy=precision)
     if not first:
         model.to_empty(device="cpu" if offload else mesh.device_type)
         if offload:  # fully_shard keeps buffers on the compute device, offloading only the sharded parameters
@@ -69,6 +74,8 @@ def load_sharded(
     set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for buffer in model.buffers():  # not sharded, and some not in the state dict (rotary frequencies)
         dist.broadcast(buffer, src=dist.get_global_rank(mesh.get_group(), 0), group=mesh.get_group())
+    del whole
+    release_freed_memory()  # the first rank's whole model, read and freed (see agentloop.allocator)
     return model
 
 

@@ -9,6 +9,7 @@ from tensordict import TensorDict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from transformers import get_scheduler
 
+from agentloop.allocator import release_freed_memory
 from trainer.micro_batches import is_stand_in, micro_batch_weight, split_trajectories
 from trainer.rank_settings import OptimSettings, UpdateSettings
 from trainer.sharding import clip_grad_norm, move_optimizer_state
@@ -88,6 +89,9 @@ class Trainable:
             _accumulate(metrics, {f"{self.role}/grad_norm": grad_norm}, len(mini_batches))
         self.scheduler.step()
         self._optimizer_state_to("cpu")
+        # the activations and gradients, freed: not kept in this process while the servers generate (at 0.6B
+        # parameters gigabytes per rank; see agentloop.allocator)
+        release_freed_memory()
         return {**metrics, f"{self.role}/lr": lr}
 
     def _optimizer_state_to(self, device: Any) -> None:
