@@ -18,11 +18,18 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (mall
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # the largest value glibc accepts on 64-bit machines
 
 
+def _glibc_function(name: str) -> ctypes._CFuncPtr | None:
+    """``name`` from the C library, None where the library is not glibc (musl has neither function)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Ask glibc to keep freed memory for reuse (see the module); False where the C library is not glibc."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc_function("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
@@ -31,9 +38,8 @@ def keep_freed_memory() -> bool:
 def release_freed_memory() -> bool:
     """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``), after a one-off peak that the next
     steps will not reuse; False where the C library is not glibc."""
-    try:
-        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    malloc_trim = _glibc_function("malloc_trim")
+    if malloc_trim is None:
         return False
     malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     return bool(malloc_trim(0))
