@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from agentloop.config import check_known_keys, config_keys
 from agentloop.config_keys import ALWAYS_ON
 from agentloop.settings import judge_settings, rollout_settings
+from agentloop.settings.adapters import ENGINES_WITH_SEVERAL
 from trainer.lora import LoraSettings
 from trainer.settings import (
     AlgorithmSettings,
@@ -73,8 +74,17 @@ def check_config(config: DictConfig) -> None:
 def _check_lora(config: DictConfig) -> None:
     """LoRA's keys (``trainer.lora``); every engine takes adapter pushes (``Engine.update_adapter``). The model's own
     fit is checked once it is built (``check_model``)."""
+    settings = LoraSettings.from_config(config)
+    engine = config.actor_rollout_ref.rollout.name
+    if settings.several and engine not in ENGINES_WITH_SEVERAL:
+        raise ValueError(
+            f"actor_rollout_ref.model.lora_adapters names {len(settings.named)} adapters, and "
+            f"actor_rollout_ref.rollout.name={engine} serves one at a time (hf merges its adapter into its weights); "
+            f"several adapters need an engine that serves them side by side: set rollout.name to one of "
+            f"{list(ENGINES_WITH_SEVERAL)}, or keep one adapter"
+        )
     sync = config.actor_rollout_ref.rollout.get("weight_sync", "object_store")
-    if LoraSettings.from_config(config).enabled and sync != "object_store":
+    if settings.enabled and sync != "object_store":
         raise ValueError(
             f"actor_rollout_ref.rollout.weight_sync={sync}: with LoRA each push is the adapter alone (megabytes), sent "
             "through Ray's object store; set weight_sync=object_store, or lora_rank=0 to push full weights"
