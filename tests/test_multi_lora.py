@@ -15,6 +15,8 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from transformers import AutoModelForCausalLM
 
 from agentloop.preflight import check_job
+from agentloop.rows import write_rows
+from agentloop.tasks.arithmetic.data import make_rows
 from agentloop.server.adapters import PackedAdapter
 from agentloop.server.sglang_engine import ADAPTER_NAME, launch_args
 from agentloop.server.sglang_requests import build_generate_request
@@ -27,6 +29,7 @@ from trainer import algorithms
 from trainer.config_checks import check_config
 from trainer.fsdp_workers import push_weights, response_log_probs
 from trainer.lora import LoraSettings, adapter_indices
+from trainer.main_ppo import run
 from trainer.micro_batches import split_trajectories, trajectory_sizes
 
 LR, KL_COEF = 1e-2, 0.1
@@ -54,6 +57,40 @@ def adapters_override(judge_path: str) -> str:
         "actor_rollout_ref.model.lora_adapters="
         f"[{{name:solver}},{{name:checker}},{{name:judge,path:'{judge_path}',trainable:false}}]"
     )
+
+
+def test_a_training_run_trains_each_agents_adapter_and_checkpoints_them(local_ray, model_path, tmp_path):
+    """The trainer's own loop: the adapters pushed before the first rollout, each row's adapter read from the batch,
+    the agent's adapter trained and the other left as it was, a PEFT folder per adapter in the checkpoint."""
+    from tests.test_vllm_engine import vllm_overrides
+
+    train = write_rows(make_rows(4), str(tmp_path / "train.jsonl"))
+    roles = {
+        "tool_agent": "checker"
+    }  # (the arithmetic rows' loop, here single-turn, its samples on the second adapter)
+    history = run(
+        small_config(
+            *vllm_overrides(),
+            "actor_rollout_ref.model.lora_rank=4",
+            "actor_rollout_ref.model.lora_adapters=[{name:solver},{name:checker}]",
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={agent_file(tmp_path, roles)}",
+            f"data.train_files=[{train}]",
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.optim.lr=1e-2",
+            # the tiny model's rewards are all alike (no advantage): the entropy bonus makes a gradient regardless
+            "actor_rollout_ref.actor.entropy_coeff=0.1",
+            "trainer.total_training_steps=1",
+            "trainer.save_freq=1",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        )
+    )
+    assert history[-1]["actor/grad_norm/checker"] > 0 and history[-1]["actor/grad_norm/solver"] == 0
+    saved = tmp_path / "run" / "global_step_1" / "actor" / "lora_adapter"
+    factors = {name: PackedAdapter.load(saved / name).weights.tensors() for name in ("solver", "checker")}
+    ups = {name: [value for key, value in tensors.items() if "lora_B" in key] for name, tensors in factors.items()}
+    assert all(not value.any() for value in ups["solver"])  # as it was made: lora_B at zero
+    assert any(value.any() for value in ups["checker"])
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +285,10 @@ def test_bad_multi_adapter_settings_fail_before_any_server_starts_naming_the_key
         check_config(small_config(*base, "actor_rollout_ref.model.lora_adapters=[{name:a},{name:b,rnk:2}]"))
     with pytest.raises(ValueError, match=r"model.lora_adapters=.*has no trainable adapter"):
         check_config(small_config(*base, "actor_rollout_ref.model.lora_adapters=[{name:a,trainable:false}]"))
-    with pytest.raises(ValueError, match=r"lora_adapters.*rollout.name=hf serves one at a time.*\['vllm', 'sglang'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"lora_adapters is set, and .*rollout.name=hf serves one adapter at a time.*\['vllm', 'sglang'\]",
+    ):
         check_config(
             small_config("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_adapters=[{name:a}]")
         )

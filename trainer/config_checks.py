@@ -78,10 +78,10 @@ def _check_lora(config: DictConfig) -> None:
     engine = config.actor_rollout_ref.rollout.name
     if settings.several and engine not in ENGINES_WITH_SEVERAL:
         raise ValueError(
-            f"actor_rollout_ref.model.lora_adapters names {len(settings.named)} adapters, and "
-            f"actor_rollout_ref.rollout.name={engine} serves one at a time (hf merges its adapter into its weights); "
-            f"several adapters need an engine that serves them side by side: set rollout.name to one of "
-            f"{list(ENGINES_WITH_SEVERAL)}, or keep one adapter"
+            f"actor_rollout_ref.model.lora_adapters is set, and actor_rollout_ref.rollout.name={engine} serves one "
+            "adapter at a time (hf merges it into its weights); named adapters need an engine that serves them side "
+            f"by side, each request naming its own: set rollout.name to one of {list(ENGINES_WITH_SEVERAL)}, or use "
+            "the single-adapter keys (lora_rank, lora_adapter_path) with lora_adapters=null"
         )
     sync = config.actor_rollout_ref.rollout.get("weight_sync", "object_store")
     if settings.enabled and sync != "object_store":

@@ -25,7 +25,8 @@ LoRA runs push adapters: each is written in PEFT's format to ``rollout.sglang.we
 ``/load_lora_adapter`` under one fixed name, the previous one unloaded first (``/unload_lora_adapter``), with
 generation paused; every request names it (``lora_path``). The fixed name matters: a request that reaches SGLang
 while generation is paused waits there and looks its adapter up by name only when generation continues, so it
-finds the new adapter, never an unloaded one.
+finds the new adapter, never an unloaded one. Several adapters (``actor_rollout_ref.model.lora_adapters``) get a
+fixed name each, ``agentloop-policy-<name>``, and each request names its sample's.
 """
 
 from __future__ import annotations
