@@ -64,18 +64,22 @@ def test_a_training_run_trains_each_agents_adapter_and_checkpoints_them(local_ra
     the agent's adapter trained and the other left as it was, a PEFT folder per adapter in the checkpoint."""
     from tests.test_vllm_engine import vllm_overrides
 
-    train = write_rows(make_rows(4), str(tmp_path / "train.jsonl"))
-    roles = {
-        "tool_agent": "checker"
-    }  # (the arithmetic rows' loop, here single-turn, its samples on the second adapter)
+    # half the rows name the frozen judge adapter themselves; the others take their loop's, the checker
+    data = [{**row, "lora_adapter": "judge" if index % 2 else None} for index, row in enumerate(make_rows(4))]
+    train = write_rows(data, str(tmp_path / "train.jsonl"))
+    judge, _ = random_adapter(model_path, 6)
+    judge.save(tmp_path / "judge")
+    judge_entry = f"{{name:judge,path:'{tmp_path / 'judge'}',trainable:false}}"  # (frozen: its rows scored apart)
+    # the arithmetic rows' loop, here single-turn, its samples on the second adapter
+    roles = {"tool_agent": "checker"}
     history = run(
         small_config(
             *vllm_overrides(),
             "actor_rollout_ref.model.lora_rank=4",
-            "actor_rollout_ref.model.lora_adapters=[{name:solver},{name:checker}]",
+            f"actor_rollout_ref.model.lora_adapters=[{{name:solver}},{{name:checker}},{judge_entry}]",
             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={agent_file(tmp_path, roles)}",
             f"data.train_files=[{train}]",
-            "data.train_batch_size=2",
+            "data.train_batch_size=4",
             "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.actor.optim.lr=1e-2",
             # the tiny model's rewards are all alike (no advantage): the entropy bonus makes a gradient regardless
@@ -86,8 +90,11 @@ def test_a_training_run_trains_each_agents_adapter_and_checkpoints_them(local_ra
         )
     )
     assert history[-1]["actor/grad_norm/checker"] > 0 and history[-1]["actor/grad_norm/solver"] == 0
+    # every row re-scored under its own adapter (the judge's too) as vLLM sampled it
+    assert history[-1]["rollout_corr/abs_log_prob_diff"] < 1e-3
     saved = tmp_path / "run" / "global_step_1" / "actor" / "lora_adapter"
     factors = {name: PackedAdapter.load(saved / name).weights.tensors() for name in ("solver", "checker")}
+    assert equal(PackedAdapter.load(saved / "judge"), judge)
     ups = {name: [value for key, value in tensors.items() if "lora_B" in key] for name, tensors in factors.items()}
     assert all(not value.any() for value in ups["solver"])  # as it was made: lora_B at zero
     assert any(value.any() for value in ups["checker"])

@@ -271,14 +271,21 @@ class RayPPOTrainer:
         trains_actor = step >= int(
             self.config.trainer.critic_warmup
         )  # verl's rule: the actor starts at step critic_warmup
+        lora = self.ranks.model.lora
+        # the update's passes skip a frozen adapter's rows: their old log-probs come from the scoring pass
+        frozen = lora is not None and not all(spec.trainable for spec in lora.adapters)
         if self.correction.bypass_mode:
             old_log_probs = "rollout"
-        elif trains_actor and old_log_probs_in_update(
-            self.ranks.actor.update,
-            self.ranks.samples_per_prompt,
-            self.algorithm.use_kl_in_reward,
-            self.correction,
-            rollout.num_trajectories,
+        elif (
+            trains_actor
+            and not frozen
+            and old_log_probs_in_update(
+                self.ranks.actor.update,
+                self.ranks.samples_per_prompt,
+                self.algorithm.use_kl_in_reward,
+                self.correction,
+                rollout.num_trajectories,
+            )
         ):
             old_log_probs = "update"
         else:
