@@ -1,6 +1,7 @@
 """Checks of a job's rows against its config, run before any server or rank starts.
 
-Everything a batch would otherwise meet mid-run: every row's ``agent_name`` registered, the tool and
+Everything a batch would otherwise meet mid-run: every row's ``agent_name`` registered, every LoRA adapter an agent
+entry or row names among the policy's, the tool and
 interaction YAMLs loadable (classes importable, schemas valid), every ``interaction_kwargs.name`` among
 the configured interactions, an external agent's program named, and a reward for every data source.
 """
@@ -14,10 +15,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from agentloop.interactions import check_interaction_config
-from agentloop.registry import BUILTIN_AGENT_LOOPS, check_agent_names, resolve_agent_loops
+from agentloop.registry import BUILTIN_AGENT_LOOPS, check_adapter_names, check_agent_names, resolve_agent_loops
 from agentloop.rewards import reward_function_for
 from agentloop.rows import verl_row_fields
 from agentloop.settings import AgentSettings, Section, reward_settings
+from agentloop.settings.adapters import adapter_names
 from agentloop.settings.judge import resolve_kind
 from agentloop.tools.toolset import check_tool_config
 
@@ -45,6 +47,8 @@ def check_job(config: DictConfig, rows: dict[str, list[dict[str, Any]]]) -> None
             check_agent_names(names, loops)
         except KeyError as error:
             problems.append(f"{split} data: {error.args[0]}")
+    adapters = adapter_names(Section(config.actor_rollout_ref, "actor_rollout_ref").sub("model"))
+    problems += check_adapter_names([row for split_rows in rows.values() for row in split_rows], loops, adapters)
     if "external_agent" in used and loops.get("external_agent") == BUILTIN_AGENT_LOOPS["external_agent"]:
         problems += _external_agent_problems(rollout.agent.external)
     if rollout.multi_turn.tool_config_path:

@@ -1,5 +1,8 @@
 """Agent-loop registry: ``@register("name")`` on a class, or a YAML file of ``{name, _target_, ...}``.
 
+An entry's ``lora_adapter`` (not a constructor argument) names the LoRA adapter its samples use
+(``actor_rollout_ref.model.lora_adapters``); a row's own ``lora_adapter`` column overrides it (``sample_adapter``).
+
 The driver resolves the registry once into plain specs and ships them to the workers, so loops defined
 in a user's script (not importable by the workers) still work: their class travels by value.
 Loops are built per sample with ``hydra.utils.instantiate``.
@@ -64,6 +67,34 @@ def resolve_agent_loops(agent_loop_config_path: str | None = None) -> dict[str, 
     return specs
 
 
+ADAPTER_FIELD = "lora_adapter"
+
+
+def sample_adapter(row: dict[str, Any], spec: dict[str, Any]) -> str | None:
+    """The LoRA adapter a row's sample is generated with and trains: the row's ``lora_adapter``, else its agent
+    entry's; None: the policy's first (or only) adapter."""
+    return row.get(ADAPTER_FIELD) or spec.get(ADAPTER_FIELD)
+
+
+def check_adapter_names(
+    rows: list[dict[str, Any]], specs: dict[str, dict[str, Any]], adapters: tuple[str, ...]
+) -> list[str]:
+    """Problems: agent entries and rows naming a LoRA adapter the policy lacks (``adapters``: its names)."""
+    problems = [
+        f"agent loop {name!r} has lora_adapter={spec[ADAPTER_FIELD]!r}, which is not among the policy's adapters "
+        f"{list(adapters)} (actor_rollout_ref.model.lora_adapters)"
+        for name, spec in specs.items()
+        if spec.get(ADAPTER_FIELD) and spec[ADAPTER_FIELD] not in adapters
+    ]
+    unknown = sorted({str(row[ADAPTER_FIELD]) for row in rows if row.get(ADAPTER_FIELD)} - set(adapters))
+    if unknown:
+        problems.append(
+            f"rows have lora_adapter {unknown}, not among the policy's adapters {list(adapters)} "
+            "(actor_rollout_ref.model.lora_adapters)"
+        )
+    return problems
+
+
 def check_agent_names(names: set[str], specs: dict[str, dict[str, Any]]) -> None:
     """Fail before any generation if a row names a loop that is not registered."""
     unknown = sorted(names - set(specs))
@@ -79,6 +110,8 @@ def build_agent_loop(
 ) -> Any:
     """Instantiate one agent loop from its spec, handing it the worker's router, tokenizer and config, and each of
     ``offered`` (name -> what makes it: the worker's gateway) that its constructor names as a parameter."""
+    if ADAPTER_FIELD in spec:  # the router's business, not the loop's
+        spec = {key: value for key, value in spec.items() if key != ADAPTER_FIELD}
     target = spec["_target_"]
     for name, make in (offered or {}).items():
         if name in _parameters(target):

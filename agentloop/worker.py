@@ -23,7 +23,7 @@ from agentloop.gateway import Gateway
 from agentloop.models.loading import load_processor, structure
 from agentloop.postprocess import check_reward_has_a_token, pad_outputs
 from agentloop.protocol import BATCH_FIELDS, SCORE_FIELDS, AgentLoopOutput, Failure, SampleScore
-from agentloop.registry import build_agent_loop
+from agentloop.registry import ADAPTER_FIELD, build_agent_loop, sample_adapter
 from agentloop.rewards import score_output
 from agentloop.router import Router, RouterStats
 from agentloop.settings import JudgeSettings, RolloutSettings
@@ -99,6 +99,7 @@ class AgentLoopWorker:
 
         Returns the padded batch and this worker's router counters for the call.
         """
+        rows = with_adapters(rows, agent_loops)
         results = await asyncio.gather(*(self._run_one(row, sampling_params, agent_loops) for row in rows))
         return self._pad(rows, results), self.router.take_stats()
 
@@ -112,6 +113,8 @@ class AgentLoopWorker:
         agent_loops: dict[str, dict[str, Any]],
     ) -> None:
         """Start one GRPO group's samples; the padded group is handed out by ``finished_groups`` once all are done."""
+
+        rows = with_adapters(rows, agent_loops)
 
         async def run_group() -> None:
             try:
@@ -193,7 +196,7 @@ class AgentLoopWorker:
         self, row: dict[str, Any], sampling_params: dict[str, Any], agent_loops: dict[str, dict[str, Any]]
     ) -> tuple[AgentLoopOutput, SampleScore]:
         try:
-            with self.router.running_sample(row["request_id"], row.get("uid")):
+            with self.router.running_sample(row["request_id"], row.get("uid"), row.get(ADAPTER_FIELD)):
                 loop = build_agent_loop(
                     agent_loops[row["agent_name"]],
                     trainer_config=DictConfigWrap(self.config),
@@ -223,6 +226,16 @@ class AgentLoopWorker:
                 error,
             )
             return failed_output(error, self._pad_id)
+
+
+def with_adapters(rows: list[dict[str, Any]], agent_loops: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows, each with the LoRA adapter its sample uses in its ``lora_adapter`` column (``sample_adapter``: the
+    router sends it with each turn, the trainer trains that adapter on it), when a row or agent entry names one."""
+    if not any(ADAPTER_FIELD in spec for spec in agent_loops.values()) and not any(
+        ADAPTER_FIELD in row for row in rows
+    ):
+        return rows
+    return [{**row, ADAPTER_FIELD: sample_adapter(row, agent_loops[row["agent_name"]])} for row in rows]
 
 
 def failed_output(error: BaseException, pad_token_id: int) -> tuple[AgentLoopOutput, SampleScore]:

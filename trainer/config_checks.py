@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from agentloop.config import check_known_keys, config_keys
 from agentloop.config_keys import ALWAYS_ON
 from agentloop.settings import judge_settings, rollout_settings
+from agentloop.settings.adapters import ENGINES_WITH_SEVERAL
 from trainer.lora import LoraSettings
 from trainer.settings import (
     AlgorithmSettings,
@@ -73,8 +74,17 @@ def check_config(config: DictConfig) -> None:
 def _check_lora(config: DictConfig) -> None:
     """LoRA's keys (``trainer.lora``); every engine takes adapter pushes (``Engine.update_adapter``). The model's own
     fit is checked once it is built (``check_model``)."""
+    settings = LoraSettings.from_config(config)
+    engine = config.actor_rollout_ref.rollout.name
+    if settings.several and engine not in ENGINES_WITH_SEVERAL:
+        raise ValueError(
+            f"actor_rollout_ref.model.lora_adapters is set, and actor_rollout_ref.rollout.name={engine} serves one "
+            "adapter at a time (hf merges it into its weights); named adapters need an engine that serves them side "
+            f"by side, each request naming its own: set rollout.name to one of {list(ENGINES_WITH_SEVERAL)}, or use "
+            "the single-adapter keys (lora_rank, lora_adapter_path) with lora_adapters=null"
+        )
     sync = config.actor_rollout_ref.rollout.get("weight_sync", "object_store")
-    if LoraSettings.from_config(config).enabled and sync != "object_store":
+    if settings.enabled and sync != "object_store":
         raise ValueError(
             f"actor_rollout_ref.rollout.weight_sync={sync}: with LoRA each push is the adapter alone (megabytes), sent "
             "through Ray's object store; set weight_sync=object_store, or lora_rank=0 to push full weights"

@@ -175,6 +175,7 @@ class FSDPWorker(WeightSource):
             "actor",
             self.device,
             settings.actor.fsdp.optimizer_offload,
+            adapters=self.lora if self.lora is not None and self.lora.several else None,
         )
         self.policy_has_dropout = has_dropout(self.policy.model)  # its training forward pass is not its scoring one
         self.ref = None
@@ -224,10 +225,19 @@ class FSDPWorker(WeightSource):
             )
         model.eval()
         batching = self.settings.ref.batching if reference else self.settings.log_prob_batching
+
+        def score(micro: TensorDict) -> torch.Tensor:
+            return response_log_probs(model, micro, self.temperature)[0]
+
+        if not reference and self.lora is not None and self.lora.several:  # each row under its own adapter
+            scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+            for index, spec in enumerate(self.lora.adapters):
+                self.lora.activate(model, spec.name)
+                rows = (batch["adapter_index"] == index).nonzero().flatten().tolist()
+                scores[rows] = batching.score(batch, self.device, score, rows)[rows]
+            return scores
         with model.disable_adapter() if reference and self.lora is not None else contextlib.nullcontext():
-            return batching.score(
-                batch, self.device, lambda micro: response_log_probs(model, micro, self.temperature)[0]
-            )
+            return batching.score(batch, self.device, score)
 
     @torch.no_grad()
     def compute_values(self, batch: TensorDict) -> torch.Tensor:
@@ -324,15 +334,22 @@ class FSDPWorker(WeightSource):
         """
         return get_model_state_dict(self.policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def packed_state_dict(self, dtype: torch.dtype | None = None) -> PackedWeights | PackedAdapter | None:
+    def packed_state_dict(
+        self, dtype: torch.dtype | None = None
+    ) -> PackedWeights | PackedAdapter | dict[str, PackedAdapter] | None:
         """``full_state_dict`` ready for the push: rank 0's weights as raw bytes that Ray stores without
-        pickling them (None on the other ranks); with LoRA, the adapter only. A collective, like ``full_state_dict``.
+        pickling them (None on the other ranks); with LoRA, the adapter only (several: each, by name). A collective,
+        like ``full_state_dict``.
 
         ``dtype``: the servers' (``rollout.dtype``), each tensor cast to it as it is gathered: what a server would
         load anyway, and in bf16 half the bytes to gather, store and read, the float32 model never whole on rank 0."""
         if self.lora is not None:
             adapter = lora.gather_adapter(self.policy.model)
-            return lora.pack_adapter(self.policy.model, adapter) if self.rank == 0 else None
+            if self.rank != 0:
+                return None
+            if self.lora.several:
+                return lora.pack_adapters(self.policy.model, adapter)
+            return lora.pack_adapter(self.policy.model, adapter)
         state = self.full_state_dict() if dtype in (None, torch.float32) else self._gathered_as(dtype)
         return PackedWeights.pack(state) if state else None
 
@@ -374,7 +391,7 @@ class FSDPWorker(WeightSource):
         """Save model, optimizer and LR schedule of the policy (and critic) as a sharded ``torch.distributed.checkpoint``.
 
         A collective. With ``hf_directory``, rank 0 also writes the policy as a Hugging Face checkpoint (with
-        LoRA: the adapter in PEFT's format in ``lora_adapter`` beside it, as verl does).
+        LoRA: the adapter in PEFT's format in ``lora_adapter`` beside it, as verl does; several: ``lora_adapter/<name>``).
         """
         dcp.save(self._trainables_state(), checkpoint_id=directory)
         if hf_directory and self.lora is not None:

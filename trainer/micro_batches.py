@@ -45,28 +45,41 @@ class MicroBatching:
     dynamic: bool = False
     max_tokens: int = 0
 
-    def groups(self, batch: TensorDict) -> list[list[int]]:
+    def groups(self, batch: TensorDict, rows: list[int] | None = None) -> list[list[int]]:
         """Row indices of each micro-batch; each group in the batch's order, every row in one group. As many groups
-        as on every other rank: an empty one for each stand-in (``micro_batch``) this rank runs."""
+        as on every other rank: an empty one for each stand-in (``micro_batch``) this rank runs. ``rows``: only these
+        rows of ``batch`` (one LoRA adapter's, ``trainer.lora``), possibly none."""
+        part = batch if rows is None else batch[torch.tensor(rows, dtype=torch.long)]
         if self.dynamic:
-            lengths = batch["attention_mask"].sum(-1).tolist()
+            lengths = part["attention_mask"].sum(-1).tolist()
             count = _largest_over_ranks(bins_needed(lengths, self.max_tokens))
-            groups = balanced_groups(lengths, min(count, len(batch)))
+            groups = balanced_groups(lengths, min(count, len(part)))
         else:
-            groups = consecutive_groups(trajectory_sizes(batch), self.size)
+            groups = consecutive_groups(trajectory_sizes(part), self.size)
             count = _largest_over_ranks(len(groups))
+        if rows is not None:
+            groups = [[rows[index] for index in group] for group in groups]
         return groups + [[] for _ in range(count - len(groups))]
 
-    def split(self, batch: TensorDict, device: Any) -> list[TensorDict]:
-        """``batch`` as micro-batches on ``device``, stand-ins included (``is_stand_in``)."""
-        return [micro_batch(batch, group, device) for group in self.groups(batch)]
+    def split(self, batch: TensorDict, device: Any, rows: list[int] | None = None) -> list[TensorDict]:
+        """``batch`` (its ``rows``, with them) as micro-batches on ``device``, stand-ins included (``is_stand_in``)."""
+        return [micro_batch(batch, group, device) for group in self.groups(batch, rows)]
 
-    def score(self, batch: TensorDict, device: Any, score: Callable[[TensorDict], torch.Tensor]) -> torch.Tensor:
-        """``score`` of every micro-batch, back on CPU and in the batch's order (the stand-ins' dropped)."""
-        groups = self.groups(batch)
+    def score(
+        self,
+        batch: TensorDict,
+        device: Any,
+        score: Callable[[TensorDict], torch.Tensor],
+        rows: list[int] | None = None,
+    ) -> torch.Tensor:
+        """``score`` of every micro-batch, back on CPU and in the batch's order (the stand-ins' dropped); with
+        ``rows``, of those rows only (the others' scores 0)."""
+        groups = self.groups(batch, rows)
         parts = [score(micro_batch(batch, group, device)).cpu() for group in groups]
         parts = [part for group, part in zip(groups, parts) if group]
-        scores = torch.empty((len(batch), *parts[0].shape[1:]), dtype=parts[0].dtype)
+        if not parts:  # no row to score here (none of this adapter's)
+            return torch.zeros(batch["responses"].shape, dtype=torch.float32)
+        scores = torch.zeros((len(batch), *parts[0].shape[1:]), dtype=parts[0].dtype)
         scores[torch.tensor([index for group in groups for index in group])] = torch.cat(parts)
         return scores
 

@@ -35,12 +35,13 @@ from agentloop.cluster import start_ray
 from agentloop.metrics import spread
 from agentloop.preflight import check_job
 from agentloop.preparation import check_paths
+from agentloop.registry import ADAPTER_FIELD
 from agentloop.tools.toolset import load_tool_set
 from agentloop.waiting import wait_for
 from trainer import algorithms, checkpoint
 from trainer.config_checks import check_config, warn_ignored_keys, world_size
 from trainer.data import BatchSampler, load_dataset
-from trainer.lora import LoraSettings
+from trainer.lora import LoraSettings, adapter_indices
 from trainer.fsdp_workers import join_workers, launch_workers, push_weights, rank_gpus
 from trainer.micro_batches import split_trajectories, trajectory_sizes
 from trainer.async_training import staleness_metrics
@@ -234,6 +235,9 @@ class RayPPOTrainer:
         metrics = self.overlong.shape(rollout) if self.overlong is not None else {}
         plan = self._plan(step, rollout)
         batch = rollout.batch.clone()
+        if self.ranks.model.lora is not None and self.ranks.model.lora.several:  # which adapter trains on each row
+            names = rollout.non_tensor_batch.get(ADAPTER_FIELD)
+            batch["adapter_index"] = adapter_indices(self.ranks.model.lora, names, len(batch))
         rewards, scoring = self._score(plan, batch)
         metrics.update(scoring)
         metrics.update(self._advantages(rollout, batch, rewards))
@@ -267,14 +271,21 @@ class RayPPOTrainer:
         trains_actor = step >= int(
             self.config.trainer.critic_warmup
         )  # verl's rule: the actor starts at step critic_warmup
+        lora = self.ranks.model.lora
+        # the update's passes skip a frozen adapter's rows: their old log-probs come from the scoring pass
+        frozen = lora is not None and not all(spec.trainable for spec in lora.adapters)
         if self.correction.bypass_mode:
             old_log_probs = "rollout"
-        elif trains_actor and old_log_probs_in_update(
-            self.ranks.actor.update,
-            self.ranks.samples_per_prompt,
-            self.algorithm.use_kl_in_reward,
-            self.correction,
-            rollout.num_trajectories,
+        elif (
+            trains_actor
+            and not frozen
+            and old_log_probs_in_update(
+                self.ranks.actor.update,
+                self.ranks.samples_per_prompt,
+                self.algorithm.use_kl_in_reward,
+                self.correction,
+                rollout.num_trajectories,
+            )
         ):
             old_log_probs = "update"
         else:
@@ -424,6 +435,9 @@ class RayPPOTrainer:
         """Restore the checkpoint ``trainer.resume_mode`` points at; return its step (0: start fresh)."""
         directory = checkpoint.checkpoint_to_resume(self.run_settings, self.output_dir)
         if directory is None:
+            lora = self.ranks.model.lora
+            if lora is not None and lora.several:  # the servers serve each adapter only once it is pushed
+                self._push_weights(0)
             return 0
         state = checkpoint.read_trainer_state(directory)
         self._wait(

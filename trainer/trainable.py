@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from tensordict import TensorDict
@@ -14,6 +14,9 @@ from trainer.micro_batches import is_stand_in, micro_batch_weight, split_traject
 from trainer.rank_settings import OptimSettings, UpdateSettings
 from trainer.sharding import clip_grad_norm, move_optimizer_state
 
+if TYPE_CHECKING:
+    from trainer.lora import LoraSettings
+
 # transformers' schedule of each optim.warmup_style
 SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
 
@@ -23,7 +26,8 @@ class Trainable:
     ``critic``) prefixes its ``grad_norm`` and ``lr`` metrics.
 
     ``device`` is where it computes; with ``offload_optimizer`` its optimizer state waits in CPU memory
-    between updates (see ``trainer.sharding``).
+    between updates (see ``trainer.sharding``). ``adapters``: a policy with several LoRA adapters (``trainer.lora``),
+    whose batches say each row's adapter in ``adapter_index``: each adapter trains on its own rows only.
     """
 
     def __init__(
@@ -34,8 +38,10 @@ class Trainable:
         role: str,
         device: Any = "cpu",
         offload_optimizer: bool = False,
+        adapters: LoraSettings | None = None,
     ) -> None:
         self.model, self.role = model, role
+        self.adapters = adapters
         self.device = device
         # not `device` under CPUOffloadPolicy: the sharded parameters, and so the optimizer state, stay on CPU
         self.parameters_device = next(model.parameters()).device
@@ -72,27 +78,68 @@ class Trainable:
         mini_batches = [mini for _ in range(settings.ppo_epochs) for mini in split_trajectories(batch, mini_batch_size)]
         lr = self.scheduler.get_last_lr()[0]
         for mini in mini_batches:
-            micro_batches = settings.micro_batching.split(mini, self.device)
-            trained = sum(not is_stand_in(micro) for micro in micro_batches)
-            for micro in micro_batches:
-                value, stats = loss(micro)
-                if is_stand_in(micro):  # its passes keep this rank in step with the others; its gradient is 0
-                    (value * 0.0).backward()
-                    continue
-                (value * micro_batch_weight(micro, mini, settings.loss_agg_mode)).backward()
-                _accumulate(metrics, stats, trained * len(mini_batches))
-            grad_norm = clip_grad_norm(self.model.parameters(), settings.grad_clip, self.device)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            if torch.isfinite(grad_norm):  # a non-finite norm would poison the weights: skip the step
-                self.optimizer.step()
-            self.optimizer.zero_grad()
-            _accumulate(metrics, {f"{self.role}/grad_norm": grad_norm}, len(mini_batches))
+            passes = [
+                (adapter, rows, settings.micro_batching.split(mini, self.device, rows))
+                for adapter, rows in self._passes(mini)
+            ]
+            trained = sum(not is_stand_in(micro) for *_, micro_batches in passes for micro in micro_batches)
+            for adapter, rows, micro_batches in passes:
+                if adapter is not None:
+                    self.adapters.activate(self.model, adapter)
+                share = mini if rows is None else mini[torch.tensor(rows, dtype=torch.long)]
+                for micro in micro_batches:
+                    value, stats = loss(micro)
+                    if is_stand_in(micro):  # its passes keep this rank in step with the others; its gradient is 0
+                        (value * 0.0).backward()
+                        continue
+                    (value * micro_batch_weight(micro, share, settings.loss_agg_mode)).backward()
+                    _accumulate(metrics, stats, trained * len(mini_batches))
+            _accumulate(metrics, self._clip_and_step(settings.grad_clip), len(mini_batches))
         self.scheduler.step()
         self._optimizer_state_to("cpu")
         # the activations and gradients, freed: not kept in this process while the servers generate (at 0.6B
         # parameters gigabytes per rank; see agentloop.allocator)
         release_freed_memory()
         return {**metrics, f"{self.role}/lr": lr}
+
+    def _passes(self, mini: TensorDict) -> list[tuple[str | None, list[int] | None]]:
+        """The adapter and rows of each pass over ``mini``: all rows (None, None), or with several adapters each
+        trainable one's rows (every rank runs the same passes in the same order)."""
+        if self.adapters is None:
+            return [(None, None)]
+        return [
+            (spec.name, (mini["adapter_index"] == index).nonzero().flatten().tolist())
+            for index, spec in enumerate(self.adapters.adapters)
+            if spec.trainable
+        ]
+
+    def _clip_and_step(self, grad_clip: float) -> dict[str, torch.Tensor]:
+        """Clip the gradients (each adapter's on its own, with several: each one's step is its own samples') and
+        step, skipping parameters whose norm is not finite; the norms as metrics."""
+        groups = {None: list(self.model.parameters())} if self.adapters is None else self._adapter_parameters()
+        norms = {}
+        for name, parameters in groups.items():
+            norm = clip_grad_norm(parameters, grad_clip, self.device)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            if not torch.isfinite(norm):  # a non-finite norm would poison the weights: skip their step
+                for parameter in parameters:
+                    parameter.grad = None
+            norms[name] = norm
+        self.optimizer.step()  # (parameters without a gradient, an adapter with no sample, are left as they are)
+        self.optimizer.zero_grad()
+        if self.adapters is None:
+            return {f"{self.role}/grad_norm": norms[None]}
+        total = torch.stack([norm.float().cpu() for norm in norms.values()]).square().sum().sqrt()
+        return {f"{self.role}/grad_norm": total, **{f"{self.role}/grad_norm/{k}": v for k, v in norms.items()}}
+
+    def _adapter_parameters(self) -> dict[str | None, list[torch.nn.Parameter]]:
+        names = [spec.name for spec in self.adapters.adapters if spec.trainable]
+        return {
+            name: [
+                p for key, p in self.model.named_parameters() if f".lora_A.{name}." in key or f".lora_B.{name}." in key
+            ]
+            for name in names
+        }
 
     def _optimizer_state_to(self, device: Any) -> None:
         if self.offload_optimizer:

@@ -28,11 +28,13 @@ _REGISTRY: dict[str, dict[str, Any]] = {}
 _PROMPT_RENDERS: LRUCache = LRUCache(maxsize=256)
 
 
-def register(name: str) -> Callable[[type], type]:
-    """Class decorator: make an agent loop selectable by rows whose ``agent_name`` is ``name``."""
+def register(name: str, lora_adapter: str | None = None) -> Callable[[type], type]:
+    """Class decorator: make an agent loop selectable by rows whose ``agent_name`` is ``name``; its samples are
+    generated with, and train, the LoRA adapter ``lora_adapter`` (``actor_rollout_ref.model.lora_adapters``; None:
+    the first)."""
 
     def decorator(cls: type) -> type:
-        _REGISTRY[name] = {"_target_": cls}
+        _REGISTRY[name] = {"_target_": cls, **({"lora_adapter": lora_adapter} if lora_adapter else {})}
         return cls
 
     return decorator

@@ -300,7 +300,7 @@ class Gateway:
                     if cap:
                         params["max_new_tokens"] = min(int(cap), int(params.get("max_new_tokens") or cap))
                 trajectory = session.trajectory
-                with Router.running_sample(session.sample.request_id, session.sample.group):
+                with Router.running_sample(session.sample.request_id, session.sample.group, session.sample.adapter):
                     output, _, end = await trajectory.generate_turn(
                         self.router, session.sample.request_id, params, session.limits.budget
                     )

@@ -34,10 +34,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RunningSample:
-    """The sample whose agent loop runs in this asyncio task (``Router.running_sample``) and its GRPO group."""
+    """The sample whose agent loop runs in this asyncio task (``Router.running_sample``), its GRPO group and the LoRA
+    adapter its turns are generated with (None: the policy's first, or only)."""
 
     request_id: str
     group: str | None
+    adapter: str | None = None
 
 
 # Set by ``Router.running_sample``; a task the loop starts inherits it: the sessions it begins, whatever ids the
@@ -87,11 +89,12 @@ class Router:
 
     @staticmethod
     @contextlib.contextmanager
-    def running_sample(request_id: str, group: str | None = None) -> Iterator[None]:
+    def running_sample(request_id: str, group: str | None = None, adapter: str | None = None) -> Iterator[None]:
         """Within it, the running asyncio task (and the tasks it starts) is the agent loop of the sample
         ``request_id``, one of GRPO ``group``'s (same prompt): the sessions it begins, under its id or ids of its
-        own, join that group and count as its own for ``take_versions``."""
-        token = _running.set(RunningSample(request_id, group))
+        own, join that group and count as its own for ``take_versions``, and every turn is generated with the LoRA
+        ``adapter`` (``actor_rollout_ref.model.lora_adapters``)."""
+        token = _running.set(RunningSample(request_id, group, adapter))
         try:
             yield
         finally:
@@ -165,7 +168,10 @@ class Router:
     ) -> TokenOutput:
         while True:
             slot = self.placement.place(request_id, sample.group if sample else None)
-            answer = self._dispatch(slot, (prompt_ids, sampling_params, request_id, images))
+            request = (prompt_ids, sampling_params, request_id, images)
+            if sample is not None and sample.adapter is not None:
+                request += (sample.adapter,)  # (RolloutServer.generate's adapter)
+            answer = self._dispatch(slot, request)
             try:
                 output = await asyncio.wait_for(answer, self.request_timeout_s)
             except (RayActorError, ServerHung) as error:

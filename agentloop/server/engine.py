@@ -62,7 +62,9 @@ class Engine(Protocol):
 
     async def update_adapter(self, adapter: PackedAdapter) -> int:
         """Serve the base model with a LoRA ``adapter`` (replacing the previous one), otherwise as
-        ``update_weights``."""
+        ``update_weights``. An engine that serves several adapters side by side (``vllm``, ``sglang``) also has
+        ``update_adapters({name: adapter})``, and its ``generate`` takes ``adapter=name`` (not part of the contract:
+        the rollout server calls them only when a run has several, ``actor_rollout_ref.model.lora_adapters``)."""
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Load the weights of a checkpoint directory in place and flush the prefix cache."""

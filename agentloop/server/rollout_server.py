@@ -60,16 +60,19 @@ class RolloutServer:
         sampling_params: dict[str, Any],
         request_id: str,
         images: list[ProcessedImage] | None = None,
+        adapter: str | None = None,
     ) -> TokenOutput:
+        """One turn (``Engine.generate``); ``adapter``: the LoRA adapter, of those pushed, that samples it (None: the
+        first pushed, or only)."""
         # a weight update interrupts the requests in flight: the tokens returned were sampled by the weights
         # loaded when the request started
         await self._weights_settled.wait()
         version = self.policy_version
+        extra: dict[str, Any] = {"images": images} if images else {}  # engines written for text only keep working
+        if adapter is not None:  # as do engines that serve one adapter
+            extra["adapter"] = adapter
         with self._busy.request():
-            if images:
-                output = await self.engine.generate(prompt_ids, sampling_params, request_id, images=images)
-            else:  # engines written for text only keep working
-                output = await self.engine.generate(prompt_ids, sampling_params, request_id)
+            output = await self.engine.generate(prompt_ids, sampling_params, request_id, **extra)
         output.policy_version = version
         return output
 
@@ -109,11 +112,24 @@ class RolloutServer:
         """Copy new weights into the engine (prefix cache flushed); returns how many tensors were updated.
 
         ``version``: the trainer's number for these weights (default: one more than the last). A LoRA run pushes
-        its adapter (``PackedAdapter``): the engine serves the base model with it.
+        its adapter (``PackedAdapter``): the engine serves the base model with it; one with several adapters
+        (``actor_rollout_ref.model.lora_adapters``) pushes them by name, which the engine serves side by side.
         """
         async with self._weights_changing(version):
             if isinstance(state_dict, PackedAdapter):
                 return await self.engine.update_adapter(state_dict)
+            if (
+                isinstance(state_dict, dict)
+                and state_dict
+                and isinstance(next(iter(state_dict.values())), PackedAdapter)
+            ):
+                if not hasattr(self.engine, "update_adapters"):
+                    raise ValueError(
+                        f"{self.settings.section}.name={self.settings.name} serves one LoRA adapter at a time; several "
+                        "(actor_rollout_ref.model.lora_adapters) need an engine that serves them side by side: vllm "
+                        "or sglang"
+                    )
+                return await self.engine.update_adapters(state_dict)
             if isinstance(state_dict, PackedWeights):
                 state_dict = state_dict.tensors()
             return await self.engine.update_weights(state_dict)

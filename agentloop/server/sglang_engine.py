@@ -25,7 +25,8 @@ LoRA runs push adapters: each is written in PEFT's format to ``rollout.sglang.we
 ``/load_lora_adapter`` under one fixed name, the previous one unloaded first (``/unload_lora_adapter``), with
 generation paused; every request names it (``lora_path``). The fixed name matters: a request that reaches SGLang
 while generation is paused waits there and looks its adapter up by name only when generation continues, so it
-finds the new adapter, never an unloaded one.
+finds the new adapter, never an unloaded one. Several adapters (``actor_rollout_ref.model.lora_adapters``) get a
+fixed name each, ``agentloop-policy-<name>``, and each request names its sample's.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from agentloop.protocol import TokenOutput
 from agentloop.server.sampling import finish_reason_of, id_list, validate_sampling_params
 from agentloop.server.adapters import PackedAdapter
 from agentloop.server.collective import Manifest, WeightGroup, bucket_plan
+from agentloop.settings.adapters import DEFAULT_ADAPTER
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess
 from agentloop.settings import ServerSettings
@@ -107,7 +109,7 @@ def _lora_flags(settings: ServerSettings) -> list[str]:
         "--lora-target-modules",
         *settings.lora_target_modules,
         "--max-loras-per-batch",
-        "2",
+        str(settings.lora_adapters + 1),
     ]
 
 
@@ -130,10 +132,11 @@ class SGLangEngine:
         self.model_path = model_path
         self.tensor_parallel_size = tensor_parallel_size
         self.weights_dir = weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-        # once a LoRA adapter was pushed, every request names it: one that fails to load fails requests loudly
-        # rather than letting the base model answer them
-        self._serves_adapter = False
-        self._adapter_dir: Path | None = None  # the loaded adapter's directory, removed when another replaces it
+        # once LoRA adapters were pushed, every request names one: one that fails to load fails requests loudly
+        # rather than letting the base model answer them. The pushed name -> its fixed name in SGLang; the first
+        # serves requests that name none
+        self._adapter_names: dict[str, str] = {}
+        self._adapter_dirs: dict[str, Path] = {}  # each loaded adapter's directory, removed when another replaces it
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.calls = InFlightCalls()  # each call's rid: ``<session>#<n>``
         self._sleeping = False
@@ -183,8 +186,8 @@ class SGLangEngine:
         """Close the connection pool and stop a launched server (an attached one keeps running)."""
         await self.client.close()
         self.server.terminate()
-        if self._adapter_dir is not None:
-            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        for directory in self._adapter_dirs.values():
+            shutil.rmtree(directory, ignore_errors=True)
 
     # ------------------------------------------------------------------ calls
 
@@ -226,8 +229,15 @@ class SGLangEngine:
         sampling_params: dict[str, Any],
         request_id: str,
         images: list[ProcessedImage] | None = None,
+        adapter: str | None = None,
     ) -> TokenOutput:
-        """One turn; ``images`` (their pads expanded in ``prompt_ids``) go to SGLang as ``image_data``."""
+        """One turn; ``images`` (their pads expanded in ``prompt_ids``) go to SGLang as ``image_data``; ``adapter``:
+        the pushed LoRA adapter that samples it (None: the first pushed, or only)."""
+        if adapter is not None and adapter not in self._adapter_names:
+            raise ValueError(
+                f"the LoRA adapter {adapter!r} was not pushed to this server; pushed: {list(self._adapter_names)}"
+            )
+        lora_name = self._adapter_names.get(adapter) if adapter else next(iter(self._adapter_names.values()), None)
         if self._sleeping:
             raise EngineAsleep("engine is asleep: call wake_up() before generate()")
         with self.calls.call(request_id) as rid:
@@ -237,7 +247,7 @@ class SGLangEngine:
                 rid,
                 images,
                 image_pad_id=self.image_pad_id if images else None,
-                lora_name=ADAPTER_NAME if self._serves_adapter else None,
+                lora_name=lora_name,
             )
             body = await self._post("/generate", request)
             if images:
@@ -289,26 +299,38 @@ class SGLangEngine:
         return len(named_tensors)
 
     async def update_adapter(self, adapter: PackedAdapter) -> int:
-        """Write the adapter in PEFT's format to ``weights_dir`` and, with generation paused (requests in flight end
-        ``interrupted``), unload the previous one and load this one under ``ADAPTER_NAME``; then flush the cache.
-        The server must be launched for LoRA (``ServerSettings.lora_rank``: ``--enable-lora`` and its shapes)."""
-        directory = Path(self.weights_dir) / f"agentloop-lora-{uuid.uuid4().hex[:12]}"
-        await asyncio.to_thread(adapter.save, directory)
-        previous, self._serves_adapter = self._adapter_dir, True
+        """Serve the base model with ``adapter`` under ``ADAPTER_NAME`` (``update_adapters``)."""
+        return await self._load_adapters({ADAPTER_NAME: adapter}, {DEFAULT_ADAPTER: ADAPTER_NAME})
+
+    async def update_adapters(self, adapters: Mapping[str, PackedAdapter]) -> int:
+        """Serve the base model with each of several adapters side by side, each under its fixed name
+        (``ADAPTER_NAME-<name>``); requests name theirs (``generate``'s ``adapter``)."""
+        names = {name: f"{ADAPTER_NAME}-{name}" for name in adapters}
+        return await self._load_adapters({names[name]: adapter for name, adapter in adapters.items()}, names)
+
+    async def _load_adapters(self, adapters: dict[str, PackedAdapter], names: dict[str, str]) -> int:
+        """Write each adapter in PEFT's format to ``weights_dir`` and, with generation paused (requests in flight end
+        ``interrupted``), unload the previous one of its fixed name and load it; then flush the cache. The server
+        must be launched for LoRA (``ServerSettings.lora_rank``: ``--enable-lora`` and its shapes)."""
+        directories = {}
+        for served, adapter in adapters.items():
+            directories[served] = Path(self.weights_dir) / f"agentloop-lora-{uuid.uuid4().hex[:12]}"
+            await asyncio.to_thread(adapter.save, directories[served])
+        previous, self._adapter_names = dict(self._adapter_dirs), names
         try:
             async with self._generation_paused():
-                # before this engine's first push the name is unknown (SGLang answers 400), unless an attached
-                # server still serves an earlier run's adapter under it
-                first = (200, 400) if previous is None else (200,)
-                await self._post("/unload_lora_adapter", unload_adapter_request(ADAPTER_NAME), accept=first)
-                await self._post("/load_lora_adapter", load_adapter_request(ADAPTER_NAME, str(directory)))
-                self._adapter_dir = directory
+                for served, directory in directories.items():
+                    # before this engine's first push the name is unknown (SGLang answers 400), unless an attached
+                    # server still serves an earlier run's adapter under it
+                    first = (200, 400) if served not in previous else (200,)
+                    await self._post("/unload_lora_adapter", unload_adapter_request(served), accept=first)
+                    await self._post("/load_lora_adapter", load_adapter_request(served, str(directory)))
+                    self._adapter_dirs[served] = directory
                 await self.flush_cache()
-        finally:  # the directory no adapter is served from: the previous one's, or this one's if it failed to load
-            stale = previous if self._adapter_dir == directory else directory
-            if stale is not None:
+        finally:  # the directories no adapter is served from: the previous ones, or these if they failed to load
+            for stale in {*previous.values(), *directories.values()} - set(self._adapter_dirs.values()):
                 shutil.rmtree(stale, ignore_errors=True)
-        return len(adapter.scalings)
+        return sum(len(adapter.scalings) for adapter in adapters.values())
 
     async def update_weights_over_group(
         self, group: WeightGroup, rank: int, manifest: Manifest, version: int | None = None

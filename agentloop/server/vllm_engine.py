@@ -42,6 +42,7 @@ from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
 from agentloop.server.sampling import validate_sampling_params
 from agentloop.server.adapters import PackedAdapter
+from agentloop.settings.adapters import DEFAULT_ADAPTER
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess
 from agentloop.settings import ServerSettings
@@ -74,19 +75,20 @@ def launch_args(settings: ServerSettings, rank: int) -> list[str]:
         "--logprobs-mode",
         "processed_logprobs",
         "--enable-prompt-tokens-details",
-        *_lora_flags(settings.lora_rank),
+        *_lora_flags(settings.lora_rank, settings.lora_adapters),
         *_flags({**verl_flags, **settings.engine_kwargs.get("vllm", {})}),
         *settings.vllm.extra_args,
     ]
 
 
-def _lora_flags(rank: int) -> list[str]:
-    """A LoRA run's server takes adapters up to ``rank`` (vLLM's ``--max-lora-rank`` choices: the next one up), one
-    at a time: each push loads the new adapter and unloads the previous one."""
+def _lora_flags(rank: int, adapters: int = 1) -> list[str]:
+    """A LoRA run's server takes adapters up to ``rank`` (vLLM's ``--max-lora-rank`` choices: the next one up),
+    ``adapters`` of them in a batch (``lora_adapters``; one without): each push loads the new adapters and unloads
+    the previous ones."""
     if not rank:
         return []
     max_rank = next((choice for choice in VLLM_LORA_RANKS if choice >= rank), rank)
-    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "1"]
+    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", str(adapters)]
 
 
 def _flags(settings: Mapping[str, Any]) -> list[str]:
@@ -151,7 +153,9 @@ class VLLMEngine:
         self.weights_dir = weights_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         self.calls = InFlightCalls()  # each call's request_id: ``<session>#<n>``
         self._sleeping = False
-        self._adapter: tuple[str, Path] | None = None  # the LoRA adapter served (its name in vLLM, its directory)
+        # the LoRA adapters served: the pushed name -> (its name in vLLM, its directory); the first is the one a
+        # request that names none is served with
+        self._adapters: dict[str, tuple[str, Path]] = {}
         if not url:
             python = python or sys.executable
             _check_vllm_installed(python)
@@ -207,8 +211,8 @@ class VLLMEngine:
         """Close the connection pool and stop a launched server (an attached one keeps running)."""
         await self.client.close()
         self.server.terminate()
-        if self._adapter is not None:
-            shutil.rmtree(self._adapter[1], ignore_errors=True)
+        for _, directory in self._adapters.values():
+            shutil.rmtree(directory, ignore_errors=True)
 
     # ------------------------------------------------------------------ calls
 
@@ -218,15 +222,18 @@ class VLLMEngine:
         sampling_params: dict[str, Any],
         request_id: str,
         images: list[ProcessedImage] | None = None,
+        adapter: str | None = None,
     ) -> TokenOutput:
+        """One turn; ``adapter``: the pushed LoRA adapter that samples it (None: the first pushed, or only)."""
         if images:
             raise ValueError("engine vllm serves text only here: images need rollout.name=hf or sglang")
+        served = self._served_adapter(adapter)
         if self._sleeping:
             raise EngineAsleep("engine is asleep: call wake_up() before generate()")
         with self.calls.call(request_id) as rid:
             body = {"token_ids": list(prompt_ids), "request_id": rid, "sampling_params": _sampling(sampling_params)}
-            if self._adapter is not None:
-                body["model"] = self._adapter[0]  # vLLM serves the base model with this adapter
+            if served is not None:
+                body["model"] = served  # vLLM serves the base model with this adapter
             output = parse_generate_response(await self.client.post("/inference/v1/generate", body))
             if output.finish_reason == "abort" and self.calls.interrupted(rid):
                 output.finish_reason = "interrupted"
@@ -257,24 +264,42 @@ class VLLMEngine:
             os.unlink(path)
         return len(named_tensors)
 
+    def _served_adapter(self, adapter: str | None) -> str | None:
+        """vLLM's name of the adapter a request names (None: the first pushed; no adapter pushed: the base model)."""
+        if adapter is None:
+            return next(iter(self._adapters.values()))[0] if self._adapters else None
+        if adapter not in self._adapters:
+            raise ValueError(
+                f"the LoRA adapter {adapter!r} was not pushed to this server; pushed: {list(self._adapters)}"
+            )
+        return self._adapters[adapter][0]
+
     async def update_adapter(self, adapter: PackedAdapter) -> int:
-        """Write the adapter in PEFT's format to ``weights_dir`` and load it through vLLM's ``/v1/load_lora_adapter``
+        """Serve the base model with ``adapter``, replacing what was pushed before (``update_adapters``)."""
+        return await self.update_adapters({DEFAULT_ADAPTER: adapter})
+
+    async def update_adapters(self, adapters: Mapping[str, PackedAdapter]) -> int:
+        """Write each adapter in PEFT's format to ``weights_dir`` and load it through vLLM's ``/v1/load_lora_adapter``
         under a new name with generation paused (requests in flight end ``interrupted``), then unload the previous
-        one; later requests name it. The server must be launched for LoRA (``ServerSettings.lora_rank``)."""
-        name = f"agentloop-lora-{uuid.uuid4().hex[:12]}"
-        directory = await asyncio.to_thread(adapter.save, Path(self.weights_dir) / name)
-        previous = self._adapter
+        ones; later requests name them (each its own, ``generate``'s ``adapter``). The server must be launched for
+        LoRA (``ServerSettings.lora_rank``, and ``lora_adapters`` of them)."""
+        pushed = {}
+        for name, adapter in adapters.items():
+            served = f"agentloop-lora-{name}-{uuid.uuid4().hex[:12]}"
+            pushed[name] = (served, await asyncio.to_thread(adapter.save, Path(self.weights_dir) / served))
+        previous = self._adapters
         try:
             async with self._generation_paused():
-                await self.client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)})
-                self._adapter = (name, directory)
-                if previous is not None:
-                    await self.client.post("/v1/unload_lora_adapter", {"lora_name": previous[0]})
+                for served, directory in pushed.values():
+                    await self.client.post("/v1/load_lora_adapter", {"lora_name": served, "lora_path": str(directory)})
+                self._adapters = pushed
+                for served, _ in previous.values():
+                    await self.client.post("/v1/unload_lora_adapter", {"lora_name": served})
                 await self.flush_cache()
-        finally:  # the directory no adapter served is read from again: the previous one's, or this one's if it failed
-            for unused in {directory, previous and previous[1]} - {self._adapter and self._adapter[1], None}:
+        finally:  # the directories no adapter served is read from again: the previous ones, or these if they failed
+            for _, unused in {*pushed.values(), *previous.values()} - set(self._adapters.values()):
                 shutil.rmtree(unused, ignore_errors=True)
-        return len(adapter.scalings)
+        return sum(len(adapter.scalings) for adapter in adapters.values())
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Load the safetensors files of a checkpoint directory the server can read, with generation paused."""

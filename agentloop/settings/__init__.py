@@ -15,6 +15,7 @@ import dataclasses
 
 from omegaconf import DictConfig
 
+from agentloop.settings.adapters import named_adapters
 from agentloop.settings.judge import JudgeSettings
 from agentloop.settings.reading import Section
 from agentloop.settings.reward import RewardSettings
@@ -31,7 +32,10 @@ def rollout_settings(config: DictConfig) -> RolloutSettings:
     # modules
     rank = lora_rank(model)
     servers = dataclasses.replace(
-        settings.servers, lora_rank=rank, lora_target_modules=lora_target_modules(model) if rank else ()
+        settings.servers,
+        lora_rank=rank,
+        lora_target_modules=lora_target_modules(model) if rank else (),
+        lora_adapters=max(1, len(named_adapters(model))),
     )
     return dataclasses.replace(settings, servers=servers, rewards=reward_settings(config))
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentloop.settings.adapters import named_adapters
 from agentloop.settings.reading import Section
 
 ENGINE_NAMES = ("hf", "sglang", "vllm")  # or a dotted class path (agentloop.server.engine.ENGINES)
@@ -198,6 +199,7 @@ class ServerSettings:
     tool_format: str = "hermes"
     lora_rank: int = 0
     lora_target_modules: tuple[str, ...] = ()
+    lora_adapters: int = 1  # how many adapters they serve side by side (``actor_rollout_ref.model.lora_adapters``)
 
     @classmethod
     def from_section(cls, rollout: Section, model_path: str) -> ServerSettings:
@@ -263,32 +265,46 @@ class ServerSettings:
         return urls[rank] if urls else None
 
 
-def _adapter_config(model: Section) -> dict[str, Any] | None:
-    """The PEFT config of the adapter at ``lora_adapter_path`` (None without one)."""
+def _adapter_configs(model: Section) -> list[dict[str, Any]]:
+    """Each policy adapter's PEFT config as a server sees it: ``r`` (largest of ``rank_pattern`` too) and
+    ``target_modules``; a saved adapter's (``lora_adapter_path``, a ``lora_adapters`` entry's ``path``) from its
+    ``adapter_config.json``. Empty without LoRA."""
+    specs = named_adapters(model)
+    if specs:
+        return [
+            _saved_config(spec.path) if spec.path else {"r": spec.rank, "target_modules": spec.target_modules}
+            for spec in specs
+        ]
     path = model.optional_str("lora_adapter_path")
     if path is not None and (Path(path) / "adapter_config.json").is_file():
-        return json.loads((Path(path) / "adapter_config.json").read_text())
-    return None
+        return [_saved_config(path)]
+    rank = model.int("lora_rank", minimum=0, default=0)
+    return [{"r": rank, "target_modules": model.raw("target_modules")}] if rank else []
+
+
+def _saved_config(path: str) -> dict[str, Any]:
+    config = json.loads((Path(path) / "adapter_config.json").read_text())
+    ranks = [int(config.get("r") or 0), *(int(rank) for rank in (config.get("rank_pattern") or {}).values())]
+    return {"r": max(ranks), "target_modules": config.get("target_modules")}
 
 
 def lora_target_modules(model: Section) -> tuple[str, ...]:
     """The module names the policy's LoRA adapters adapt, as servers that preallocate adapter buffers (SGLang) take
-    them: the adapter's at ``lora_adapter_path``, else ``target_modules``; ``("all",)`` for a pattern
-    (``all-linear`` or a regex), which only the model resolves."""
-    adapter = _adapter_config(model)
-    targets = adapter.get("target_modules") if adapter is not None else model.raw("target_modules")
-    if targets is None or isinstance(targets, str):
-        return ("all",)
-    return tuple(sorted({str(name).split(".")[-1] for name in targets}))
+    them: a saved adapter's own, else ``target_modules``; ``("all",)`` for a pattern (``all-linear`` or a regex),
+    which only the model resolves."""
+    names: set[str] = set()
+    for config in _adapter_configs(model):
+        targets = config.get("target_modules")
+        if targets is None or isinstance(targets, str):
+            return ("all",)
+        names |= {str(name).split(".")[-1] for name in targets}
+    return tuple(sorted(names)) if names else ("all",)
 
 
 def lora_rank(model: Section) -> int:
     """The largest rank of the LoRA adapters the policy's servers will be pushed (``model`` is
-    ``actor_rollout_ref.model``): the adapter's at ``lora_adapter_path``, else ``lora_rank``; 0: no LoRA."""
-    adapter = _adapter_config(model)
-    if adapter is not None:
-        return max([int(adapter.get("r") or 0), *(int(rank) for rank in (adapter.get("rank_pattern") or {}).values())])
-    return model.int("lora_rank", minimum=0, default=0)
+    ``actor_rollout_ref.model``): a saved adapter's own, else ``lora_rank`` (or an entry's ``rank``); 0: no LoRA."""
+    return max([int(config["r"]) for config in _adapter_configs(model)], default=0)
 
 
 def ray_resources(section: Section, key: str = "resources_per_server") -> dict[str, float]:
