@@ -14,6 +14,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
+from agentloop.dumps import read_rollout_dump
 from agentloop.protocol import TokenOutput
 from agentloop.rows import write_rows
 from agentloop.server.adapters import PackedAdapter
@@ -274,3 +275,37 @@ def test_vllm_loads_each_pushed_adapter_through_its_lora_routes_and_unloads_the_
     )
     # the first adapter was unloaded: the server lists its base model and the adapter it serves now
     assert len(models) == 2 and sum(name.startswith("agentloop-lora-") for name in models) == 1
+
+
+def test_a_job_starting_from_an_adapter_samples_its_first_rollouts_from_it(local_ray, model_path, tmp_path):
+    """``lora_adapter_path``: the servers get the loaded adapter before the first rollout, so step 1's rollout
+    log-probs are the adapter policy's (the ranks' old log-probs), not the base model's."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "adapter")
+    train = write_rows(make_rows(4), str(tmp_path / "t.jsonl"))
+    run(
+        small_config(
+            f"data.train_files=[{train}]",
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=2",
+            f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}",
+            "trainer.total_training_steps=1",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+            f"trainer.ray_address={ray.get_runtime_context().gcs_address}",
+        )
+    )
+    records = read_rollout_dump(tmp_path / "rollouts" / "step_000001.parquet")[1]
+    gaps = [
+        abs(old - sampled)
+        for record in records
+        for old, sampled, mask in zip(record["old_log_probs"], record["rollout_log_probs"], record["response_mask"])
+        if mask
+    ]
+    assert gaps and max(gaps) < 1e-3, f"the first rollout was not the adapter's policy (largest gap {max(gaps):.3g})"

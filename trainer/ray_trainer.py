@@ -435,8 +435,10 @@ class RayPPOTrainer:
         """Restore the checkpoint ``trainer.resume_mode`` points at; return its step (0: start fresh)."""
         directory = checkpoint.checkpoint_to_resume(self.run_settings, self.output_dir)
         if directory is None:
+            # the servers serve an adapter only once it is pushed: several adapters, or one loaded from a path (else
+            # the first rollouts would sample from the base model)
             lora = self.ranks.model.lora
-            if lora is not None and lora.several:  # the servers serve each adapter only once it is pushed
+            if lora is not None and (lora.several or any(adapter.path for adapter in lora.adapters)):
                 self._push_weights(0)
             return 0
         state = checkpoint.read_trainer_state(directory)
