@@ -30,6 +30,7 @@ from typing import Callable
 
 import ray
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from agentloop import AgentLoopManager
 from agentloop.config import compose_config
@@ -37,6 +38,7 @@ from agentloop.models.tiny_qwen import tiny_model_path
 from agentloop.server.collective import bucket_plan
 from agentloop.waiting import wait_for
 from benchmarks.models import scaled_tiny_model
+from benchmarks.real_size import real_size_model_path
 from trainer.fsdp_workers import FSDPWorker, push_weights, start_workers
 from trainer.settings import rank_settings
 
@@ -129,18 +131,22 @@ def measure(model_path: str, repeats: int, asleep: bool) -> dict[str, float]:
     }
 
 
-def path_bytes(path: str, state: dict[str, torch.Tensor], directory: str | None) -> int:
-    """Bytes one server receives per push on ``path``."""
+def path_bytes(path: str, state: dict[str, torch.Tensor], directory: str | None, served_dtype: str) -> int:
+    """Bytes one server receives per push on ``path`` (the object store's: cast to ``served_dtype`` as gathered)."""
     if path == "disk":
         return sum(file.stat().st_size for file in Path(directory or "").glob("*.safetensors"))
     if path == "collective":
         manifest = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in state.items()]
         return sum(size for size, _ in bucket_plan(manifest, int(64 * 2**20)))
-    return sum(tensor.numel() * tensor.element_size() for tensor in state.values())
+    element = torch.empty(0, dtype=getattr(torch, served_dtype)).element_size()
+    return sum(tensor.numel() * element for tensor in state.values())
 
 
-def measure_paths(model_path: str, servers: int, paths: list[str], repeats: int) -> dict[str, tuple[float, int]]:
-    """Per path: the median seconds of a push to ``servers`` servers, and the bytes each server receives."""
+def measure_paths(
+    model_path: str, servers: int, paths: list[str], repeats: int, served_dtype: str = "float32"
+) -> dict[str, tuple[float, int]]:
+    """Per path: the median seconds of a push to ``servers`` servers (weights served in ``served_dtype``), and the
+    bytes each server receives."""
     manager = AgentLoopManager(
         compose_config(
             [
@@ -151,11 +157,14 @@ def measure_paths(model_path: str, servers: int, paths: list[str], repeats: int)
                 "actor_rollout_ref.rollout.agent.num_workers=1",
                 f"actor_rollout_ref.rollout.data_parallel_size={servers}",
                 "actor_rollout_ref.rollout.resources_per_server.CPU=0.5",
+                f"actor_rollout_ref.rollout.dtype={served_dtype}",
             ]
         )
     )
     ranks = start_workers(rank_settings(manager.config), RANKS, 1, TIMEOUT_S, worker_class=BenchRank)
-    state, *_ = wait_for([rank.full_state_dict.remote() for rank in ranks], TIMEOUT_S, "the first gather")
+    # the policy's names, shapes and dtypes without gathering it (a whole copy in the driver would not fit at 0.6B)
+    with torch.device("meta"):
+        state = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)).state_dict()
     seconds: dict[str, list[float]] = {path: [] for path in paths}
     for repeat in range(repeats + 1):  # the first round warms up
         for path in paths:
@@ -164,7 +173,7 @@ def measure_paths(model_path: str, servers: int, paths: list[str], repeats: int)
             if repeat:
                 seconds[path].append(time.perf_counter() - start)
     directory = ray.get(ranks[0].pushed_directory.remote()) if "disk" in paths else None
-    row = {path: (statistics.median(seconds[path]), path_bytes(path, state, directory)) for path in paths}
+    row = {path: (statistics.median(seconds[path]), path_bytes(path, state, directory, served_dtype)) for path in paths}
     wait_for([rank.shutdown.remote() for rank in ranks], TIMEOUT_S, "the policy ranks to shut down")
     for rank in ranks:
         ray.kill(rank)
@@ -178,7 +187,9 @@ def compare_paths(args: argparse.Namespace, paths: dict[str, Callable[[], str]])
     print("|---|---|---|---|---|")
     for name in args.models.split(","):
         for servers in (int(n) for n in args.servers.split(",")):
-            row = measure_paths(paths[name](), servers, args.paths.split(","), args.repeats)
+            # the 0.6B shape is served in bf16, as benchmarks.real_size serves it (four fp32 copies do not fit here)
+            served = "bfloat16" if name == "real" else "float32"
+            row = measure_paths(paths[name](), servers, args.paths.split(","), args.repeats, served)
             for path, (seconds, received) in row.items():
                 print(f"| {name} | {servers} | {path} | {seconds:.3f} | {received / 1e6:.2f} |", flush=True)
 
@@ -186,12 +197,12 @@ def compare_paths(args: argparse.Namespace, paths: dict[str, Callable[[], str]])
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--models", default="tiny,medium", help="comma-separated: tiny, medium")
+    parser.add_argument("--models", default="tiny,medium", help="comma-separated: tiny, medium, real (0.6B shape)")
     parser.add_argument("--asleep", action="store_true", help="servers asleep during the push (KV cache freed)")
     parser.add_argument("--paths", help="compare these weight paths instead: object_store,collective,disk")
     parser.add_argument("--servers", default="1,2,4", help="with --paths: server counts")
     args = parser.parse_args()
-    paths = {"tiny": tiny_model_path, "medium": medium_model_path}
+    paths = {"tiny": tiny_model_path, "medium": medium_model_path, "real": real_size_model_path}
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     if args.paths:
         compare_paths(args, paths)
