@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import ray
 import torch
+from safetensors.torch import load_file
 
 from tests.support.config import small_config
 from tests.support.ranks import manager_and_two_ranks, scores
@@ -127,7 +130,7 @@ def test_update_scoring_its_own_old_log_probs_is_the_rescore_then_update_step(se
     assert all(torch.allclose(value, expected_weights[key], atol=1e-6) for key, value in weights().items())
 
 
-def test_a_push_in_the_servers_dtype_is_the_policy_cast_as_it_is_gathered(setup):
+def test_a_push_in_the_servers_dtype_is_the_policy_cast_as_it_is_gathered(setup, tmp_path):
     _, actors = setup
     state, _ = ray.get([actor.full_state_dict.remote() for actor in actors], timeout=120)
     packed, other = ray.get([actor.packed_state_dict.remote(torch.bfloat16) for actor in actors], timeout=120)
@@ -136,3 +139,8 @@ def test_a_push_in_the_servers_dtype_is_the_policy_cast_as_it_is_gathered(setup)
     assert set(pushed) == set(state)  # (a tied output head included, as the float32 push has it)
     for name, tensor in state.items():
         assert pushed[name].dtype == torch.bfloat16 and torch.equal(pushed[name], tensor.to(torch.bfloat16)), name
+    # the disk path writes the same cast policy (the checkpoint drops the tied head, as save_pretrained does)
+    folder, other = ray.get([actor.save_for_push.remote(str(tmp_path), 1, torch.bfloat16) for actor in actors])
+    assert other is None
+    written = load_file(next(Path(folder).glob("*.safetensors")))
+    assert written and all(torch.equal(written[name], pushed[name]) for name in written)

@@ -350,8 +350,12 @@ class FSDPWorker(WeightSource):
             if self.lora.several:
                 return lora.pack_adapters(self.policy.model, adapter)
             return lora.pack_adapter(self.policy.model, adapter)
-        state = self.full_state_dict() if dtype in (None, torch.float32) else self._gathered_as(dtype)
+        state = self._served_state_dict(dtype)
         return PackedWeights.pack(state) if state else None
+
+    def _served_state_dict(self, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        """``full_state_dict`` as the servers load it: cast to their ``dtype`` (``rollout.dtype``) as gathered."""
+        return self.full_state_dict() if dtype in (None, torch.float32) else self._gathered_as(dtype)
 
     def _gathered_as(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """``full_state_dict`` cast to ``dtype`` tensor by tensor (a tied weight gathered once)."""
@@ -360,21 +364,23 @@ class FSDPWorker(WeightSource):
         for name, shard in get_model_state_dict(self.policy.model).items():
             if id(shard) not in gathered:
                 whole = shard.full_tensor() if isinstance(shard, DTensor) else shard
-                gathered[id(shard)] = whole.to("cpu", dtype) if self.rank == 0 else None  # (the others keep none)
+                cast = dtype if whole.is_floating_point() else whole.dtype
+                gathered[id(shard)] = whole.to("cpu", cast) if self.rank == 0 else None  # (the others keep none)
             if self.rank == 0:
                 state[name] = gathered[id(shard)]
         release_freed_memory()  # the float32 layers gathered one by one (see agentloop.allocator)
         return state
 
-    def keep_for_push(self) -> None:
-        """Gather the policy and keep it on rank 0 for ``broadcast_weights`` (``rollout.weight_sync=collective``). A
-        collective, like ``full_state_dict``."""
-        self.keep_weights(self.full_state_dict())
+    def keep_for_push(self, dtype: torch.dtype | None = None) -> None:
+        """Gather the policy (cast to the servers' ``dtype``, as ``packed_state_dict``) and keep it on rank 0 for
+        ``broadcast_weights`` (``rollout.weight_sync=collective``). A collective, like ``full_state_dict``."""
+        self.keep_weights(self._served_state_dict(dtype))
 
-    def save_for_push(self, directory: str, version: int | None) -> str | None:
-        """Write the policy as a Hugging Face checkpoint in a new folder under ``directory`` (rank 0; the previous
-        push's folder removed) for ``rollout.weight_sync=disk``; returns it (None on the other ranks). A collective."""
-        state = self.full_state_dict()
+    def save_for_push(self, directory: str, version: int | None, dtype: torch.dtype | None = None) -> str | None:
+        """Write the policy (cast to the servers' ``dtype``, as ``packed_state_dict``) as a Hugging Face checkpoint in
+        a new folder under ``directory`` (rank 0; the previous push's folder removed) for ``rollout.weight_sync=disk``;
+        returns it (None on the other ranks). A collective."""
+        state = self._served_state_dict(dtype)
         if self.rank != 0:
             return None
         previous, target = (
@@ -382,6 +388,8 @@ class FSDPWorker(WeightSource):
             tempfile.mkdtemp(f"-v{version}", "agentloop-push-", directory),
         )
         self.policy.model.save_pretrained(target, state_dict=state)
+        del state
+        release_freed_memory()  # the gathered policy and its serialized copy (see agentloop.allocator)
         if previous:
             shutil.rmtree(previous, ignore_errors=True)
         self._pushed_directory = target
@@ -494,18 +502,19 @@ def push_weights(
     """
     sync = manager.settings.servers.weight_sync
     path = path or sync.path
+    served = getattr(torch, manager.settings.servers.dtype, None)  # (an engine's "auto" casts nothing here)
+    dtype = served if isinstance(served, torch.dtype) else None
     if path == "collective":  # rank 0 keeps the gathered weights and broadcasts them to the servers
         wait_for(
-            [worker.keep_for_push.remote() for worker in workers], timeout_s, "the weight gather on the FSDP ranks"
+            [worker.keep_for_push.remote(dtype) for worker in workers], timeout_s, "the weight gather on the FSDP ranks"
         )
         manager.update_weights_collective(workers[0], version)
         return
     if path == "disk":
-        saved = [worker.save_for_push.remote(sync.dir, version) for worker in workers]
+        saved = [worker.save_for_push.remote(sync.dir, version, dtype) for worker in workers]
         manager.update_weights_from_disk(wait_for(saved, timeout_s, "the weights written for the push")[0], version)
         return
-    dtype = getattr(torch, manager.settings.servers.dtype, None)  # (an engine's "auto" casts nothing here)
-    refs = [worker.packed_state_dict.remote(dtype if isinstance(dtype, torch.dtype) else None) for worker in workers]
+    refs = [worker.packed_state_dict.remote(dtype) for worker in workers]
     # every rank first (a failed rank surfaces as itself), without fetching rank 0's weights here
     _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
     if pending:
