@@ -202,9 +202,14 @@ class ScalableRank(FSDPWorker.__ray_actor_class__):  # the trainer's rank as is,
                 parameter.mul_(factor)
 
 
-def test_the_trainer_pushes_its_policy_on_every_path(local_ray, model_path):
+def test_the_trainer_pushes_its_policy_on_every_path(local_ray, model_path, tmp_path):
     # trainer.fsdp_workers.push_weights from a real FSDP rank: after each push both servers serve the rank's policy
-    manager = AgentLoopManager(collective_config("actor_rollout_ref.rollout.weight_sync_timeout_s=60"))
+    manager = AgentLoopManager(
+        collective_config(
+            "actor_rollout_ref.rollout.weight_sync_timeout_s=60",
+            f"actor_rollout_ref.rollout.weight_sync_dir={tmp_path}",
+        )
+    )
     ranks = start_workers(rank_settings(manager.config), 1, 1, 300, worker_class=ScalableRank)
     try:
         for version, path in enumerate(["collective", "disk", "object_store"], start=1):
@@ -218,6 +223,8 @@ def test_the_trainer_pushes_its_policy_on_every_path(local_ray, model_path):
         for rank in ranks:
             ray.kill(rank)
         manager.shutdown()
+    # the last disk push is gone with the ranks (weight_sync_dir is a RAM disk by default)
+    assert not list(tmp_path.glob("agentloop-push-*"))
 
 
 def test_a_collective_push_reaches_a_vllm_server(local_ray, model_path):

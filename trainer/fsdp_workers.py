@@ -427,6 +427,11 @@ class FSDPWorker(WeightSource):
         return state
 
     def shutdown(self) -> None:
+        """Leave the process group; remove the last disk push (``weight_sync_dir`` is a RAM disk by default: a
+        folder left there holds a copy of the model in memory until the machine restarts)."""
+        pushed = getattr(self, "_pushed_directory", None)
+        if pushed:
+            shutil.rmtree(pushed, ignore_errors=True)
         dist.destroy_process_group()
 
 
