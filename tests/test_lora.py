@@ -83,15 +83,19 @@ def test_the_reference_policy_is_the_base_and_kl_is_zero_at_step_0(setup):
     assert torch.allclose(policy[mask], batch["rollout_log_probs"][mask], atol=1e-4)
 
 
-def local_step(model: PeftModel, train, config) -> tuple[list[float], float]:
+def local_step(model: PeftModel, train, config, adapter_index: int | None = None) -> tuple[list[float], float]:
     """The ranks' step on one unsharded model: each rank's half is a token-mean loss (PPO + KL to the adapter-off
-    base), FSDP averages the halves' gradients; then clipping and AdamW. Returns the halves' PPO losses and the
-    gradient norm."""
+    base), FSDP averages the halves' gradients; then clipping and AdamW. With ``adapter_index`` (several adapters),
+    each half contributes only its rows of that adapter. Returns the halves' PPO losses and the gradient norm."""
     actor = config.actor_rollout_ref.actor
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=LR, weight_decay=float(actor.optim.weight_decay))
     losses = []
     for half in halves(train):
+        if adapter_index is not None:
+            half = half[half["adapter_index"] == adapter_index]
+            if not len(half):
+                continue
         log_probs = response_log_probs(model, half, float(config.actor_rollout_ref.rollout.temperature))[0]
         mask = half["response_mask"].float()
         pg_loss = algorithms.ppo_policy_loss(

@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 import yaml
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from agentloop.preflight import check_job
@@ -24,15 +24,12 @@ from agentloop.settings import rollout_settings
 from tests.support.config import small_config
 from tests.support.ranks import manager_and_two_ranks
 from tests.support.sglang_contract import load_api_types, parse_lora_flags
-from tests.test_lora import random_adapter
-from trainer import algorithms
+from tests.test_lora import KL_COEF, LR, halves, local_step, random_adapter, unsharded
 from trainer.config_checks import check_config
-from trainer.fsdp_workers import push_weights, response_log_probs
+from trainer.fsdp_workers import push_weights
 from trainer.lora import LoraSettings, adapter_indices
 from trainer.main_ppo import run
-from trainer.micro_batches import split_trajectories, trajectory_sizes
 
-LR, KL_COEF = 1e-2, 0.1
 SINGLE_TURN = "agentloop.agent_loop.single_turn.SingleTurnAgentLoop"
 api_types = load_api_types()
 ROLES = {"solver_agent": "solver", "checker_agent": "checker", "judge_agent": "judge"}
@@ -131,10 +128,6 @@ def adapters_of(actors) -> dict[str, PackedAdapter]:
     return adapters
 
 
-def halves(batch):
-    return split_trajectories(batch, len(trajectory_sizes(batch)) // 2)
-
-
 def generated(manager, *agents: str):
     """A batch of the agents' samples (two per row), with the ``adapter_index`` the trainer gives it."""
     rollout = manager.generate_sequences(rows(*agents))
@@ -149,38 +142,6 @@ def scored(actors, batch) -> torch.Tensor:
     return torch.cat(
         ray.get([actor.compute_log_prob.remote(half) for actor, half in zip(actors, halves(batch))], timeout=120)
     )
-
-
-def one_adapter(manager, adapter: PackedAdapter) -> PeftModel:
-    """The policy's base with ``adapter`` alone, in one process, unsharded (what a single-adapter run trains)."""
-    base = AutoModelForCausalLM.from_pretrained(manager.config.actor_rollout_ref.model.path, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
-    set_peft_model_state_dict(model, adapter.weights.tensors())
-    return model
-
-
-def reference_step(model: PeftModel, train, index: int, config) -> float:
-    """The ranks' step for adapter ``index`` on one unsharded model: each rank's half contributes its rows of that
-    adapter (a token-mean loss, PPO + KL), FSDP averages over the two ranks; clipping and AdamW. Returns the norm."""
-    actor = config.actor_rollout_ref.actor
-    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=LR, weight_decay=float(actor.optim.weight_decay))
-    for half in halves(train):
-        mine = half[half["adapter_index"] == index]
-        if not len(mine):
-            continue
-        log_probs = response_log_probs(model, mine, float(config.actor_rollout_ref.rollout.temperature))[0]
-        mask = mine["response_mask"].float()
-        pg_loss = algorithms.ppo_policy_loss(
-            mine["old_log_probs"], log_probs, mine["advantages"], mask, 0.2, 0.2, actor.clip_ratio_c
-        )[0]
-        kl = algorithms.aggregate_loss(
-            algorithms.kl_penalty(log_probs, mine["ref_log_probs"], actor.kl_loss_type), mask
-        )
-        ((pg_loss + KL_COEF * kl) / 2).backward()
-    norm = float(torch.nn.utils.clip_grad_norm_(trained, float(actor.grad_clip)))
-    optimizer.step()
-    return norm
 
 
 def train_step(actors, batch) -> tuple[list[dict], torch.Tensor]:
@@ -206,11 +167,11 @@ def test_each_adapter_trains_on_its_own_samples_only(setup):
     after = adapters_of(actors)
     assert not equal(before["solver"], after["solver"])
     assert equal(before["checker"], after["checker"]) and equal(before["judge"], after["judge"])
-    model = one_adapter(manager, before["solver"])
-    norm = reference_step(model, train, 0, manager.config)
+    model = unsharded(manager, before["solver"])
+    norm = local_step(model, train, manager.config, adapter_index=0)[1]
     assert metrics[0]["actor/grad_norm/solver"] == pytest.approx(norm, rel=1e-4)
     assert metrics[0]["actor/grad_norm/checker"] == 0.0
-    trained = one_adapter(manager, after["solver"])
+    trained = unsharded(manager, after["solver"])
     expected = dict(model.named_parameters())
     moved = [name for name, value in trained.named_parameters() if value.requires_grad]
     assert moved and all(torch.allclose(trained.get_parameter(n), expected[n], atol=1e-6) for n in moved)
@@ -223,11 +184,11 @@ def test_each_adapter_trains_on_its_own_samples_only(setup):
     after = adapters_of(actors)
     assert equal(before["judge"], after["judge"])
     for index, name in enumerate(["solver", "checker"]):
-        model = one_adapter(manager, before[name])
-        norm = reference_step(model, train, index, manager.config)
+        model = unsharded(manager, before[name])
+        norm = local_step(model, train, manager.config, adapter_index=index)[1]
         assert metrics[0][f"actor/grad_norm/{name}"] == pytest.approx(norm, rel=1e-4)
     # the checker's first step (the solver's second starts from Adam's moments of its first): the reference's too
-    trained, expected = one_adapter(manager, after["checker"]), dict(model.named_parameters())
+    trained, expected = unsharded(manager, after["checker"]), dict(model.named_parameters())
     moved = [key for key, value in trained.named_parameters() if value.requires_grad]
     assert all(torch.allclose(trained.get_parameter(key), expected[key], atol=1e-6) for key in moved)
     assert not equal(before["checker"], after["checker"]) and not equal(before["solver"], after["solver"])
@@ -240,7 +201,7 @@ def test_after_a_push_vllm_serves_each_adapter_under_its_name(setup):
     server = manager.pool.servers[0]
     prompt = [5, 17, 99, 3, 40, 41]
     params = {"temperature": 0.0, "max_new_tokens": 12}
-    merged = {name: one_adapter(manager, adapter).merge_and_unload().eval() for name, adapter in adapters.items()}
+    merged = {name: unsharded(manager, adapter).merge_and_unload().eval() for name, adapter in adapters.items()}
     merged["judge"] = judge_model
 
     def expected(model) -> list[int]:
