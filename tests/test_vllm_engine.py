@@ -220,25 +220,6 @@ def test_a_server_that_dies_at_start_up_reports_its_log(tmp_path):
         VLLMEngine(str(tmp_path), python=python, startup_timeout_s=300)
 
 
-def test_a_killed_server_fails_its_calls_without_hanging(model_path):
-    config = small_config(*vllm_overrides())
-    engine = VLLMEngine.from_settings(rollout_settings(config).servers, rank=0)
-    try:
-        assert run(engine.generate(PROMPT, {"max_new_tokens": 2}, "k0")).token_ids
-        group = live_processes_in_group(engine.server.process.pid)
-        assert len(group) >= 2  # the API server and vLLM's engine core
-        os.kill(engine.server.process.pid, signal.SIGKILL)  # the API server alone, as when its launcher is killed
-        engine.server.process.wait(timeout=30)
-        with pytest.raises(Exception):
-            run(asyncio.wait_for(engine.generate(PROMPT, {"max_new_tokens": 2}, "k1"), timeout=60))
-        deadline = time.monotonic() + 60
-        while live_processes_in_group(engine.server.process.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not live_processes_in_group(engine.server.process.pid), "vLLM's engine core outlived its API server"
-    finally:
-        run(engine.shutdown())
-
-
 def test_an_attached_engine_drives_a_running_server_and_leaves_it_running(engine, model_path):
     attached = VLLMEngine(model_path, url=engine.url + "/", startup_timeout_s=60)
     ENGINES.append(attached)
@@ -252,3 +233,18 @@ def test_an_attached_engine_drives_a_running_server_and_leaves_it_running(engine
         assert engine.server.process.poll() is None and run(engine.generate(PROMPT, greedy, "still")).token_ids
     finally:
         ENGINES.remove(attached)
+
+
+def test_a_killed_server_fails_its_calls_without_hanging(engine):
+    # (the module's server, so this test comes last)
+    assert run(engine.generate(PROMPT, {"max_new_tokens": 2}, "k0")).token_ids
+    group = live_processes_in_group(engine.server.process.pid)
+    assert len(group) >= 2  # the API server and vLLM's engine core
+    os.kill(engine.server.process.pid, signal.SIGKILL)  # the API server alone, as when its launcher is killed
+    engine.server.process.wait(timeout=30)
+    with pytest.raises(Exception):
+        run(asyncio.wait_for(engine.generate(PROMPT, {"max_new_tokens": 2}, "k1"), timeout=60))
+    deadline = time.monotonic() + 60
+    while live_processes_in_group(engine.server.process.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not live_processes_in_group(engine.server.process.pid), "vLLM's engine core outlived its API server"

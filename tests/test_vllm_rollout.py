@@ -1,7 +1,8 @@
 """``rollout.name=vllm`` through the whole rollout stack on Ray: batches with the engine's exact ids and logprobs,
 weight pushes through the manager, partial rollouts (a push mid-rollout: each trajectory continues under the new
 weights, every token keeping its policy's log-prob and version), a dead server replaced (its vLLM process
-stopped with it) serving the latest weights; the session gateway over a vLLM server, and a judge served by vLLM."""
+stopped with it) serving the latest weights, a collective push in buckets; the session gateway over a vLLM server,
+and a judge served by vLLM."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.support.models import SCRIPTS
 from tests.test_judge import judge_answers as judge_answers  # noqa: F401  (a fixture)
 from tests.test_partial_rollouts import LENGTH, ROWS, check_tokens_of_two_policies, perturbed, pushed_mid_flight
 from tests.test_vllm_engine import assert_logprobs_match, vllm_overrides
+from tests.test_weight_sync import BUCKET_MB, Source
 from agentloop.settings import rollout_settings
 
 PROMPT = list(range(3, 30))
@@ -52,9 +54,26 @@ def wait_for_vllm_servers(count: int, timeout_s: float = 60) -> int:
     return len(vllm_servers())
 
 
+def wait_until_dead(actor, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the killed actor still answered after {timeout_s}s")
+
+
 @pytest.fixture(scope="module")
 def manager(local_ray):
-    manager = AgentLoopManager(small_config(*vllm_overrides(), f"data.max_response_length={LENGTH}"))
+    manager = AgentLoopManager(
+        small_config(
+            *vllm_overrides(),
+            f"data.max_response_length={LENGTH}",
+            f"actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes={BUCKET_MB}",
+        )
+    )
     yield manager
     manager.shutdown()
     assert wait_for_vllm_servers(0) == 0  # each server stops its vLLM process on the way out
@@ -98,10 +117,21 @@ def test_batches_weights_and_a_replaced_server(manager, model_path):
     # a dead server is replaced on its rank, its vLLM process gone with it, and serves the latest push
     dead = manager.servers[0]
     ray.kill(dead)
+    wait_until_dead(dead)  # ray.kill returns at once: a probe sent now may still be answered, a request not
     batch = manager.generate_sequences([{"prompt": [{"role": "user", "content": "q"}]}])
     assert [(e.rank, e.kind) for e in manager.pool.events] == [(0, "restarted")]
     assert_logprobs_match(model, PROMPT, sample(manager.servers[0]))
     assert wait_for_vllm_servers(1) == 1  # Ray stops a killed actor's child processes, a moment later
+
+
+def test_a_collective_push_reaches_a_vllm_server(manager, model_path):
+    # vLLM's own transfer engines need CUDA: the broadcast (in buckets) ends at the server actor, which loads it
+    # through vLLM's weight-transfer API as any push; the served log-probs are the pushed policy's
+    model = perturbed(model_path, seed=3)
+    manager.update_weights_collective(Source.remote(model.state_dict()), version=5)
+    output = sample(manager.servers[0])
+    assert output.policy_version == 5
+    assert_logprobs_match(model, PROMPT, output)
 
 
 def test_an_external_agent_through_the_gateway_on_vllm_is_exact(local_ray, scripted_model):

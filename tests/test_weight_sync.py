@@ -225,27 +225,3 @@ def test_the_trainer_pushes_its_policy_on_every_path(local_ray, model_path, tmp_
         manager.shutdown()
     # the last disk push is gone with the ranks (weight_sync_dir is a RAM disk by default)
     assert not list(tmp_path.glob("agentloop-push-*"))
-
-
-def test_a_collective_push_reaches_a_vllm_server(local_ray, model_path):
-    # vLLM's own transfer engines need CUDA: the broadcast ends at the server actor, which loads it through vLLM's
-    # weight-transfer API as any push; the served log-probs are the pushed policy's
-    from tests.test_partial_rollouts import perturbed as perturbed_model
-    from tests.test_vllm_engine import assert_logprobs_match, vllm_overrides
-
-    manager = AgentLoopManager(
-        small_config(
-            *vllm_overrides(),
-            "actor_rollout_ref.rollout.weight_sync=collective",
-            f"actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes={BUCKET_MB}",
-        )
-    )
-    try:
-        model = perturbed_model(model_path, seed=3)
-        manager.update_weights_collective(Source.remote(model.state_dict()), version=5)
-        sampled = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True}
-        output = ray.get(manager.servers[0].generate.remote(PROMPT, sampled, "probe"), timeout=120)
-        assert output.policy_version == 5
-        assert_logprobs_match(model, PROMPT, output)
-    finally:
-        manager.shutdown()
