@@ -7,12 +7,14 @@ import asyncio
 import threading
 
 import pytest
+import torch
 import transformers
 from transformers import AttentionInterface
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 from agentloop.server import hf_batching, hf_self_test, hf_varlen
 from agentloop.server.hf_engine import HFEngine
+from agentloop.protocol import TokenOutput
 from agentloop.server.hf_self_test import SelfTestFailed
 from tests.support.broken_engines import attention_with_a_wrong_scale, raising_attention
 
@@ -78,5 +80,28 @@ def test_the_self_test_passes_on_both_attentions_and_leaves_the_prefix_cache_emp
         first, _ = hf_self_test._prompts(engine, [2 * 16 + 5, 16 + 3])
         output = asyncio.run(engine.generate(first, {"max_new_tokens": 2}, "after-the-self-test"))
         assert output.cached_tokens == 0
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+def test_a_token_sampled_at_the_top_k_boundary_is_left_out_and_one_beyond_it_fails(model_path):
+    """Low precision can swap the k-th and (k+1)-th scores between the engine and the plain forward: a token the
+    forward ranks just past the boundary is not a failure; one far past it (top-k broken) still is."""
+    engine = HFEngine(model_path, device="cpu", num_blocks=64, attention="sdpa")  # sdpa: a plain forward here too
+    try:
+        prompt = list(range(3, 20))
+        with torch.no_grad():
+            scores = engine.model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+        ranked, order = scores.sort(descending=True)
+        gaps = ranked[:-1] - ranked[1:]
+        # the first k whose (k+1)-th token lies within the tolerance of the k-th: it stands just past the boundary
+        k = int(torch.nonzero(gaps[1:] < hf_self_test.TOLERANCE[torch.float32])[0]) + 2
+        beyond = len(ranked) - 1  # the lowest-ranked token: outside the top k by more than the tolerance
+        assert ranked[beyond] < ranked[k - 1] - hf_self_test.TOLERANCE[torch.float32]
+        params = {"temperature": 1.0, "top_k": k}
+        at_boundary = TokenOutput(token_ids=[int(order[k])], log_probs=[-1.0], finish_reason="length")
+        hf_self_test._compare(engine, prompt, at_boundary, params)
+        with pytest.raises(AssertionError, match="differ from a plain forward pass by up to inf"):
+            hf_self_test._compare(engine, prompt, TokenOutput([int(order[beyond])], [-1.0], "length"), params)
     finally:
         asyncio.run(engine.shutdown())

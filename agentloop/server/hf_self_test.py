@@ -150,13 +150,19 @@ def _compare(engine: Any, prompt: list[int], output: TokenOutput, params: dict) 
                 logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
         finally:
             model.set_attn_implementation(attention)
+    tolerance = TOLERANCE.get(model.dtype, 0.25)
+    tokens = torch.tensor(output.token_ids, device=model.device)[:, None]
     scores = without_vision_tokens(logits, model.config) / params["temperature"]
+    compared = torch.ones(len(output.token_ids), dtype=torch.bool, device=model.device)
     if params.get("top_k", -1) != -1:
         kth = scores.topk(params["top_k"], dim=-1).values[:, -1:]
+        # In low precision the engine's k-th and (k+1)-th scores can swap places against this forward: a token
+        # sampled at that boundary has no reference logprob here, so it is left out rather than counted as inf.
+        chosen = scores.gather(1, tokens)
+        compared = ((chosen >= kth) | (chosen < kth - tolerance))[:, 0]
         scores = scores.masked_fill(scores < kth, float("-inf"))
-    expected = torch.log_softmax(scores, dim=-1).gather(
-        1, torch.tensor(output.token_ids, device=model.device)[:, None]
-    )[:, 0]
-    difference = (torch.tensor(output.log_probs, device=model.device) - expected).abs().max().item()
-    if not difference <= TOLERANCE.get(model.dtype, 0.25):
+    expected = torch.log_softmax(scores, dim=-1).gather(1, tokens)[:, 0]
+    returned = torch.tensor(output.log_probs, device=model.device)
+    difference = (returned - expected)[compared].abs().max().item() if compared.any() else 0.0
+    if not difference <= tolerance:
         raise AssertionError(f"the engine's logprobs differ from a plain forward pass by up to {difference:.3g}")
