@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,8 +143,19 @@ def test_a_push_in_the_servers_dtype_is_the_policy_cast_as_it_is_gathered(setup,
     assert set(pushed) == set(state)  # (a tied output head included, as the float32 push has it)
     for name, tensor in state.items():
         assert pushed[name].dtype == torch.bfloat16 and torch.equal(pushed[name], tensor.to(torch.bfloat16)), name
-    # the disk path writes the same cast policy (the checkpoint drops the tied head, as save_pretrained does)
+    # the disk path writes the same cast policy (the checkpoint drops the tied head, as save_pretrained does); its
+    # first push removes the folders that processes of this host no longer running left (a killed rank's)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    orphaned, live, remote = (
+        tmp_path / f"agentloop-push-{host}-{ended.stdout.strip()}-x-v3",
+        tmp_path / f"agentloop-push-{host}-{os.getpid()}-x-v3",
+        tmp_path / f"agentloop-push-{host}x-{ended.stdout.strip()}-x-v3",
+    )
+    for left in (orphaned, live, remote):
+        left.mkdir()
     folder, other = ray.get([actor.save_for_push.remote(str(tmp_path), 1, torch.bfloat16) for actor in actors])
     assert other is None
+    assert not orphaned.exists() and live.exists() and remote.exists()
     written = load_file(next(Path(folder).glob("*.safetensors")))
     assert written and all(torch.equal(written[name], pushed[name]) for name in written)

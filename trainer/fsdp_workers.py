@@ -18,6 +18,7 @@ from pathlib import Path
 import tempfile
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import ray
 import torch
 import torch.distributed as dist
@@ -383,10 +384,10 @@ class FSDPWorker(WeightSource):
         state = self._served_state_dict(dtype)
         if self.rank != 0:
             return None
-        previous, target = (
-            getattr(self, "_pushed_directory", None),
-            tempfile.mkdtemp(f"-v{version}", "agentloop-push-", directory),
-        )
+        previous = getattr(self, "_pushed_directory", None)
+        if previous is None:
+            remove_orphaned_pushes(directory)
+        target = tempfile.mkdtemp(f"-v{version}", f"{PUSH_PREFIX}{socket.gethostname()}-{os.getpid()}-", directory)
         self.policy.model.save_pretrained(target, state_dict=state)
         del state
         release_freed_memory()  # the gathered policy and its serialized copy (see agentloop.allocator)
@@ -433,6 +434,22 @@ class FSDPWorker(WeightSource):
         if pushed:
             shutil.rmtree(pushed, ignore_errors=True)
         dist.destroy_process_group()
+
+
+PUSH_PREFIX = "agentloop-push-"
+
+
+def remove_orphaned_pushes(directory: str) -> list[str]:
+    """Remove the disk pushes under ``directory`` that a process of this host no longer running left behind (a
+    killed rank cannot clean up, and ``weight_sync_dir`` is a RAM disk by default); returns them. A folder of
+    another host (a shared ``weight_sync_dir``) is that host's to judge."""
+    host, removed = socket.gethostname(), []
+    for folder in Path(directory).glob(f"{PUSH_PREFIX}{host}-*-*"):
+        pid = folder.name.removeprefix(f"{PUSH_PREFIX}{host}-").split("-", 1)[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
+    return removed
 
 
 def launch_workers(
