@@ -431,7 +431,7 @@ class GatewayApp:
         request.scope["path_params"] = {"sid": route[1]}
         declared = request.headers.get("content-length")
         if declared is not None and int(declared) > self.max_bytes:
-            return self._too_large()
+            return self._too_large(request)
         chunks, size = [], 0
         while True:  # (the server reads exactly the declared length; a chunked body is counted as it comes)
             message = await request.receive()
@@ -440,16 +440,16 @@ class GatewayApp:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                return self._too_large()
+                return self._too_large(request)
             if not message.get("more_body"):
                 return await handler(request, b"".join(chunks))
 
-    def _too_large(self) -> Response:
+    def _too_large(self, request: Request) -> Response:
         message = (
             f"request body over the limit of {self.max_bytes} bytes (actor_rollout_ref.rollout.agent.gateway."
             "max_body_bytes)"
         )
-        return _Json({"error": {"message": message, "code": 413}}, status_code=413)
+        return _error(request, 413, message, "request_too_large")
 
 
 def _error_response(request: Request, error: Exception) -> Response:
