@@ -224,14 +224,14 @@ class AgentLoopManager:
         self.pool.update_weights(ref, version)
 
     def update_weights_from_disk(self, directory: str, version: int | None = None) -> None:
-        """Load a checkpoint directory every server can read (``rollout.weight_sync=disk``) into every server, as
-        policy ``version``; otherwise as ``update_weights``."""
+        """Load a checkpoint directory every server can read (the trainer's path with ``rollout.weight_sync=disk``)
+        into every server, as policy ``version``."""
         self.pool.update_weights_from_disk(directory, version)
 
     def update_weights_collective(self, source: ray.actor.ActorHandle, version: int | None = None) -> None:
         """Broadcast the weights that ``source`` (trainer rank 0, an ``agentloop.server.collective.WeightSource``
         whose ``keep_weights`` holds them) keeps to every server over a group made for this push
-        (``rollout.weight_sync=collective``), as policy ``version``; otherwise as ``update_weights``."""
+        (the trainer's path with ``rollout.weight_sync=collective``), as policy ``version``."""
         self.pool.update_weights_collective(source, version)
 
     def sleep(self) -> None:
