@@ -105,7 +105,9 @@ class AgentLoopManager:
         # Each trajectory's turns are individually bounded by request_timeout_s; the batch as a whole
         # is bounded by generate_timeout_s.
         deadline = time.monotonic() + self.settings.generate_timeout_s
-        parts = self.workers.run_chunks(self.workers.split(samples), params, agent_loops, deadline)
+        parts = self.workers.run_chunks(
+            self.workers.split(samples), params, agent_loops, deadline, while_waiting=self._replace_if_all_dead
+        )
         stats = RouterStats.merge([part_stats for _, part_stats in parts])
         # servers that died or hung during the rollout (their sessions were re-homed) are replaced now
         self.pool.check(unhealthy=stats.unhealthy_ranks)
@@ -128,6 +130,12 @@ class AgentLoopManager:
                 event.kind == "restarted" for event in self.judges.events
             )
         return batch
+
+    def _replace_if_all_dead(self) -> None:
+        """While a rollout runs: every server of the policy (or of the judge) dead means turns waiting for one."""
+        self.pool.replace_if_all_dead()
+        if self.judges is not None:
+            self.judges.replace_if_all_dead()
 
     def _check_judges(self) -> None:
         if self.judges is not None:

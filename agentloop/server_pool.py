@@ -122,6 +122,19 @@ class ServerPool:
             self.replace(rank, f"{type(results[rank]).__name__}: {results[rank]}")
         return failed
 
+    def replace_if_all_dead(self) -> list[int]:
+        """During a rollout: when every live server's actor is gone (a probe fails at once), replace them all, so
+        the turns the routers hold back for want of any server go on (``Router._place``). One dead among live ones
+        is left to the routers, which re-home its sessions, and to ``check`` after the rollout. Returns the ranks
+        replaced."""
+        # a dead actor's probe fails at once: one that is slow to answer is alive (or hung), which is all it tells
+        results = self._await("in_flight", {rank: self.servers[rank].in_flight.remote() for rank in self.live_ranks}, 1)
+        if not results or not all(isinstance(outcome, RayActorError) for outcome in results.values()):
+            return []
+        for rank, error in results.items():
+            self.replace(rank, f"died during a rollout: {type(error).__name__}: {error}")
+        return list(results)
+
     def replace(self, rank: int, cause: str) -> None:
         """Start a new server on ``rank`` with the current weights and state, unless its restart budget is spent."""
         now = time.monotonic()

@@ -178,6 +178,7 @@ class GroupStream:
                         "actor_rollout_ref.rollout.generate_timeout_s)"
                     )
                 self._changed.wait(min(1.0, deadline - time.monotonic()))
+                self.servers.replace_if_all_dead()  # (the groups in flight wait for a server)
             taken, self._buffer = self._buffer[: self.groups_per_batch], self._buffer[self.groups_per_batch :]
             stats, self._stats = RouterStats.merge(self._stats) if self._stats else RouterStats([]), []
             regenerated, self._regenerated = self._regenerated, 0

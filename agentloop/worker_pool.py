@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any, Iterable, Union
+from typing import Any, Callable, Iterable, Union
 
 import numpy as np
 import ray
@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 RemoteAgentLoopWorker = ray.remote(AgentLoopWorker)
 STOP_TIMEOUT_S = 10.0
+WATCH_S = 2.0  # how often a rollout's wait looks at the servers (``run_chunks``' ``while_waiting``)
 WORKER_RESOURCES_KEY = "actor_rollout_ref.rollout.agent.resources_per_worker"
 
 
@@ -228,8 +229,10 @@ class WorkerPool:
         sampling_params: dict[str, Any],
         agent_loops: dict[str, Any],
         deadline: float,
+        while_waiting: Callable[[], Any] | None = None,
     ) -> list[tuple[RolloutBatch, RouterStats]]:
-        """Each chunk on its worker; a worker that dies has its chunk rerun on a replacement (twice at most)."""
+        """Each chunk on its worker; a worker that dies has its chunk rerun on a replacement (twice at most).
+        ``while_waiting`` is called every ``WATCH_S`` seconds that no chunk finishes."""
         used: dict[int, Worker] = {}  # the worker each chunk was last sent to
 
         def submit(index: int) -> Future:
@@ -240,7 +243,12 @@ class WorkerPool:
         results: dict[int, tuple[RolloutBatch, RouterStats]] = {}
         reruns = 0
         while pending:
-            ready, _ = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+            left = max(0.0, deadline - time.monotonic())
+            ready, _ = wait(list(pending), timeout=min(WATCH_S, left), return_when=FIRST_COMPLETED)
+            if not ready and time.monotonic() < deadline:
+                if while_waiting is not None:
+                    while_waiting()
+                continue
             if not ready:
                 self.cancel(pending)
                 total = sum(len(chunk) for chunk in chunks)

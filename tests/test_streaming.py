@@ -175,6 +175,27 @@ def test_a_worker_that_dies_mid_stream_is_replaced_and_its_groups_run_again(mana
         stream.stop()
 
 
+def test_the_only_server_dying_mid_stream_is_replaced_while_a_batch_waits_and_no_group_fails(manager, tmp_path):
+    import tests.support.probe_loops  # noqa: F401  (probe_chaos)
+
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"chaos {i}"}],
+            "agent_name": "probe_chaos",
+            "extra_info": {"index": i, "chaos": "server" if i == 0 else None, "chaos_marker": str(tmp_path / "k")},
+        }
+        for i in range(2)
+    ]
+    restarts = len(manager.pool.events)
+    stream = manager.stream(iter([rows]), groups_per_batch=2, max_staleness=0, capacity=2, version=0)
+    try:
+        batch = stream.take(min_version=0, timeout_s=120)
+        assert (tmp_path / "k").exists() and len(batch) == 4 and batch.meta_info["rollout/failed_samples"] == 0
+        assert [event.kind for event in manager.pool.events[restarts:]] == ["restarted"]
+    finally:
+        stream.stop()
+
+
 def test_a_group_that_kills_its_worker_every_time_fails_the_stream_with_the_cause(manager, monkeypatch):
     import tests.support.probe_loops  # noqa: F401  (probe_exits_once)
 

@@ -183,3 +183,34 @@ def test_a_hung_server_costs_the_rollout_its_health_timeout_not_the_request_time
         assert all(count > 0 for count in again.meta_info["rollout/requests_per_server"])
     finally:
         manager.shutdown()
+
+
+def test_the_only_server_dying_mid_rollout_costs_its_turns_the_replacement_not_their_samples(
+    local_ray, model_path, tmp_path
+):
+    # one server, killed by a sample between its two turns: the turns wait for the replacement the manager starts
+    # while it waits on the rollout (the routers have no other server to re-home them to), and every sample ends.
+    # The agent loops run in this process here (the replacement reaches their router across threads); in worker
+    # actors in test_streaming's case
+    import tests.support.probe_loops  # noqa: F401  (probe_chaos)
+
+    manager = AgentLoopManager(small_config())
+    try:
+        manager.update_weights(perturbed(model_path, 1), version=1)
+        pushed = greedy(manager.servers[0])
+        rows = [
+            {
+                "prompt": [{"role": "user", "content": f"question {i}"}],
+                "agent_name": "probe_chaos",
+                "extra_info": {"index": i, "chaos": "server" if i == 0 else None, "chaos_marker": str(tmp_path / "k")},
+            }
+            for i in range(4)
+        ]
+        batch = manager.generate_sequences(rows)
+        assert (tmp_path / "k").exists() and len(batch) == 4
+        assert batch.meta_info["rollout/failed_samples"] == 0 and batch.meta_info["rollout/rehomed_requests"] >= 1
+        [event] = manager.pool.events
+        assert event.kind == "restarted" and "died during a rollout" in event.cause
+        assert greedy(manager.servers[0]) == pushed  # the replacement serves the latest push
+    finally:
+        manager.shutdown()

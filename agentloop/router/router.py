@@ -42,6 +42,8 @@ class RunningSample:
     adapter: str | None = None
 
 
+REPLACEMENT_POLL_S = 0.5  # how often a turn with every server dead looks for a replacement
+
 # Set by ``Router.running_sample``; a task the loop starts inherits it: the sessions it begins, whatever ids the
 # loop uses, are the sample's (their tokens' versions) and join its group.
 _running: ContextVar[RunningSample | None] = ContextVar("agentloop_running_sample", default=None)
@@ -167,7 +169,7 @@ class Router:
         sample: RunningSample | None,
     ) -> TokenOutput:
         while True:
-            slot = self.placement.place(request_id, sample.group if sample else None)
+            slot = await self._place(request_id, sample.group if sample else None)
             request = (prompt_ids, sampling_params, request_id, images)
             if sample is not None and sample.adapter is not None:
                 request += (sample.adapter,)  # (RolloutServer.generate's adapter)
@@ -195,6 +197,21 @@ class Router:
             self.stats.prompt_tokens += len(prompt_ids)
             self.stats.cached_tokens += output.cached_tokens
             return output
+
+    async def _place(self, request_id: str, group: str | None) -> ServerSlot:
+        """``Placement.place``, but with every server dead it first waits, up to ``request_timeout_s``, for the
+        manager to hand over a replacement (it looks for dead servers while it waits on a rollout): with one
+        server, its death costs the turns in flight the replacement's start, not their samples. Polled, as
+        ``replace`` may come from another thread (agent loops in the driver's process)."""
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        while not any(slot.alive for slot in self.placement.slots):
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(
+                    f"every {self.role} has died and none was replaced within {self.request_timeout_s:g}s "
+                    f"({self.request_timeout_key}); no request can be served"
+                )
+            await asyncio.sleep(REPLACEMENT_POLL_S)
+        return self.placement.place(request_id, group)
 
     def _dispatch(self, slot: ServerSlot, request: tuple[Any, ...]) -> asyncio.Future[TokenOutput]:
         answer = self.batcher.call(slot, request)
