@@ -67,22 +67,25 @@ def run(coroutine):
     return asyncio.run(and_close())
 
 
-async def running_in_the_server(engine, request: asyncio.Task, timeout: float = 180.0) -> None:
-    """Until vLLM's scheduler runs ``request`` and has decoded a little: counting our own calls in flight is not
-    enough on a loaded machine, where a request may reach the server only after a pause meant to interrupt it."""
+async def running_in_the_server(engine, request: asyncio.Task, timeout: float = 180.0) -> bool:
+    """Until vLLM's scheduler runs ``request`` and has decoded a little (True), or the request ended before its gauge
+    showed it (False: too quick to cut, ``cut_short`` runs the scenario again): counting our own calls in flight is
+    not enough on a loaded machine, where a request may reach the server only after a pause meant to interrupt it."""
     deadline = asyncio.get_running_loop().time() + timeout
     metrics = ""
     while asyncio.get_running_loop().time() < deadline and not request.done():
         metrics = (await asyncio.to_thread(requests.get, engine.url + "/metrics", timeout=10)).text
         if re.search(r"^vllm:num_requests_running\{[^}]*\} [1-9]", metrics, re.MULTILINE):
             await asyncio.sleep(0.2)
-            return
+            return True
         await asyncio.sleep(0.05)
-    outcome = f"it ended first: {request.result() if not request.exception() else request.exception()!r}"
+    if request.done() and not request.exception():
+        return False
     requests_lines = [line for line in metrics.splitlines() if line.startswith("vllm:num_requests")]
     raise AssertionError(
         f"the vLLM server at {engine.url} never reported the request running within {timeout} s "
-        f"({outcome if request.done() else 'still in flight'}); its gauges: {requests_lines}"
+        f"({f'it failed: {request.exception()!r}' if request.done() else 'still in flight'}); its gauges: "
+        f"{requests_lines}"
     )
 
 
@@ -156,7 +159,8 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(engine):
 def test_abort_returns_partial_with_reason(engine):
     async def scenario():
         task = asyncio.create_task(engine.generate(PROMPT, {"max_new_tokens": 3000, "ignore_eos": True}, "long"))
-        await running_in_the_server(engine, task)
+        if not await running_in_the_server(engine, task):
+            return task.result()  # (finished: cut_short runs it again)
         assert await engine.abort("long") == 1
         return await asyncio.wait_for(task, timeout=30)
 
@@ -177,7 +181,8 @@ def test_weights_update_with_requests_in_flight_and_from_disk(engine, model_path
 
     async def update_during_a_request():
         long = asyncio.create_task(engine.generate(PROMPT, {"max_new_tokens": 3000, "ignore_eos": True}, "long-w"))
-        await running_in_the_server(engine, long)
+        if not await running_in_the_server(engine, long):
+            return long.result()  # (finished: cut_short runs it again)
         assert await engine.update_weights(perturbed) == len(perturbed)
         return await asyncio.wait_for(long, timeout=30)
 
