@@ -128,7 +128,7 @@ class ServerPool:
         is left to the routers, which re-home its sessions, and to ``check`` after the rollout. Returns the ranks
         replaced."""
         # a dead actor's probe fails at once: one that is slow to answer is alive (or hung), which is all it tells
-        results = self._await("in_flight", {rank: self.servers[rank].in_flight.remote() for rank in self.live_ranks}, 1)
+        results = self._call("in_flight", (), 1, replace=False)
         if not results or not all(isinstance(outcome, RayActorError) for outcome in results.values()):
             return []
         for rank, error in results.items():
