@@ -79,3 +79,13 @@ class PackedAdapter:
         scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         modules = {name[len(PEFT_PREFIX) : -len(FACTORS[0])] for name in tensors if name.endswith(FACTORS[0])}
         return cls(PackedWeights.pack(tensors), dict.fromkeys(sorted(modules), scaling), config)
+
+
+def served_adapter(adapter: str | None, served: Mapping[str, str]) -> str | None:
+    """The engine's name of the pushed LoRA adapter a request names (``served``: each pushed name -> the engine's
+    name for it, the first serving requests that name none); None when none was pushed (the base model serves)."""
+    if adapter is None:
+        return next(iter(served.values()), None)
+    if adapter not in served:
+        raise ValueError(f"the LoRA adapter {adapter!r} was not pushed to this server; pushed: {list(served)}")
+    return served[adapter]

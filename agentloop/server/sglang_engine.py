@@ -48,7 +48,7 @@ from transformers import AutoConfig, GenerationConfig
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
 from agentloop.server.sampling import finish_reason_of, id_list, validate_sampling_params
-from agentloop.server.adapters import PackedAdapter
+from agentloop.server.adapters import PackedAdapter, served_adapter
 from agentloop.server.collective import Manifest, WeightGroup, bucket_plan
 from agentloop.settings.adapters import DEFAULT_ADAPTER
 from agentloop.server.engine import EngineAsleep
@@ -233,11 +233,7 @@ class SGLangEngine:
     ) -> TokenOutput:
         """One turn; ``images`` (their pads expanded in ``prompt_ids``) go to SGLang as ``image_data``; ``adapter``:
         the pushed LoRA adapter that samples it (None: the first pushed, or only)."""
-        if adapter is not None and adapter not in self._adapter_names:
-            raise ValueError(
-                f"the LoRA adapter {adapter!r} was not pushed to this server; pushed: {list(self._adapter_names)}"
-            )
-        lora_name = self._adapter_names.get(adapter) if adapter else next(iter(self._adapter_names.values()), None)
+        lora_name = served_adapter(adapter, self._adapter_names)
         if self._sleeping:
             raise EngineAsleep("engine is asleep: call wake_up() before generate()")
         with self.calls.call(request_id) as rid:

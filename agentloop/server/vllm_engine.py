@@ -41,7 +41,7 @@ import torch
 from agentloop.images import ProcessedImage
 from agentloop.protocol import TokenOutput
 from agentloop.server.sampling import validate_sampling_params
-from agentloop.server.adapters import PackedAdapter
+from agentloop.server.adapters import PackedAdapter, served_adapter
 from agentloop.settings.adapters import DEFAULT_ADAPTER
 from agentloop.server.engine import EngineAsleep
 from agentloop.server.launched import InFlightCalls, JSONClient, ServerProcess
@@ -227,7 +227,7 @@ class VLLMEngine:
         """One turn; ``adapter``: the pushed LoRA adapter that samples it (None: the first pushed, or only)."""
         if images:
             raise ValueError("engine vllm serves text only here: images need rollout.name=hf or sglang")
-        served = self._served_adapter(adapter)
+        served = served_adapter(adapter, {name: vllm_name for name, (vllm_name, _) in self._adapters.items()})
         if self._sleeping:
             raise EngineAsleep("engine is asleep: call wake_up() before generate()")
         with self.calls.call(request_id) as rid:
@@ -263,16 +263,6 @@ class VLLMEngine:
         finally:
             os.unlink(path)
         return len(named_tensors)
-
-    def _served_adapter(self, adapter: str | None) -> str | None:
-        """vLLM's name of the adapter a request names (None: the first pushed; no adapter pushed: the base model)."""
-        if adapter is None:
-            return next(iter(self._adapters.values()))[0] if self._adapters else None
-        if adapter not in self._adapters:
-            raise ValueError(
-                f"the LoRA adapter {adapter!r} was not pushed to this server; pushed: {list(self._adapters)}"
-            )
-        return self._adapters[adapter][0]
 
     async def update_adapter(self, adapter: PackedAdapter) -> int:
         """Serve the base model with ``adapter``, replacing what was pushed before (``update_adapters``)."""
