@@ -51,6 +51,9 @@ class Trainable:
         frozen = len(trained) < len(list(model.parameters()))
         self.state_options = StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else None
         self.optimizer = torch.optim.AdamW(trained, lr=optim.lr, weight_decay=optim.weight_decay)
+        # the parameters clipped together: all, or with several adapters each trainable one's (the optimizer's own
+        # parameter objects, so found once)
+        self._clip_groups = {None: list(model.parameters())} if adapters is None else self._adapter_parameters()
         extra = {"min_lr_rate": optim.min_lr_ratio} if optim.warmup_style == "cosine" else {}
         self.scheduler = get_scheduler(
             SCHEDULES[optim.warmup_style],
@@ -116,9 +119,8 @@ class Trainable:
     def _clip_and_step(self, grad_clip: float) -> dict[str, torch.Tensor]:
         """Clip the gradients (each adapter's on its own, with several: each one's step is its own samples') and
         step, skipping parameters whose norm is not finite; the norms as metrics."""
-        groups = {None: list(self.model.parameters())} if self.adapters is None else self._adapter_parameters()
         norms = {}
-        for name, parameters in groups.items():
+        for name, parameters in self._clip_groups.items():
             norm = clip_grad_norm(parameters, grad_clip, self.device)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             if not torch.isfinite(norm):  # a non-finite norm would poison the weights: skip their step
