@@ -7,6 +7,7 @@ import time
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from agentloop import AgentLoopManager
 from agentloop.rows import write_rows
@@ -165,9 +166,14 @@ def test_a_lost_node_moves_its_server_where_resources_allow_and_ends_the_run_whe
         )
     )
     model_path, rows = manager.config.actor_rollout_ref.model.path, [{"prompt": [{"role": "user", "content": "q"}]}]
+    # the weights' source plays trainer rank 0, on a node that stays (the head): placed freely it could land on the
+    # node removed below, and a replacement's weights would die with it
+    on_head = Source.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    )
     try:
         state = perturbed(model_path, 1)
-        manager.update_weights_collective(Source.remote(state), version=1)
+        manager.update_weights_collective(on_head.remote(state), version=1)
         [first] = [node for node in spare if node.node_id == manager.server_info()[0]["node_id"]]
         cluster.remove_node(first)
         assert len(manager.generate_sequences(rows)) == 1
@@ -177,7 +183,7 @@ def test_a_lost_node_moves_its_server_where_resources_allow_and_ends_the_run_whe
         assert manager.server_info()[0]["node_id"] == survivor.node_id
         assert served(manager) == [(hf_greedy(model_path, state), 1)]
         state = perturbed(model_path, 2)
-        manager.update_weights_collective(Source.remote(state), version=2)
+        manager.update_weights_collective(on_head.remote(state), version=2)
         assert served(manager) == [(hf_greedy(model_path, state), 2)]
 
         cluster.remove_node(survivor)
